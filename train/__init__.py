@@ -1,0 +1,1 @@
+"""polyspec.train: EAGLE-style draft heads trained on ShareGPT (issue: train/). Not implemented yet."""

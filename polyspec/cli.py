@@ -85,6 +85,26 @@ def cmd_theory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chain(args: argparse.Namespace) -> int:
+    """Chain folders: `assemble` makes one from parts (target, intermediates, draft head), hashing every file."""
+    from polyspec.manifest import assemble_chain
+
+    manifest = assemble_chain(args.out, args.target, args.intermediate or [], args.draft, overwrite=args.overwrite)
+    names = " <- ".join(f"{lv.name} ({lv.kind})" for lv in manifest.levels)
+    print(f"wrote {args.out}: {names}")
+    return 0
+
+
+def cmd_validate_chain(args: argparse.Namespace) -> int:
+    """Check a chain folder's manifest schema and every file's sha256; exit 1 naming any missing or changed file."""
+    from polyspec.manifest import validate_chain
+
+    manifest = validate_chain(args.chain)
+    files = sum(len(lv.files) for lv in manifest.levels)
+    print(f"{args.chain}: valid chain, {len(manifest.levels)} levels, {files} files, all hashes match")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # parser
 
@@ -106,6 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe(verb("validate", cmd_validate))
     _add_recipe(verb("prepare", cmd_prepare))
     _add_recipe(verb("run", cmd_run))
+
+    p = verb("chain", cmd_chain)
+    csub = p.add_subparsers(dest="chain_verb", metavar="WHAT", required=True)
+    asm = csub.add_parser("assemble", help="make a chain folder from a target, intermediates and a draft head")
+    asm.add_argument("--target", type=Path, required=True, help="the target's Hugging Face folder (M1)")
+    asm.add_argument("--intermediate", type=Path, action="append",
+                     help="a verifier below the target (e.g. its int4 GPTQ folder); repeat for more, top first")
+    asm.add_argument("--draft", type=Path, help="the draft head folder (bottom level)")
+    asm.add_argument("--out", type=Path, required=True, help="the chain folder to write")
+    asm.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+    p = verb("validate-chain", cmd_validate_chain)
+    p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
 
     p = verb("theory", cmd_theory)
     tsub = p.add_subparsers(dest="theory_verb", metavar="WHAT", required=True)

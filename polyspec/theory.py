@@ -38,7 +38,7 @@ def chain_time_per_token(costs: Sequence[float], accept: Sequence[float], beta: 
     if n == 1:
         return float(costs[0])
     _check_positive("beta", beta)
-    verify = sum(t / a for t, a in zip(costs[:-1], accept))
+    verify = sum(t / a for t, a in zip(costs[:-1], accept, strict=True))
     return verify + beta * costs[-1] / accept[-1]
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from polyspec.cli import main
-from polyspec.manifest import ChainManifest, assemble_chain, read_manifest, validate_chain
 from polyspec.errors import PolyspecError
+from polyspec.manifest import ChainManifest, assemble_chain, read_manifest, validate_chain
 
 
 def _fake_level(path, cfg, payload=b"weights"):

@@ -85,6 +85,30 @@ def cmd_theory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate from a chain folder (validated first) in ar, dual or chain mode; exactly the target's distribution."""
+    from polyspec.decode.sampling import check_sampling
+
+    check_sampling(args.temperature, args.top_p, args.top_k)  # fail before loading any weights
+    if args.max_new_tokens < 1:
+        raise PolyspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from polyspec.decode.generate import generate_text, load_chain
+
+    chain = load_chain(args.chain, device=args.device)
+    out = generate_text(chain, args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                        chat=not args.raw, draft_k=args.draft_k, mu=args.mu)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"])
+        s = out["stats"]
+        levels = ", ".join(f"{lv['name']} {lv['mean_accepted']:.2f}" for lv in s["levels"])
+        print(f"[{s['mode']}: {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s; mean accepted per "
+              f"forward: {levels}]", file=sys.stderr)
+    return 0
+
+
 def cmd_chain(args: argparse.Namespace) -> int:
     """Chain folders: `assemble` makes one from parts (target, intermediates, draft head), hashing every file."""
     from polyspec.manifest import assemble_chain
@@ -126,6 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe(verb("validate", cmd_validate))
     _add_recipe(verb("prepare", cmd_prepare))
     _add_recipe(verb("run", cmd_run))
+
+    p = verb("generate", cmd_generate)
+    p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
+    p.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
+    p.add_argument("--mode", choices=["ar", "dual", "chain"], default="chain")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
+    p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object: text, token_ids, stats")
 
     p = verb("chain", cmd_chain)
     csub = p.add_subparsers(dest="chain_verb", metavar="WHAT", required=True)

@@ -1,0 +1,393 @@
+"""Exactly lossless n-level chain speculative decoding (polybasic speculative decoding, Wang et al. 2025, Alg. 1,
+generalised to any number of levels).
+
+Levels, top to bottom: L0 = the target, L1 .. L(n-2) = verifiers (e.g. the target's int4 copy), L(n-1) = the draft.
+One level is plain autoregressive decoding ("ar"), two are classic speculative decoding ("dual"), three or more a
+chain ("chain").
+
+The whole algorithm is two mutually recursive functions on :class:`_Run`:
+
+* ``_produce(i, ctx, need)``: level i continues ``ctx`` with at least ``min(need, room)`` tokens (fewer only when a
+  token is an EOS id), each an exact sample from level i's warped distribution p_i given everything before it, and
+  returns them with p_i at each of their positions. The draft (bottom) samples ``draft_k`` tokens autoregressively;
+  a verifier runs ``_verify_round`` until it holds enough tokens (mu[i] for the level above's block).
+* ``_verify_round(i, ctx)``: the level below produces a block (the draft: draft_k tokens; a verifier: >= mu tokens)
+  with the distributions q it was drawn from; level i runs ONE forward over its unprocessed tokens of ctx plus the
+  block and checks it with exact speculative sampling (:func:`~polyspec.decode.sampling.verify_block`): accepted
+  prefix + one correction (or bonus) token. Then every level below rolls back (O(1) cache truncation) to what it
+  shares with ctx + the emitted tokens.
+
+Why it is lossless: by induction from the bottom, the tokens level i+1 hands up satisfy "token j ~ p_{i+1}(. | ctx,
+tokens before j) given everything that happened before it" (true for the draft by construction). Exact speculative
+sampling of such a sequence against p_i emits tokens with the same property for p_i (accepted tokens and the
+residual/bonus token together have law p_i at every position). The block lengths are stopping times (whether position
+j is in a block is decided before token j is drawn), and cutting a block at an EOS token or at the max_new_tokens budget
+is too, so the property survives them. The target's emitted tokens are therefore exact samples of the warped target.
+
+The generator passed around is the only randomness. Temperature 0 makes every warped row one-hot, so acceptance is
+argmax matching and the output is greedy decoding of the target, token for token.
+
+Features for an EAGLE draft (a level with ``needs_features``, allowed only at the bottom): the input at position p
+pairs token x_p with the feature f_{p-1} = hidden state at position p-1. Source, in order of preference: the nearest
+level above (the one directly above first, then further up) whose cache holds position p-1 of the current context;
+otherwise, for the first position of a forward only, the draft's own hidden output at p-1 (EAGLE's predicted feature:
+how freshly drafted tokens get theirs); otherwise a catch-up forward of the level directly above over the missing
+context (counted as ``catch_up_passes``; in practice only at the start, where nothing has processed the prompt). Draft
+cache entries computed from a predicted feature are recomputed from true features once a level above has processed
+those positions (as EAGLE does). None of this affects losslessness, only acceptance. A draft that needs features
+proposes nothing for a one-token context (the level above then samples from its own distribution).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from polyspec.decode.levels import Level
+from polyspec.decode.sampling import check_sampling, sample, verify_block, warp
+from polyspec.errors import PolyspecError
+
+MODES = {1: "ar", 2: "dual"}  # three or more levels: "chain"
+
+
+@dataclass
+class SamplingParams:
+    """How every level's logits are warped before any comparison (the warped target distribution is preserved)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+
+    def check(self) -> None:
+        check_sampling(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class LevelStats:
+    """Per level. Verifiers: accept_lengths holds the tokens emitted per verification (accepted + correction/bonus);
+    the draft: tokens it proposed. mean_accepted = tokens_emitted / forward_passes (the paper's L_i)."""
+
+    name: str
+    forward_passes: int = 0  # all forwards, catch-ups included
+    tokens_emitted: int = 0
+    mean_accepted: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)
+    catch_up_passes: int = 0  # forwards run only to give the draft features
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # the new tokens only
+    stats: dict[str, Any]  # mode, new_tokens, seconds, tokens_per_second, levels [{name, forward_passes, ...}], beta
+    level_stats: list[LevelStats] = field(default_factory=list)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (binary search over C-speed slice comparisons)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class ChainDecoder:
+    """Lossless speculative decoding over ``levels`` (top = target first, bottom = draft last).
+
+    draft_k: tokens the draft proposes per verification of the level above it.
+    mu: one entry per verifier below the target, top first (n - 2 entries; none for ar/dual): level i asks the level
+        below for blocks of >= mu[i] tokens, so mu[0] is the size of the blocks the target verifies. Default 8 each.
+    max_seq_len: the longest prompt + max_new_tokens; every level's cache is set up for it here.
+    """
+
+    def __init__(self, levels: list[Level], *, draft_k: int = 4, mu: list[int] | None = None,
+                 max_seq_len: int = 2048):
+        levels = list(levels)
+        if not levels:
+            raise PolyspecError("ChainDecoder needs at least one level (the target)")
+        for lv in levels:
+            missing = [a for a in ("name", "needs_features", "forward", "truncate", "reset", "setup")
+                       if not hasattr(lv, a)]
+            if missing:
+                raise PolyspecError(f"chain level {lv!r} lacks {missing}; wrap models in ModelLevel / HeadLevel")
+        owners = [id(getattr(lv, "model", getattr(lv, "head", lv))) for lv in levels]
+        if len(set(owners)) != len(owners):
+            raise PolyspecError("the same model appears twice in the chain; every level owns its KV cache, so give "
+                                "each level its own model object (a copy if they are the same weights)")
+        if any(lv.needs_features for lv in levels[:-1]) or (len(levels) == 1 and levels[0].needs_features):
+            names = [lv.name for lv in levels if lv.needs_features]
+            raise PolyspecError(f"levels {names} read features of a level above; only the bottom (draft) level of a "
+                                "chain with at least two levels may")
+        if isinstance(draft_k, bool) or not isinstance(draft_k, int) or draft_k < 1:
+            raise PolyspecError(f"draft_k must be an integer >= 1, got {draft_k!r}")
+        n_mu = max(len(levels) - 2, 0)
+        if mu is None:
+            mu = [8] * n_mu
+        mu = list(mu)
+        if len(mu) != n_mu:
+            raise PolyspecError(f"mu has {len(mu)} entries but a {len(levels)}-level chain takes {n_mu} (one per "
+                                "verifier below the target, top first; none for ar and dual)")
+        if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in mu):
+            raise PolyspecError(f"mu entries must be integers >= 1, got {mu}")
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+            raise PolyspecError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
+        self.levels = levels
+        self.draft_k = draft_k
+        self.mu = mu
+        self.max_seq_len = max_seq_len
+        self.mode = MODES.get(len(levels), "chain")
+        for lv in levels:
+            lv.setup(max_seq_len)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                 seed: int = 0, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> GenerationResult:
+        """Up to ``max_new_tokens`` new tokens after ``prompt_ids``, stopping after the first EOS id; the output is an
+        exact sample of the warped target (greedy: the target's greedy decoding). Deterministic given ``seed``."""
+        sampling = sampling if sampling is not None else SamplingParams()
+        sampling.check()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise PolyspecError("generate needs a non-empty prompt (at least one token id)")
+        if any(t < 0 for t in prompt):
+            raise PolyspecError("prompt token ids must be >= 0")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise PolyspecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if len(prompt) + max_new_tokens > self.max_seq_len:
+            raise PolyspecError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
+                f"{self.max_seq_len}; shorten the prompt, lower max_new_tokens or build the decoder with a larger "
+                "max_seq_len"
+            )
+        for lv in self.levels:
+            lv.reset()
+        run = _Run(self, sampling, torch.Generator().manual_seed(int(seed)), frozenset(int(e) for e in eos_token_ids),
+                   limit=len(prompt) + max_new_tokens)
+        t0 = time.perf_counter()
+        seq = run.decode(prompt)
+        seconds = time.perf_counter() - t0
+        new = seq[len(prompt):]
+        level_stats = run.finish_stats()
+        stats = {
+            "mode": self.mode,
+            "new_tokens": len(new),
+            "seconds": seconds,
+            "tokens_per_second": len(new) / seconds if seconds > 0 else float("inf"),
+            "levels": [{"name": s.name, "forward_passes": s.forward_passes, "mean_accepted": s.mean_accepted,
+                        "tokens_emitted": s.tokens_emitted, "catch_up_passes": s.catch_up_passes}
+                       for s in level_stats],
+            "beta": run.beta(),
+            "draft_k": self.draft_k,
+            "mu": list(self.mu),
+            "sampling": asdict(sampling),
+        }
+        return GenerationResult(token_ids=new, stats=stats, level_stats=level_stats)
+
+
+class _Run:
+    """The state of one generate() call: what each level's cache holds, hidden-state buffers, stats."""
+
+    def __init__(self, dec: ChainDecoder, sampling: SamplingParams, generator: torch.Generator,
+                 eos: frozenset[int], limit: int):
+        self.levels = dec.levels
+        self.n = len(dec.levels)
+        self.draft_k = dec.draft_k
+        self.mu = dec.mu
+        self.sampling = sampling
+        self.gen = generator
+        self.eos = eos
+        self.limit = limit  # no sequence ever grows past this many positions
+        self.vocab: int | None = None
+        self.seen: list[list[int]] = [[] for _ in self.levels]  # the tokens each level's cache holds, by position
+        # Per level: positions whose cache entry was computed from a predicted (not a level-above) feature.
+        self.inexact: list[set[int]] = [set() for _ in self.levels]
+        self.has_hidden: list[list[bool]] = [[] for _ in self.levels]  # hidden buffer row valid at that position
+        self.hidden: list[torch.Tensor | None] = [None] * self.n  # [limit, H] per level that keeps hidden states
+        self.uses_features = self.levels[-1].needs_features
+        self.stats = [LevelStats(lv.name) for lv in self.levels]
+
+    # -- the algorithm ---------------------------------------------------------------------------------------------
+
+    def decode(self, prompt: list[int]) -> list[int]:
+        """The target's loop: each round commits what one target verification emits."""
+        seq = list(prompt)
+        while len(seq) < self.limit and not (len(seq) > len(prompt) and seq[-1] in self.eos):
+            out, _ = self._verify_round(0, seq)
+            seq += out
+        return seq
+
+    def _produce(self, i: int, ctx: list[int], need: int) -> tuple[list[int], torch.Tensor | None]:
+        """Level i continues ctx with >= min(need, room) tokens (fewer only after an EOS); returns them and level i's
+        distributions at their positions ([k, V], None when k = 0)."""
+        room = self.limit - len(ctx)
+        if i == self.n - 1:
+            return self._draft(ctx, min(need, room))
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        while len(tokens) < min(need, room) and not (tokens and tokens[-1] in self.eos):
+            out, p = self._verify_round(i, ctx + tokens)
+            tokens += out
+            probs.append(p)
+        return tokens, (torch.cat(probs) if probs else None)
+
+    def _verify_round(self, i: int, ctx: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The level below proposes a block; level i verifies it in one forward. Returns the tokens level i emits
+        (accepted prefix + correction or bonus, cut at the budget and after an EOS) and p_i at their positions."""
+        room = self.limit - len(ctx)
+        block, q = self._produce(i + 1, ctx, self._block_size(i)) if i + 1 < self.n else ([], None)
+        logits = self._forward(i, ctx + block, first_row=len(ctx) - 1)  # [len(block) + 1, V]
+        p = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        if q is None:
+            q = p.new_zeros((0, p.shape[-1]))
+        self._check_vocab(p.shape[-1], i)
+        n_acc, nxt = verify_block(p, q, block, self.gen)
+        out = self._cut(block[:n_acc] + [nxt], room)
+        self._truncate(i, len(ctx) + n_acc)  # this level drops the rejected tokens ...
+        for j in range(i + 1, self.n):  # ... and every level below rolls back to what it shares with the new context
+            self._truncate(j, common_prefix(self.seen[j], ctx + out))
+        self.stats[i].accept_lengths.append(len(out))
+        return out, p[:len(out)]
+
+    def _draft(self, ctx: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        """The bottom level samples up to k tokens autoregressively (k forwards; stops after an EOS)."""
+        i = self.n - 1
+        if k < 1 or (self.levels[i].needs_features and len(ctx) < 2):
+            return [], None
+        full = list(ctx)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self._forward(i, full, first_row=len(full) - 1)  # [1, V]
+            q = warp(logits[-1], self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)  # [V]
+            self._check_vocab(q.shape[-1], i)
+            x = sample(q, self.gen)
+            tokens.append(x)
+            probs.append(q)
+            if x in self.eos:
+                break
+            full.append(x)
+        self.stats[i].tokens_emitted += len(tokens)
+        return tokens, torch.stack(probs)
+
+    # -- caches, features, bookkeeping -----------------------------------------------------------------------------
+
+    def _block_size(self, i: int) -> int:
+        """How many tokens level i asks the level below for per verification."""
+        return self.draft_k if i + 1 == self.n - 1 else self.mu[i]
+
+    def _cut(self, tokens: list[int], room: int) -> list[int]:
+        """Keep at most ``room`` tokens and nothing after the first EOS."""
+        tokens = tokens[:room]
+        for j, t in enumerate(tokens):
+            if t in self.eos:
+                return tokens[:j + 1]
+        return tokens
+
+    def _feeds(self, i: int) -> bool:
+        """Whether level i's hidden states may be read as features by the draft."""
+        return self.uses_features and i < self.n - 1
+
+    def _truncate(self, i: int, n: int) -> None:
+        if n < len(self.seen[i]):
+            self.levels[i].truncate(n)
+            del self.seen[i][n:], self.has_hidden[i][n:]
+            self.inexact[i] = {p for p in self.inexact[i] if p < n}
+
+    def _forward(self, i: int, full: list[int], first_row: int, catch_up: bool = False) -> torch.Tensor:
+        """One forward of level i so that its cache holds ``full``; returns logits [len(full) - first_row, V] for
+        positions first_row .. len(full) - 1. Only tokens the level has not processed (for this context) are run,
+        plus at least position first_row (its logits are not kept between calls)."""
+        level = self.levels[i]
+        start = min(common_prefix(self.seen[i], full), first_row)
+        features = None
+        if level.needs_features:
+            # Recompute entries made from a predicted feature once a level above holds the true one.
+            shared = [common_prefix(self.seen[j], full) for j in range(i)]
+            redo = [p for p in self.inexact[i] if p < start and self._feature_at(i, p - 1, shared) is not None]
+            start = max(min([start, *redo]), 1)
+            features, exact = self._features(i, full, start)
+        self._truncate(i, start)
+        last_only = first_row == len(full) - 1 and not self._feeds(i)
+        logits, hidden = level.forward(full[start:], start, features, last_only=last_only)
+        t = len(full) - start
+        pad = start - len(self.seen[i])  # 1 only for a feature level's first forward: position 0 needs no entry
+        self.seen[i] = list(full)
+        self.has_hidden[i] += [False] * (pad + t)
+        if level.needs_features:
+            self.inexact[i] |= {start + j for j, e in enumerate(exact) if not e}
+        if hidden is not None and (self._feeds(i) or level.needs_features):
+            self._store_hidden(i, len(full) - hidden.shape[0], hidden)
+        self.stats[i].forward_passes += 1
+        self.stats[i].catch_up_passes += int(catch_up)
+        rows = len(full) - first_row
+        if logits.shape[0] < rows:
+            raise PolyspecError(f"level {level.name!r} returned {logits.shape[0]} logits rows, expected >= {rows}")
+        return logits[logits.shape[0] - rows:]
+
+    def _store_hidden(self, i: int, start: int, hidden: torch.Tensor) -> None:
+        """Keep hidden [T, H] as the level's states at positions start .. start + T - 1."""
+        if self.hidden[i] is None:
+            self.hidden[i] = hidden.new_zeros((self.limit, hidden.shape[-1]))
+        t = hidden.shape[0]
+        self.hidden[i][start:start + t] = hidden
+        self.has_hidden[i][start:start + t] = [True] * t
+
+    def _feature_at(self, i: int, pos: int, shared: list[int]) -> torch.Tensor | None:
+        """f_pos from the nearest level above level i that holds it for this context (shared[j] = positions level j
+        shares with the context), else None."""
+        for j in range(i - 1, -1, -1):
+            if pos < shared[j] and self.has_hidden[j][pos]:
+                return self.hidden[j][pos]
+        return None
+
+    def _features(self, i: int, full: list[int], start: int,
+                  caught_up: bool = False) -> tuple[torch.Tensor, list[bool]]:
+        """Features [len(full) - start, H] for level i's inputs at positions start .. (row j = f_{start + j - 1}),
+        and per row whether it is a true feature from a level above (see the module docstring for the rules)."""
+        shared = [common_prefix(self.seen[j], full) for j in range(i)]
+        rows: list[torch.Tensor | None] = [self._feature_at(i, p - 1, shared) for p in range(start, len(full))]
+        exact = [r is not None for r in rows]
+        if rows[0] is None and start - 1 < len(self.seen[i]) and self.has_hidden[i][start - 1]:
+            rows[0] = self.hidden[i][start - 1]  # the draft's own prediction of f_{start-1}
+        missing = [start + j - 1 for j, r in enumerate(rows) if r is None]
+        if missing:
+            # Catch-up: the level directly above runs over the context up to the last missing position.
+            if caught_up:
+                raise PolyspecError(f"level {self.levels[i - 1].name!r} returns no hidden states, so the "
+                                    f"feature-reading level {self.levels[i].name!r} below it cannot be fed")
+            last = max(missing)
+            self._forward(i - 1, full[:last + 1], first_row=last, catch_up=True)
+            return self._features(i, full, start, caught_up=True)
+        dev = rows[0].device
+        return torch.stack([r.to(dev) for r in rows]), exact
+
+    def _check_vocab(self, v: int, i: int) -> None:
+        if self.vocab is None:
+            self.vocab = v
+        elif v != self.vocab:
+            raise PolyspecError(f"level {self.levels[i].name!r} has a vocabulary of {v} tokens but the levels above "
+                                f"have {self.vocab}; every level of a chain must share the target's vocabulary")
+
+    # -- stats -----------------------------------------------------------------------------------------------------
+
+    def finish_stats(self) -> list[LevelStats]:
+        for i, s in enumerate(self.stats):
+            if i < self.n - 1 or self.n == 1:
+                s.tokens_emitted = sum(s.accept_lengths)
+            s.mean_accepted = s.tokens_emitted / s.forward_passes if s.forward_passes else 0.0
+        return self.stats
+
+    def beta(self) -> float | None:
+        """Draft forward passes per verification of the level directly above the draft (None for ar)."""
+        if self.n < 2:
+            return None
+        verifications = len(self.stats[self.n - 2].accept_lengths)
+        return self.stats[self.n - 1].forward_passes / verifications if verifications else 0.0

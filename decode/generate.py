@@ -1,0 +1,166 @@
+"""Load a chain folder (or a plain model folder) into a :class:`ChainDecoder` and generate text.
+
+``polyspec generate CHAIN --prompt TEXT`` is a thin wrapper over :func:`load_chain` and :func:`generate_text`.
+Only chains that validate (schema and every sha256) are loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyspec.decode.chain import ChainDecoder, SamplingParams
+from polyspec.decode.levels import HeadLevel, ModelLevel
+from polyspec.errors import PolyspecError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Room beyond prompt + max_new_tokens for blocks that run past the committed end before the target cuts them.
+_SLACK = 64
+
+
+@dataclass
+class LoadedChain:
+    """Every level of a chain, loaded (top first), plus what generation needs."""
+
+    models: dict[str, Any]  # level name -> Transformer / EagleHead
+    order: list[str]  # level names, top first
+    kinds: dict[str, str]
+    tokenizer: Any
+    context: int  # the target's max_position_embeddings
+    draft_k: int = 4
+    mu: tuple[int, ...] = (8,)
+
+    def levels_for(self, mode: str) -> list[str]:
+        """ar = the target; dual = target + the bottom level; chain = all levels."""
+        if mode == "ar":
+            return self.order[:1]
+        if mode == "dual":
+            if len(self.order) < 2:
+                raise PolyspecError("dual mode needs a draft level; this chain has only the target")
+            return [self.order[0], self.order[-1]]
+        if mode == "chain":
+            if len(self.order) < 3:
+                raise PolyspecError(f"chain mode needs at least 3 levels; this chain has {len(self.order)} "
+                                    f"({', '.join(self.order)}): use --mode dual or ar")
+            return list(self.order)
+        raise PolyspecError(f"unknown mode {mode!r}; use ar, dual or chain")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise PolyspecError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+    return torch.device(device)
+
+
+def _dtype(name: str | None, dev: torch.device) -> torch.dtype:
+    name = name or ("bfloat16" if dev.type == "cuda" else "float32")
+    if name not in DTYPES:
+        raise PolyspecError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _context(model_dir: Path) -> int:
+    from polyspec.decode.model import read_hf_config
+
+    return int(read_hf_config(Path(model_dir)).get("max_position_embeddings") or 2048)
+
+
+def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = None) -> LoadedChain:
+    """Validate a chain folder and load every level (target, verifiers, head) onto ``device``."""
+    from polyspec.decode.head import load_head
+    from polyspec.decode.model import Transformer
+    from polyspec.manifest import validate_chain
+    from polyspec.sources import load_tokenizer
+
+    chain_dir = Path(chain_dir)
+    manifest = validate_chain(chain_dir)
+    dev = resolve_device(device)
+    tdtype = _dtype(dtype, dev)
+    top = manifest.levels[0]
+    models: dict[str, Any] = {}
+    for lv in manifest.levels:
+        folder = chain_dir / lv.path
+        if lv.kind == "head":  # shares the target's embedding and lm_head
+            models[lv.name] = load_head(folder, models[top.name]).to(dev)
+        else:
+            models[lv.name] = Transformer.from_pretrained(folder, dtype=tdtype, device=dev)
+    return LoadedChain(
+        models=models, order=[lv.name for lv in manifest.levels], kinds={lv.name: lv.kind for lv in manifest.levels},
+        tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
+        draft_k=manifest.decode.draft_k, mu=tuple(manifest.decode.mu),
+    )
+
+
+def load_model_folder(model_dir: Path, *, device: str = "auto", dtype: str | None = None) -> LoadedChain:
+    """A plain Hugging Face folder as a one-level chain (ar mode only)."""
+    from polyspec.decode.model import Transformer
+    from polyspec.sources import load_tokenizer
+
+    dev = resolve_device(device)
+    model = Transformer.from_pretrained(Path(model_dir), dtype=_dtype(dtype, dev), device=dev)
+    return LoadedChain(models={"target": model}, order=["target"], kinds={"target": "target"},
+                       tokenizer=load_tokenizer(Path(model_dir)), context=_context(Path(model_dir)))
+
+
+def eos_ids(tokenizer: Any) -> set[int]:
+    ids = set()
+    for attr in ("eos_token_id",):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = True) -> list[int]:
+    """The prompt as token ids; chat prompts go through the tokenizer's own chat template."""
+    if not prompt:
+        raise PolyspecError("the prompt is empty")
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+
+
+def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: int | None = None,
+                  mu: list[int] | None = None) -> ChainDecoder:
+    names = chain.levels_for(mode)
+    levels = [HeadLevel(chain.models[n], n) if chain.kinds[n] == "head" else ModelLevel(chain.models[n], n)
+              for n in names]
+    n_mu = max(len(levels) - 2, 0)
+    mu = list(mu if mu is not None else chain.mu)
+    mu = (mu + [mu[-1] if mu else 8] * n_mu)[:n_mu]  # one entry per verifier below the target
+    return ChainDecoder(levels, draft_k=draft_k or chain.draft_k, mu=mu, max_seq_len=max_seq_len)
+
+
+def generate_text(chain: LoadedChain, prompt: str, *, mode: str = "chain", max_new_tokens: int = 128,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = True,
+                  draft_k: int | None = None, mu: list[int] | None = None) -> dict[str, Any]:
+    """One generation: {"text", "token_ids" (new tokens), "stats"} — stats as :class:`ChainDecoder` reports them."""
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    sampling.check()
+    ids = encode_prompt(chain.tokenizer, prompt, chat=chat)
+    if len(ids) + max_new_tokens > chain.context:
+        raise PolyspecError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
+                            f"the target's context of {chain.context} tokens: shorten the prompt or lower "
+                            "--max-new-tokens")
+    dec = build_decoder(chain, mode, max_seq_len=min(chain.context, len(ids) + max_new_tokens) + _SLACK,
+                        draft_k=draft_k, mu=mu)
+    res = dec.generate(ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos_ids(chain.tokenizer))
+    text = chain.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+    return {"text": text, "token_ids": list(res.token_ids), "stats": res.stats}
+
+
+def generate_from_folder(model_dir: Path, prompt: str, *, max_new_tokens: int = 64, device: str = "auto") -> dict:
+    """Greedy chat answer of a plain model folder through our engine (ar mode)."""
+    chain = load_model_folder(model_dir, device=device)
+    return generate_text(chain, prompt, mode="ar", max_new_tokens=max_new_tokens)

@@ -1,0 +1,171 @@
+"""The EAGLE-style draft head: the one definition of its architecture (decoding and training both use it).
+
+    feature_in = fc(concat(embed(token), feature))        fc: Linear(2H -> H, bias=True)
+    h          = DecoderLayer(feature_in)                  one Llama decoder layer (same class as the target's)
+    logits     = lm_head(h)                                the target's lm_head; no extra final norm
+
+Inputs at head position t are the pair (token x_{t+1}, feature f_t), where f_t is the target's final-norm'd hidden
+state at position t (``Transformer.forward``'s ``hidden``, the input of lm_head) and x_{t+1} is the token that
+followed (sampled from f_t's logits). The head's output at position t is its prediction of f_{t+1} (same space as
+``hidden``) and its logits predict x_{t+2}. RoPE position of that row is t.
+
+The embedding and lm_head are the target's modules, shared (not copied) and frozen; only ``fc`` and ``layer`` are
+trained and saved (:func:`save_head`). The head has its own static KV cache with the Transformer's API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from polyspec.decode.model import CachedDecoder, DecoderLayer, ModelArgs, rope_inv_freq
+from polyspec.errors import PolyspecError
+
+HEAD_MODEL_TYPE = "polyspec-eagle-head"
+HEAD_FORMAT_VERSION = 1
+TRAINABLE_PREFIXES = ("fc.", "layer.")
+
+
+class EagleHead(CachedDecoder):
+    """fc(concat(embed(x_{t+1}), f_t)) -> one DecoderLayer -> target lm_head."""
+
+    def __init__(self, args: ModelArgs, embed_tokens: nn.Embedding, lm_head: nn.Module):
+        super().__init__()
+        h = args.hidden_size
+        if embed_tokens.embedding_dim != h:
+            raise PolyspecError(f"the target's embedding width {embed_tokens.embedding_dim} != head hidden size {h}")
+        self.args = args
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layer = DecoderLayer(args)
+        # Shared with the target, frozen: registered so .to()/export see them, never saved with the head.
+        self.embed_tokens = embed_tokens.requires_grad_(False)
+        self.lm_head = lm_head.requires_grad_(False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self._cache_layers = 1
+
+    def _compute_dtype(self) -> torch.dtype:
+        return self.layer.input_layernorm.weight.dtype
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """fc.* and layer.* tensors only (what save_head writes)."""
+        return {k: v for k, v in self.state_dict().items() if k.startswith(TRAINABLE_PREFIXES)}
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, *, tree_mask: torch.Tensor | None = None,
+                position_offsets: torch.Tensor | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] (tokens x_{t+1}) and features [T, H] (f_t) -> (logits [T, V] float32, hidden [T, H]).
+
+        Batched training input: input_ids [B, T], features [B, T, H] -> [B, T, V], [B, T, H] (without a cache
+        each call is a stateless causal pass over its block). tree_mask / position_offsets as in
+        ``Transformer.forward``; last_only returns only the last row of each output.
+        """
+        ids = torch.as_tensor(input_ids).long()
+        squeeze = ids.dim() == 1
+        if squeeze:
+            ids, features = ids[None], features[None]
+        if ids.dim() != 2 or features.dim() != 3 or features.shape[:2] != ids.shape:
+            raise PolyspecError(f"EagleHead.forward: input_ids [T] / [B, T] and features [T, H] / [B, T, H] must "
+                                f"match, got {list(input_ids.shape)} and {list(features.shape)}")
+        dtype = self._compute_dtype()
+        emb = self.embed_tokens(ids.to(self.embed_tokens.weight.device)).to(dtype)  # [B, T, H]
+        x = self.fc(torch.cat((emb, features.to(dtype)), dim=-1))  # [B, T, H]
+        x = self._run_layers(x, [self.layer], tree_mask, position_offsets)  # [B, T, H]
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(x).float()  # [B, T, V]
+        return (logits[0], x[0]) if squeeze else (logits, x)
+
+
+def _atomic_dir_write(out_dir: Path, write) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any]) -> Path:
+    """Write ``out_dir`` atomically: config.json (model_type, format version, the layer's ModelArgs, the caller's
+    target identity/hash) and model.safetensors with fc.* and layer.* only (never the target's embedding/lm_head)."""
+    from safetensors.torch import save_file
+
+    config = {
+        "model_type": HEAD_MODEL_TYPE,
+        "format_version": HEAD_FORMAT_VERSION,
+        "args": head.args.to_dict(),
+        "target": dict(target_info),
+    }
+    try:
+        config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    except TypeError as e:
+        raise PolyspecError(f"save_head: target_info must be JSON-serialisable: {e}") from e
+    tensors = {k: v.detach().cpu().contiguous() for k, v in head.trainable_state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(config_text)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return _atomic_dir_write(Path(out_dir), write)
+
+
+def read_head_config(head_dir: str | Path) -> dict[str, Any]:
+    cfg_path = Path(head_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise PolyspecError(f"{head_dir} has no config.json; is it a folder written by save_head?")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("model_type") != HEAD_MODEL_TYPE:
+        raise PolyspecError(f"{cfg_path}: model_type is {cfg.get('model_type')!r}, expected {HEAD_MODEL_TYPE!r}")
+    if cfg.get("format_version") != HEAD_FORMAT_VERSION:
+        raise PolyspecError(f"{cfg_path}: head format_version {cfg.get('format_version')!r} is not supported "
+                            f"(this polyspec reads {HEAD_FORMAT_VERSION})")
+    return cfg
+
+
+def load_head(head_dir: str | Path, target: nn.Module) -> EagleHead:
+    """Load a saved head and attach ``target``'s embedding and lm_head (checked for matching sizes).
+    The head takes the dtype and device of the target's embedding."""
+    from safetensors.torch import load_file
+
+    head_dir = Path(head_dir)
+    cfg = read_head_config(head_dir)
+    args = ModelArgs.from_dict(cfg["args"])
+    t_args = target.args
+    if (args.hidden_size, args.vocab_size) != (t_args.hidden_size, t_args.vocab_size):
+        raise PolyspecError(
+            f"head in {head_dir} was built for hidden {args.hidden_size} / vocab {args.vocab_size}, the target has "
+            f"hidden {t_args.hidden_size} / vocab {t_args.vocab_size}; train a head for this target"
+        )
+    weights_path = head_dir / "model.safetensors"
+    if not weights_path.is_file():
+        raise PolyspecError(f"{head_dir} has no model.safetensors")
+    ref = target.embed_tokens.weight
+    with torch.device("meta"):
+        head = EagleHead(args, nn.Embedding(args.vocab_size, args.hidden_size),
+                         nn.Linear(args.hidden_size, args.vocab_size, bias=False))
+    state = load_file(str(weights_path))
+    expected = set(head.trainable_state_dict())
+    if set(state) != expected:
+        raise PolyspecError(f"{weights_path}: tensors {sorted(set(state) ^ expected)} do not match the head layout")
+    head.load_state_dict({k: v.to(ref.dtype) for k, v in state.items()}, strict=False, assign=True)
+    head.embed_tokens = target.embed_tokens.requires_grad_(False)
+    head.lm_head = target.lm_head.requires_grad_(False)
+    head.inv_freq = rope_inv_freq(args)
+    return head.to(ref.device).eval()

@@ -1,0 +1,223 @@
+"""The levels of a chain: what :class:`polyspec.decode.chain.ChainDecoder` needs from a model, and adapters.
+
+A level is a causal next-token model with a rollback-able cache, addressed in *sequence positions*: position p holds
+token x_p of (prompt + generated tokens). ``forward(tokens, start_pos)`` first rolls the cache back to ``start_pos``
+positions, then appends ``tokens`` at positions start_pos.., and returns logits row j = next-token logits after token
+start_pos + j, plus the level's hidden state per row (the feature an EAGLE head reads), or None.
+
+A level with ``needs_features`` (an EAGLE head) also takes ``features`` [T, H]: row j is the feature of position
+start_pos + j - 1, i.e. the hidden state of a level above at the token *before* tokens[j] (EAGLE pairs token x_{t+1}
+with feature f_t). Such a level is never asked for position 0 (there is no feature before it): its first input is
+x_1 paired with f_0, so its cache holds one entry fewer than the sequence positions it has processed.
+
+Adapters: :class:`ModelLevel` over ``polyspec.decode.model.Transformer`` (target, int4 copy, or any plain draft),
+:class:`HeadLevel` over ``polyspec.decode.head.EagleHead``. :class:`TableLevel` is a tiny deterministic n-gram level for
+tests and demos (exact distributions are computable by hand).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from polyspec.errors import PolyspecError
+
+
+@runtime_checkable
+class Level(Protocol):
+    """One model of the chain (see the module docstring for positions and features)."""
+
+    name: str
+    kind: str  # "model", "head", "table", ...
+    needs_features: bool
+
+    @property
+    def cache_len(self) -> int:
+        """Sequence positions the cache holds."""
+        ...
+
+    def setup(self, max_seq_len: int) -> None:
+        """Allocate a cache for up to ``max_seq_len`` sequence positions (and reset it)."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the cache (O(1))."""
+        ...
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` sequence positions of the cache (O(1) rollback); 0 <= n <= cache_len."""
+        ...
+
+    def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """truncate(start_pos), then append ``tokens`` [T]; returns (logits [T, V], hidden [T, H] or None).
+
+        last_only: only the last row of logits and hidden is needed ([1, V], [1, H]); a level may still return all.
+        """
+        ...
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class ModelLevel:
+    """A ``polyspec.decode.model.Transformer`` (or anything with its cache API and forward) as a chain level."""
+
+    kind = "model"
+    needs_features = False
+
+    def __init__(self, transformer, name: str = "model"):
+        for attr in ("setup_cache", "truncate", "reset", "forward"):
+            if not hasattr(transformer, attr):
+                raise PolyspecError(f"ModelLevel {name!r}: {type(transformer).__name__} has no {attr}(); pass a "
+                                    "polyspec.decode.model.Transformer")
+        self.model = transformer
+        self.name = name
+        self._last_only = _accepts(transformer.forward, "last_only")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def cache_len(self) -> int:
+        return int(self.model.cache_len)
+
+    def setup(self, max_seq_len: int) -> None:
+        self.model.setup_cache(max_seq_len)
+
+    def reset(self) -> None:
+        self.model.reset()
+
+    def truncate(self, n: int) -> None:
+        self.model.truncate(n)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.model.truncate(start_pos)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+        if self._last_only:
+            return self.model.forward(ids, last_only=last_only)
+        return self.model.forward(ids)
+
+
+class HeadLevel:
+    """A ``polyspec.decode.head.EagleHead`` as a chain level: head cache position t holds (x_{t+1}, f_t), so sequence
+    position p maps to head position p - 1 and ``features[j]`` is f_{start_pos + j - 1}."""
+
+    kind = "head"
+    needs_features = True
+
+    def __init__(self, head, name: str = "head"):
+        for attr in ("setup_cache", "truncate", "reset", "forward"):
+            if not hasattr(head, attr):
+                raise PolyspecError(f"HeadLevel {name!r}: {type(head).__name__} has no {attr}(); pass a "
+                                    "polyspec.decode.head.EagleHead")
+        self.head = head
+        self.name = name
+        self._last_only = _accepts(head.forward, "last_only")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.head.parameters()).device
+
+    @property
+    def cache_len(self) -> int:
+        # Position 0 needs no cache entry, so a head that holds n entries has processed n + 1 sequence positions.
+        n = int(self.head.cache_len)
+        return n + 1 if n else 0
+
+    def setup(self, max_seq_len: int) -> None:
+        self.head.setup_cache(max_seq_len)
+
+    def reset(self) -> None:
+        self.head.reset()
+
+    def truncate(self, n: int) -> None:
+        self.head.truncate(max(n - 1, 0))
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if start_pos < 1:
+            raise PolyspecError(f"HeadLevel {self.name!r}: an EAGLE head cannot process position 0 (no feature "
+                                "precedes it); start at position 1")
+        if features is None or features.shape[0] != len(tokens):
+            got = None if features is None else list(features.shape)
+            raise PolyspecError(f"HeadLevel {self.name!r}: needs one feature row per token ({len(tokens)}), got {got}")
+        self.head.truncate(start_pos - 1)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+        w = next(self.head.parameters())
+        feats = features.to(device=w.device, dtype=w.dtype)  # [T, H]
+        if self._last_only:
+            return self.head.forward(ids, feats, last_only=last_only)
+        return self.head.forward(ids, feats)
+
+
+class TableLevel:
+    """A deterministic n-gram level: the next-token logits after position p are ``table[index]`` where index encodes
+    the last ``order`` tokens (x_{p-order+1} .. x_p, missing ones before the sequence start count as 0) in base V.
+
+    table: [V ** order, V] logits. Its hidden state at position p is that logits row (H = V), so it can feed a
+    feature-reading level in tests. Its "cache" is the list of tokens processed, checked on every call like a KV cache.
+    """
+
+    kind = "table"
+    needs_features = False
+
+    def __init__(self, table: torch.Tensor, name: str = "table", order: int = 1):
+        v = table.shape[-1]
+        if table.dim() != 2 or table.shape[0] != v ** order:
+            raise PolyspecError(f"TableLevel {name!r}: table must be [V**order, V] = [{v ** order}, {v}], "
+                                f"got {list(table.shape)}")
+        self.table = table.float()
+        self.name = name
+        self.order = order
+        self.vocab_size = v
+        self.tokens: list[int] = []  # the "cache": every token processed, by position
+        self.max_seq_len = 0
+        self.forward_calls = 0
+
+    @property
+    def cache_len(self) -> int:
+        return len(self.tokens)
+
+    def setup(self, max_seq_len: int) -> None:
+        self.max_seq_len = max_seq_len
+        self.tokens = []
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= len(self.tokens):
+            raise PolyspecError(f"TableLevel {self.name!r}: truncate({n}) outside 0..{len(self.tokens)}")
+        del self.tokens[n:]
+
+    def next_logits(self, context: list[int]) -> torch.Tensor:
+        """Next-token logits [V] after ``context`` (a pure function of its last ``order`` tokens)."""
+        idx = 0
+        for t in ([0] * self.order + list(context))[-self.order:]:
+            idx = idx * self.vocab_size + int(t)
+        return self.table[idx]
+
+    def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.truncate(start_pos)
+        if len(self.tokens) + len(tokens) > self.max_seq_len:
+            raise PolyspecError(f"TableLevel {self.name!r}: {len(self.tokens) + len(tokens)} positions exceed "
+                                f"max_seq_len {self.max_seq_len}")
+        self.forward_calls += 1
+        rows = []
+        for t in tokens:
+            self.tokens.append(int(t))
+            rows.append(self.next_logits(self.tokens))
+        logits = torch.stack(rows)  # [T, V]
+        return logits, logits.clone()

@@ -1,0 +1,569 @@
+"""A compact Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) with a static KV cache.
+
+This is the engine every level of the chain runs on: the target M1, its int4 copy M2 (the same class with
+:class:`~polyspec.decode.int4.Int4Linear` layers swapped in) and, through :class:`DecoderLayer`, the draft head.
+
+Cache API (shared with :class:`polyspec.decode.head.EagleHead` through :class:`CachedDecoder`):
+
+* ``setup_cache(max_seq_len, batch_size=1)`` pre-allocates K/V of shape (B, kv_heads, max_seq_len, head_dim).
+* ``forward`` appends its T tokens at positions ``cache_len .. cache_len + T - 1``.
+* ``truncate(n)`` rolls back in O(1) (entries at positions >= n are overwritten by later forwards);
+  ``compact(src_positions, dst_start)`` keeps a chosen set of entries (the accepted path of a verified tree).
+
+Without ``setup_cache`` the model runs stateless: every forward sees only its own block (positions 0..T-1 plus
+``position_offsets``), which is what training a head on whole sequences needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyspec.errors import PolyspecError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelArgs:
+    """Architecture of a Llama-family decoder; ``from_hf_config`` reads a Hugging Face ``config.json`` dict."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Llama: also on o_proj unless o_proj_bias says otherwise)
+    mlp_bias: bool = False
+    rope_scaling: dict | None = None  # None/"default", {"rope_type": "linear"|"llama3", ...}
+    model_type: str = "llama"
+    o_proj_bias: bool | None = None  # None: same as attention_bias (Llama); Qwen2 has q/k/v bias only
+    sliding_window: int | None = None  # Mistral: longer caches than this would not match the reference model
+    extra: dict = field(default_factory=dict)  # informational (e.g. hidden_act), not used by the maths
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise PolyspecError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        rope_type = _rope_type(self.rope_scaling)
+        if rope_type not in ROPE_TYPES:
+            raise PolyspecError(
+                f"rope scaling type {rope_type!r} is not supported by polyspec's engine (supported: "
+                f"{', '.join(ROPE_TYPES)}); load this model with transformers instead"
+            )
+
+    @property
+    def has_o_bias(self) -> bool:
+        return self.attention_bias if self.o_proj_bias is None else self.o_proj_bias
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PolyspecError(f"unknown ModelArgs keys {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Map a Hugging Face config dict (llama, mistral, qwen2, smollm2) onto ModelArgs.
+
+        Raises PolyspecError naming the model_type when it is not one of those (callers may fall back to
+        transformers), or when the config uses a feature this engine does not reproduce exactly.
+        """
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise PolyspecError(
+                f"model_type {model_type!r} is not supported by polyspec's engine (supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}); load it with transformers instead"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise PolyspecError(f"hidden_act {act!r} in the {model_type} config is not supported (only silu)")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            rope_theta, rope_scaling = _rope_from_hf(cfg)
+            is_qwen2 = model_type == "qwen2"
+            sliding = cfg.get("sliding_window")
+            if is_qwen2 and not cfg.get("use_sliding_window", False):
+                sliding = None
+            return cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rope_theta=rope_theta,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=True if is_qwen2 else bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                rope_scaling=rope_scaling,
+                model_type=model_type,
+                o_proj_bias=False if is_qwen2 else None,
+                sliding_window=int(sliding) if sliding else None,
+                extra={"hidden_act": act},
+            )
+        except KeyError as e:
+            raise PolyspecError(
+                f"the {model_type} config has no {e.args[0]!r} key; is it a complete config.json?"
+            ) from e
+
+
+def _rope_type(rope_scaling: dict | None) -> str:
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type") or rope_scaling.get("type") or "default")
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either the transformers-5 ``rope_parameters`` or the older keys."""
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    if _rope_type(scaling) == "default":
+        scaling = None
+    elif scaling is not None:
+        scaling = dict(scaling)
+        scaling["rope_type"] = _rope_type(scaling)
+        scaling.pop("type", None)
+    return float(theta), scaling
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rotary position embedding (the Hugging Face "rotate half" convention)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] float32, with linear or Llama-3 scaling applied."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rope_type = _rope_type(args.rope_scaling)
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(args.rope_scaling["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, args.rope_scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama-3.1 frequency scaling: long wavelengths divided by ``factor``, short kept, a smooth ramp between."""
+    factor = float(s["factor"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos, sin [T, head_dim] for integer positions [T], computed in float32 then cast to ``dtype``."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D] rotated by cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class StaticKVCache:
+    """Per-layer K/V tensors (B, kv_heads, max_seq_len, head_dim) plus the number of positions held."""
+
+    def __init__(self, num_layers: int, batch_size: int, kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (batch_size, kv_heads, max_seq_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+        self.max_seq_len = max_seq_len
+        self.batch_size = batch_size
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.has_o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: StaticKVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+        """x [B, T, H]; cos/sin [T, D]; mask bool [T, start + T] (None: see everything held) -> [B, T, H]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, D]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            end = start + t
+            cache.k[layer_idx][:, :, start:end] = k
+            cache.v[layer_idx][:, :, start:end] = v
+            k, v = cache.k[layer_idx][:, :, :end], cache.v[layer_idx][:, :, :end]  # [B, kv, end, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, h, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, i = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP with residuals; parameter names match Hugging Face's Llama layer."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: StaticKVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer_idx, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cache bookkeeping shared by the Transformer and the draft head
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def block_mask(start: int, t: int, tree_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Bool attention mask [T, start + T]: all of the prefix, then causal (or ``tree_mask``) within the block.
+
+    Returns None when every query may see every key (one token, no tree), so SDPA takes its fastest path.
+    """
+    if tree_mask is None and t == 1:
+        return None
+    inner = tree_mask.to(device=device, dtype=torch.bool) if tree_mask is not None else \
+        torch.ones(t, t, dtype=torch.bool, device=device).tril()  # [T, T]
+    prefix = torch.ones(t, start, dtype=torch.bool, device=device)  # [T, start]
+    return torch.cat((prefix, inner), dim=1)
+
+
+class CachedDecoder(nn.Module):
+    """Static-KV-cache bookkeeping; subclasses set ``args``, ``inv_freq`` and ``_cache_layers``."""
+
+    args: ModelArgs
+    _cache_layers: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cache: StaticKVCache | None = None
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The activation (and KV cache) dtype: that of the never-quantised RMSNorm weights."""
+        raise NotImplementedError
+
+    def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
+        """Pre-allocate the K/V cache for up to ``max_seq_len`` positions (and reset it)."""
+        a = self.args
+        if max_seq_len < 1 or batch_size < 1:
+            raise PolyspecError(f"setup_cache needs max_seq_len >= 1 and batch_size >= 1, got {max_seq_len}, "
+                                f"{batch_size}")
+        if a.sliding_window is not None and max_seq_len > a.sliding_window:
+            raise PolyspecError(
+                f"max_seq_len {max_seq_len} exceeds this {a.model_type} model's sliding_window {a.sliding_window}; "
+                "polyspec's engine attends to the whole cache, so keep max_seq_len <= sliding_window"
+            )
+        dtype = self._compute_dtype()
+        device = self.inv_freq.device
+        self._cache = StaticKVCache(self._cache_layers, batch_size, a.num_kv_heads, max_seq_len, a.head_dim,
+                                    dtype, device)
+
+    @property
+    def cache_len(self) -> int:
+        """Positions currently held in the cache (0 without a cache)."""
+        return self._cache.length if self._cache is not None else 0
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._cache.max_seq_len if self._cache is not None else 0
+
+    def _require_cache(self, what: str) -> StaticKVCache:
+        if self._cache is None:
+            raise PolyspecError(f"{what} needs a KV cache: call setup_cache(max_seq_len) first")
+        return self._cache
+
+    def truncate(self, n: int) -> None:
+        """Roll the cache back to its first ``n`` positions (O(1): later forwards overwrite the rest)."""
+        cache = self._require_cache("truncate")
+        if not 0 <= n <= cache.length:
+            raise PolyspecError(f"truncate({n}) is outside 0..cache_len ({cache.length})")
+        cache.length = n
+
+    def reset(self) -> None:
+        if self._cache is not None:
+            self._cache.length = 0
+
+    def compact(self, src_positions: torch.Tensor, dst_start: int) -> None:
+        """Copy the K/V entries at absolute positions ``src_positions`` [n] to ``dst_start .. dst_start + n - 1``
+        and set cache_len to ``dst_start + n`` (keeps the accepted path of a verified tree)."""
+        cache = self._require_cache("compact")
+        src = torch.as_tensor(src_positions, dtype=torch.long).flatten()
+        n = src.numel()
+        if n and (int(src.min()) < 0 or int(src.max()) >= cache.length):
+            raise PolyspecError(f"compact: source positions must lie in 0..{cache.length - 1}, got {src.tolist()}")
+        if dst_start < 0 or dst_start > cache.length or dst_start + n > cache.max_seq_len:
+            raise PolyspecError(f"compact: dst_start {dst_start} with {n} entries does not fit the cache "
+                                f"(cache_len {cache.length}, max_seq_len {cache.max_seq_len})")
+        src = src.to(cache.k[0].device)
+        for layer in range(len(cache.k)):
+            for store in (cache.k, cache.v):
+                picked = store[layer].index_select(2, src)  # [B, kv, n, D] (a copy: overlap is safe)
+                store[layer][:, :, dst_start:dst_start + n] = picked
+        cache.length = dst_start + n
+
+    def _positions(self, t: int, start: int, position_offsets: torch.Tensor | None,
+                   device: torch.device) -> torch.Tensor:
+        """Absolute positions [T] of the block: start + offsets (default 0..T-1)."""
+        if position_offsets is None:
+            return torch.arange(start, start + t, device=device)
+        offsets = torch.as_tensor(position_offsets, device=device).long().flatten()
+        if offsets.numel() != t:
+            raise PolyspecError(f"position_offsets has {offsets.numel()} entries for a block of {t} tokens")
+        return start + offsets
+
+    def _run_layers(self, x: torch.Tensor, layers: list[nn.Module], tree_mask: torch.Tensor | None,
+                    position_offsets: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, H] through ``layers`` with the cache (if set up) -> [B, T, H]; advances cache_len."""
+        b, t, _ = x.shape
+        cache = self._cache
+        start = cache.length if cache is not None else 0
+        if cache is not None:
+            if start + t > cache.max_seq_len:
+                raise PolyspecError(
+                    f"the KV cache holds {start} positions and this block adds {t}, more than max_seq_len "
+                    f"{cache.max_seq_len}; call setup_cache with a larger max_seq_len (or truncate first)"
+                )
+            if b != cache.batch_size:
+                raise PolyspecError(f"batch of {b} rows but the cache was set up for batch_size {cache.batch_size}")
+        if tree_mask is not None:
+            if tuple(tree_mask.shape) != (t, t):
+                raise PolyspecError(f"tree_mask must be [T, T] = [{t}, {t}], got {list(tree_mask.shape)}")
+            if not bool(tree_mask.to(torch.bool).diagonal().all()):
+                raise PolyspecError("tree_mask must let every token see itself (its diagonal must be all True)")
+        positions = self._positions(t, start, position_offsets, x.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
+        mask = block_mask(start, t, tree_mask, x.device)
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, mask, cache, i, start)
+        if cache is not None:
+            cache.length = start + t
+        return x
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Transformer(CachedDecoder):
+    """Embeddings -> DecoderLayers -> final RMSNorm -> lm_head (tied to the embeddings when the config says so)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self._cache_layers = args.num_layers
+
+    def _compute_dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, *, tree_mask: torch.Tensor | None = None,
+                position_offsets: torch.Tensor | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run T new tokens; returns (logits [T, V] float32, hidden [T, H]) — hidden is the final-norm'd state,
+        i.e. exactly lm_head's input (the feature an EAGLE head reads).
+
+        input_ids: [T] or [B, T] (B must equal the cache's batch size; B > 1 gives [B, T, ...] outputs).
+        tree_mask: bool [T, T]; token j sees block token i iff tree_mask[j, i] (plus the whole cached prefix).
+        position_offsets: [T] RoPE positions relative to cache_len (default 0..T-1).
+        last_only: return only the last row of each output ([1, V], [1, H]).
+        """
+        ids, squeeze = _as_batch(input_ids)
+        x = self.embed_tokens(ids.to(self.embed_tokens.weight.device))  # [B, T, H]
+        x = x.to(self._compute_dtype())
+        x = self._run_layers(x, list(self.layers), tree_mask, position_offsets)
+        hidden = self.norm(x)  # [B, T, H]
+        if last_only:
+            hidden = hidden[:, -1:]
+        logits = self.lm_head(hidden).float()  # [B, T, V]
+        return (logits[0], hidden[0]) if squeeze else (logits, hidden)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> Transformer:
+        """Load a Hugging Face folder (config.json + model.safetensors or a sharded index).
+
+        A folder whose config carries a GPTQ ``quantization_config`` (4-bit) loads with Int4Linear layers
+        (see :func:`polyspec.decode.int4.load_int4`). Unsupported model types raise PolyspecError.
+        """
+        path = Path(path)
+        cfg = read_hf_config(path)
+        if cfg.get("quantization_config"):
+            from polyspec.decode.int4 import load_int4
+
+            return load_int4(path, dtype=dtype, device=device)
+        args = ModelArgs.from_hf_config(cfg)
+        tensors = load_safetensors_dir(path)
+        model = build_from_state(args, tensors, dtype=dtype, device=device)
+        return model
+
+
+def _as_batch(input_ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """[T] or [B, T] -> ([B, T] long, whether outputs are squeezed to [T, ...])."""
+    ids = torch.as_tensor(input_ids).long()
+    if ids.dim() == 1:
+        return ids[None], True
+    if ids.dim() == 2:
+        return ids, ids.shape[0] == 1
+    raise PolyspecError(f"input_ids must be [T] or [B, T], got shape {list(ids.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise PolyspecError(f"{path} has no config.json; point to a Hugging Face model folder")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise PolyspecError(f"{cfg_path} is not valid JSON: {e}") from e
+
+
+def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json (no pickles)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = path / shard
+            if not shard_path.is_file():
+                raise PolyspecError(f"{index} lists shard {shard} but {shard_path} does not exist")
+            tensors.update(load_file(str(shard_path)))
+        return tensors
+    raise PolyspecError(
+        f"{path} has neither model.safetensors nor model.safetensors.index.json; polyspec loads safetensors only "
+        "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))"
+    )
+
+
+def hf_to_local_name(name: str) -> str | None:
+    """Hugging Face parameter name -> ours (None for tensors we do not use, such as rotary inv_freq)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def build_from_state(args: ModelArgs, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                     device: str | torch.device, model: nn.Module | None = None) -> Transformer:
+    """Build a Transformer on the meta device and assign the HF-named ``tensors`` (cast to ``dtype``)."""
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(args)
+    state = {}
+    for name, t in tensors.items():
+        local = hf_to_local_name(name)
+        if local is not None:
+            state[local] = t.to(dtype) if t.is_floating_point() else t
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    # Still-empty (meta) entries are what the checkpoint must provide; pre-built layers (Int4Linear) are not.
+    expected = {k for k, v in model.state_dict().items() if v.is_meta}
+    if args.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise PolyspecError(
+            f"checkpoint does not match a {args.model_type} model with {args.num_layers} layers: "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(args)
+    return model.to(device).eval()

@@ -1,0 +1,114 @@
+"""The sampling maths of lossless speculative decoding, as small pure functions.
+
+Every level's logits go through the same :func:`warp` (temperature, then top-k, then top-p), and the warped target
+distribution is what the chain preserves. :func:`verify_block` is exact speculative sampling (Leviathan et al. 2023,
+Chen et al. 2023): a token ``x`` proposed from ``q`` is kept with probability ``min(1, p(x)/q(x))``; at the first
+rejection the replacement is drawn from :func:`residual` ``= normalise(max(0, p - q))``; if every token is kept a bonus
+token is drawn from ``p`` at the next position. The tokens it emits are then exact samples from ``p``.
+
+All randomness comes from a ``torch.Generator`` passed in (uniforms drawn on the CPU), never from the global RNG.
+Temperature 0 is greedy: warped rows are one-hot at the argmax (lowest index on ties), so acceptance is argmax matching
+and sampling returns the argmax; the comparisons below are written so that one-hot rows give exact answers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from polyspec.errors import PolyspecError
+
+
+def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0) -> None:
+    """Raise PolyspecError unless temperature >= 0, 0 < top_p <= 1 and top_k is an integer >= 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise PolyspecError(f"sampling temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise PolyspecError(f"sampling top_p must be in (0, 1] (1 disables nucleus sampling), got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise PolyspecError(f"sampling top_k must be an integer >= 0 (0 disables top-k), got {top_k!r}")
+
+
+def warp(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Logits [..., V] -> probabilities [..., V] (float32, or float64 for float64 input); each row sums to 1.
+
+    temperature == 0: one-hot at the argmax (the lowest index among equal maxima). Otherwise softmax(logits / T)
+    restricted to the top_k largest logits (all tokens tied with the k-th are kept; 0 = no limit), then to the
+    smallest set of most likely tokens whose mass reaches top_p (a token is kept when the mass of the tokens ranked
+    before it, in a stable descending sort, is below top_p; 1 = no limit), renormalised.
+    """
+    check_sampling(temperature, top_p, top_k)
+    x = logits.double() if logits.dtype == torch.float64 else logits.float()  # [..., V]
+    if temperature == 0:
+        idx = torch.argmax(x, dim=-1, keepdim=True)  # [..., 1] first maximal index
+        return torch.zeros_like(x).scatter_(-1, idx, 1.0)
+    x = x / temperature
+    v = x.shape[-1]
+    if 0 < top_k < v:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)  # [..., V]
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [..., V]
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # [..., V]
+        keep_sorted = mass_before < top_p  # the first (most likely) token is always kept
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def uniform(generator: torch.Generator, n: int | None = None) -> torch.Tensor:
+    """U[0, 1) draws from ``generator`` on the CPU, float64: a scalar when n is None, else shape [n]."""
+    return torch.rand(() if n is None else (n,), generator=generator, dtype=torch.float64)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs [V] by inverse CDF with one uniform from ``generator``; never a zero-probability token."""
+    cdf = torch.cumsum(probs.double(), dim=0)  # [V]
+    u = float(uniform(generator)) * float(cdf[-1])
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True)[0])
+    # searchsorted(right=True) returns the first index whose cdf exceeds u, which always has probability > 0; only
+    # rounding (u landing on the total mass) can push it past the end: take the last token with probability > 0 then.
+    if idx >= probs.shape[0]:
+        idx = int(torch.nonzero(probs > 0)[-1, 0])
+    return idx
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalise(max(0, p - q)) over the last dim [..., V]; where p <= q everywhere (p == q) fall back to p."""
+    r = torch.clamp(p - q, min=0)  # [..., V]
+    total = r.sum(dim=-1, keepdim=True)  # [..., 1]
+    return torch.where(total > 0, r / torch.where(total > 0, total, torch.ones_like(total)), p)
+
+
+def verify_block(p: torch.Tensor, q: torch.Tensor, tokens: list[int] | torch.Tensor,
+                 generator: torch.Generator) -> tuple[int, int]:
+    """Exact speculative sampling of one block: returns (n_accepted, next_token).
+
+    p [m+1, V]: the verifier's distributions at the m block positions plus the one after; q [m, V]: the distributions
+    the m block tokens were drawn from; tokens [m]. Token j is kept when u_j * q_j(x_j) < p_j(x_j) (u_j ~ U[0, 1),
+    i.e. with probability min(1, p/q), written without a division so one-hot rows and q = 0 are exact). At the first
+    rejection next_token ~ residual(p_j, q_j); if all m are kept next_token ~ p_m (the bonus token). Draws m + 1
+    uniforms in total whatever happens, so the generator's use does not depend on the outcome.
+    """
+    m = len(tokens)
+    if p.shape[0] != m + 1 or q.shape[0] != m:
+        raise ValueError(f"verify_block: p has {p.shape[0]} rows and q {q.shape[0]} for {m} tokens (want m+1 and m)")
+    n_acc = m
+    if m:
+        tok = torch.as_tensor(tokens, dtype=torch.long, device=p.device)  # [m]
+        rows = torch.arange(m, device=p.device)
+        px = p[rows, tok].double()  # [m]
+        qx = q[rows, tok].to(p.device).double()  # [m]
+        u = uniform(generator, m).to(p.device)  # [m]
+        rejected = torch.nonzero(~(u * qx < px))
+        if rejected.numel():
+            n_acc = int(rejected[0, 0])
+    if n_acc < m:
+        nxt = sample(residual(p[n_acc], q[n_acc].to(p.device)), generator)
+    else:
+        nxt = sample(p[m], generator)
+    return n_acc, nxt

@@ -1,0 +1,543 @@
+"""The n-level chain decoder: scripted accept/reject cases with exact stats, rollback state, greedy == AR token for
+token (toy levels and tiny random Llamas through the engine adapters), the exact target distribution at T > 0 (and a
+deliberately wrong residual failing the same check), features for EAGLE-style drafts, bad input."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import itertools
+import math
+from statistics import NormalDist
+
+import pytest
+import torch
+
+from polyspec.decode import sampling
+from polyspec.decode.chain import ChainDecoder, SamplingParams, common_prefix
+from polyspec.decode.levels import TableLevel
+from polyspec.decode.sampling import warp
+from polyspec.errors import PolyspecError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and jitter) here."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# -- toy levels -------------------------------------------------------------------------------------------------
+
+
+class ScriptLevel:
+    """Next-token logits = fn(context); the cache is the list of processed tokens (checked like a KV cache)."""
+
+    kind = "script"
+    needs_features = False
+
+    def __init__(self, fn, name: str):
+        self.fn, self.name = fn, name
+        self.tokens: list[int] = []
+        self.max_seq_len = 0
+
+    @property
+    def cache_len(self) -> int:
+        return len(self.tokens)
+
+    def setup(self, max_seq_len):
+        self.max_seq_len, self.tokens = max_seq_len, []
+
+    def reset(self):
+        self.tokens = []
+
+    def truncate(self, n):
+        assert 0 <= n <= len(self.tokens)
+        del self.tokens[n:]
+
+    def forward(self, tokens, start_pos, features=None, *, last_only=False):
+        self.truncate(start_pos)
+        rows = []
+        for t in tokens:
+            self.tokens.append(t)
+            rows.append(self.fn(self.tokens))
+        assert len(self.tokens) <= self.max_seq_len
+        logits = torch.stack(rows)
+        return logits, logits
+
+
+class FeatureLevel:
+    """A toy EAGLE head: logits = table[token] + sin(features) @ w. Its "cache" holds (token, feature) per position
+    from position 1 on; its hidden output is tanh(logits) + 1000 (so its own predicted features are recognisable)."""
+
+    kind = "toy-head"
+    needs_features = True
+
+    def __init__(self, table: torch.Tensor, w: torch.Tensor, name: str = "head"):
+        self.table, self.w, self.name = table, w, name
+        self.entries: list[tuple[int, torch.Tensor]] = []  # head position t <-> sequence position t + 1
+        self.first_token = -1  # position 0 (never fed to a head); set by the test
+        self.calls: list[tuple[int, list[int], torch.Tensor]] = []
+
+    @property
+    def cache_len(self):
+        return len(self.entries) + 1 if self.entries else 0
+
+    def setup(self, max_seq_len):
+        self.entries = []
+
+    def reset(self):
+        self.entries, self.calls = [], []
+
+    def truncate(self, n):
+        del self.entries[max(n - 1, 0):]
+
+    def forward(self, tokens, start_pos, features=None, *, last_only=False):
+        assert start_pos >= 1 and features is not None and features.shape[0] == len(tokens)
+        assert start_pos - 1 <= len(self.entries)
+        del self.entries[start_pos - 1:]
+        context = [self.first_token] + [tok for tok, _ in self.entries] + list(tokens)  # positions 0 .. end
+        self.calls.append((start_pos, context, features.clone()))
+        for t, f in zip(tokens, features, strict=True):
+            self.entries.append((t, f.clone()))
+        logits = self.table[tokens] + torch.sin(features.float()) @ self.w  # [T, V]
+        return logits, torch.tanh(logits) + 1000.0  # own predicted features: in (999, 1001), unlike true ones
+
+
+def shift_fn(step: int, v: int = 8, wrong_at: frozenset[int] = frozenset()):
+    """Greedy script: next token = last + step (mod v), or last + step + 1 when len(context) is in wrong_at."""
+    def fn(ctx):
+        nxt = (ctx[-1] + step + (len(ctx) in wrong_at)) % v
+        return torch.nn.functional.one_hot(torch.tensor(nxt), v).float() * 5.0
+    return fn
+
+
+def tables(v: int, seed: int = 0):
+    """A target (order 2), a verifier close to it (order 2) and a rougher draft (order 1) over vocabulary v."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(v * v, v, generator=g) * 2.0
+    mid = target + torch.randn(v * v, v, generator=g) * 0.7
+    draft = target.reshape(v, v, v).mean(0) + torch.randn(v, v, generator=g) * 0.7
+    return target, mid, draft
+
+
+def stats_of(result, i):
+    return result.level_stats[i]
+
+
+# -- scripted accept / reject cases ----------------------------------------------------------------------------
+
+
+def test_dual_all_accepted():
+    t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "d")
+    r = ChainDecoder([t, d], draft_k=3).generate([0], 6)
+    assert r.token_ids == [1, 2, 3, 4, 5, 6]
+    assert stats_of(r, 0).accept_lengths == [4, 2]  # 3 accepted + bonus, then the 2 left of the budget
+    assert stats_of(r, 0).forward_passes == 2
+    assert stats_of(r, 1).forward_passes == 5  # 3 + min(3, room 2)
+    assert r.stats["mode"] == "dual" and r.stats["beta"] == 2.5 and r.stats["new_tokens"] == 6
+    assert r.stats["levels"][0]["mean_accepted"] == 3.0
+
+
+def test_dual_none_accepted():
+    t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(2), "d")
+    r = ChainDecoder([t, d], draft_k=3).generate([0], 6)
+    assert r.token_ids == [1, 2, 3, 4, 5, 6]
+    assert stats_of(r, 0).accept_lengths == [1] * 6
+    assert stats_of(r, 1).forward_passes == 3 + 3 + 3 + 3 + 2 + 1  # k = min(3, room)
+    assert r.stats["levels"][0]["mean_accepted"] == 1.0
+
+
+def test_dual_some_accepted_and_rollback_state():
+    t = ScriptLevel(shift_fn(1), "t")
+    d = ScriptLevel(shift_fn(1, wrong_at=frozenset({3})), "d")  # proposes 4 instead of 3 after [0, 1, 2]
+    dec = ChainDecoder([t, d], draft_k=3)
+    r = dec.generate([0], 6)
+    assert r.token_ids == [1, 2, 3, 4, 5, 6]
+    assert stats_of(r, 0).accept_lengths == [3, 3]
+    assert (stats_of(r, 0).forward_passes, stats_of(r, 1).forward_passes) == (2, 6)
+    # Stop right after the rejection: every cache holds exactly a prefix of the committed sequence.
+    r = dec.generate([0], 3)
+    seq = [0] + r.token_ids
+    assert seq == [0, 1, 2, 3]
+    assert t.tokens == [0, 1, 2]  # verified [0, 1, 2, 4], rolled back past the rejected 4
+    assert d.tokens == [0, 1, 2]  # processed 0, 1, 2 to propose 1, 2, 4; nothing to roll back
+    # A full acceptance: the target verified the whole block, the draft never processed its last proposal.
+    r = dec.generate([5], 2)
+    assert r.token_ids == [6, 7] and t.tokens == [5, 6, 7] and d.tokens == [5, 6]
+
+
+def test_chain_scripted_stats():
+    """target = mid = +1, draft = +2: the mid rejects every draft block, the target accepts the mid's blocks."""
+    t, m, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "m"), ScriptLevel(shift_fn(2), "d")
+    r = ChainDecoder([t, m, d], draft_k=2, mu=[3]).generate([0], 4)
+    assert r.token_ids == [1, 2, 3, 4]
+    assert stats_of(r, 0).accept_lengths == [4]  # the mid's 3 tokens + the target's bonus
+    assert stats_of(r, 1).accept_lengths == [1, 1, 1]
+    assert stats_of(r, 2).forward_passes == 6
+    assert r.stats["beta"] == 2.0 and r.stats["mode"] == "chain"
+    assert t.tokens == [0, 1, 2, 3] and m.tokens[:3] == [0, 1, 2] and len(m.tokens) <= 4
+
+
+def test_scripted_at_temperature_one():
+    """Fixed distributions at T = 1: p == q always accepts; zero target mass on the draft's support never does."""
+    spread = torch.tensor([-1e9, -1e9, 0.0, 0.0, 0.0, 0.0])  # draft mass on 2..5 only
+
+    def target_fn(ctx):
+        return torch.tensor([1.0, 0.5, -1e9, -1e9, -1e9, -1e9])  # target mass on 0, 1 only
+
+    same = ChainDecoder([ScriptLevel(lambda c: spread, "t"), ScriptLevel(lambda c: spread, "d")], draft_k=3)
+    r = same.generate([0], 8, SamplingParams(temperature=1.0), seed=3)
+    assert r.level_stats[0].accept_lengths == [4, 4]
+    assert all(2 <= x <= 5 for x in r.token_ids)
+    never = ChainDecoder([ScriptLevel(target_fn, "t"), ScriptLevel(lambda c: spread, "d")], draft_k=3)
+    r = never.generate([0], 8, SamplingParams(temperature=1.0), seed=3)
+    assert r.level_stats[0].accept_lengths == [1] * 8
+    assert all(x in (0, 1) for x in r.token_ids)
+
+
+# -- greedy == AR ------------------------------------------------------------------------------------------------
+
+
+def _greedy_ar(target_table, prompt, n, v, eos=frozenset()):
+    return ChainDecoder([TableLevel(target_table, "ar", order=2)]).generate(prompt, n, eos_token_ids=eos).token_ids
+
+
+@pytest.mark.parametrize("v, prompt, n", [(16, [3, 1, 4], 40), (5, [2], 25)])
+def test_greedy_every_mode_equals_ar(v, prompt, n):
+    target, mid, draft = tables(v, seed=v)
+    ar = _greedy_ar(target, prompt, n, v)
+    assert len(ar) == n
+    g = torch.Generator().manual_seed(1)
+    mid2 = target + torch.randn(v * v, v, generator=g) * 1.0
+    configs = [
+        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 4}),
+        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 1}),
+        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft_k": 3, "mu": [5]}),
+        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft_k": 5, "mu": [1]}),
+        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(mid2, "m2", 2), TableLevel(draft, "d")],
+         {"draft_k": 2, "mu": [6, 3]}),
+    ]
+    some_rejected = some_multi = False
+    for levels, kw in configs:
+        r = ChainDecoder(levels, max_seq_len=64, **kw).generate(prompt, n)
+        assert r.token_ids == ar, (kw, r.stats)
+        lens = r.level_stats[0].accept_lengths
+        some_multi |= max(lens) > 1
+        some_rejected |= any(min(s.accept_lengths, default=99) == 1 for s in r.level_stats[:-1])
+        for lv in levels:  # every cache holds a prefix of the committed sequence
+            assert lv.tokens == (prompt + ar)[:lv.cache_len]
+    assert some_multi and some_rejected  # the configurations do exercise acceptance and rejection
+
+
+def test_greedy_stops_at_the_first_eos_including_it():
+    v = 16
+    target, mid, draft = tables(v, seed=16)
+    prompt = [3, 1, 4]
+    full = _greedy_ar(target, prompt, 40, v)
+    eos = full[7]
+    cut = full[:full.index(eos) + 1]
+    assert _greedy_ar(target, prompt, 40, v, eos=frozenset({eos, 999})) == cut
+    for levels, kw in [([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 4}),
+                       ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")],
+                        {"draft_k": 3, "mu": [4]})]:
+        r = ChainDecoder(levels, **kw).generate(prompt, 40, eos_token_ids={eos})
+        assert r.token_ids == cut
+        assert r.stats["new_tokens"] == len(cut)
+
+
+def test_sampling_is_deterministic_given_the_seed():
+    v = 8
+    target, mid, draft = tables(v)
+    dec = ChainDecoder([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], mu=[3])
+    sp = SamplingParams(temperature=1.0, top_p=0.9)
+    a = dec.generate([1, 2], 30, sp, seed=7).token_ids
+    assert dec.generate([1, 2], 30, sp, seed=7).token_ids == a
+    assert any(dec.generate([1, 2], 30, sp, seed=s).token_ids != a for s in range(8, 11))
+
+
+# -- the exact target distribution at T > 0 ------------------------------------------------------------------------
+
+
+def chi2_critical(df: int, alpha: float) -> float:
+    """Upper alpha quantile of chi-square(df) (Wilson-Hilferty approximation)."""
+    z = NormalDist().inv_cdf(1 - alpha)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def exact_joint(target: TableLevel, prompt: list[int], sp: SamplingParams, depth: int = 3) -> torch.Tensor:
+    """P(x1..x_depth | prompt) under the warped target, flattened [V ** depth] in itertools.product order."""
+    v = target.vocab_size
+    out = []
+    for xs in itertools.product(range(v), repeat=depth):
+        prob = 1.0
+        for j in range(depth):
+            row = warp(target.next_logits(prompt + list(xs[:j])), sp.temperature, sp.top_p, sp.top_k)
+            prob *= float(row[xs[j]])
+        out.append(prob)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def chi2_against(dec: ChainDecoder, target: TableLevel, prompt, sp, n: int, seed0: int = 0) -> tuple[float, float]:
+    """(Pearson statistic, critical value at alpha = 1e-3) of the first 3 generated tokens over n seeded runs;
+    cells with expected count < 5 are pooled into one."""
+    v = target.vocab_size
+    counts = torch.zeros(v ** 3, dtype=torch.float64)
+    for s in range(n):
+        a, b, c = dec.generate(prompt, 3, sp, seed=seed0 + s).token_ids
+        counts[(a * v + b) * v + c] += 1
+    probs = exact_joint(target, prompt, sp)
+    expected = probs * n
+    big = expected >= 5
+    e = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    o = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    assert not (o[e == 0] > 0).any(), "a token sequence the warped target gives probability 0 was generated"
+    keep = e > 0
+    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    return stat, chi2_critical(int(keep.sum()) - 1, 1e-3)
+
+
+V_DIST = 4
+
+
+def dist_levels(n_levels: int):
+    """Target (order 2), a verifier near it, and a draft unrelated to both: plenty of rejections at every level."""
+    target, mid, _ = tables(V_DIST, seed=11)
+    draft = torch.randn(V_DIST, V_DIST, generator=torch.Generator().manual_seed(99)) * 2.0
+    t = TableLevel(target, "t", 2)
+    levels = {2: [t, TableLevel(draft, "d")],
+              3: [t, TableLevel(mid, "m", 2), TableLevel(draft, "d")]}[n_levels]
+    return t, levels
+
+
+@pytest.mark.parametrize("n_levels, sp, mu", [
+    (2, SamplingParams(temperature=1.0), None),
+    (3, SamplingParams(temperature=1.0), [2]),
+    (3, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [3]),
+])
+def test_output_distribution_is_the_warped_target(n_levels, sp, mu):
+    t, levels = dist_levels(n_levels)
+    dec = ChainDecoder(levels, draft_k=2, mu=mu, max_seq_len=16)
+    stat, crit = chi2_against(dec, t, [1], sp, n=1000)
+    assert stat < crit, (stat, crit)
+
+
+@pytest.mark.parametrize("n_levels, mu", [(2, None), (3, [2])])
+def test_wrong_residual_fails_the_same_check(monkeypatch, n_levels, mu):
+    """Resampling from p instead of normalise(max(0, p - q)) at a rejection biases the output: the test has power."""
+    t, levels = dist_levels(n_levels)
+    monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    dec = ChainDecoder(levels, draft_k=2, mu=mu, max_seq_len=16)
+    stat, crit = chi2_against(dec, t, [1], SamplingParams(temperature=1.0), n=1000)
+    assert stat > crit, (stat, crit)
+
+
+# -- features for an EAGLE-style draft ---------------------------------------------------------------------------
+
+
+def test_feature_draft_gets_true_features_and_matches_ar():
+    v = 8
+    target, mid, draft = tables(v, seed=3)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(v, v, generator=g) * 0.3
+    prompt = [1, 2, 3]
+    ar = _greedy_ar(target, prompt, 30, v)
+    for above in ([TableLevel(target, "t", 2)], [TableLevel(target, "t", 2), TableLevel(mid, "m", 2)]):
+        head = FeatureLevel(draft, w)
+        head.first_token = prompt[0]
+        dec = ChainDecoder(above + [head], draft_k=3, mu=[4] if len(above) == 2 else None)
+        r = dec.generate(prompt, 30)
+        assert r.token_ids == ar
+        stats = r.level_stats
+        assert stats[-2].catch_up_passes == 1 and sum(s.catch_up_passes for s in stats) == 1  # only the prompt
+        assert head.calls[0][0] == 1 and head.calls[0][1] == prompt  # the first forward covers the prompt
+        n_own = n_true = n_redone = 0
+        own_at: set[int] = set()  # positions whose current head entry was made from an own predicted feature
+        for start, context, feats in head.calls:
+            n_redone += sum(p >= start for p in own_at)  # entries rebuilt (from true features, checked below)
+            own_at = {p for p in own_at if p < start}
+            for j, f in enumerate(feats):
+                p = start + j  # the input at position p pairs token context[p] with the feature of position p - 1
+                if any(torch.equal(f, lv.next_logits(context[:p])) for lv in above):
+                    n_true += 1  # a level above's hidden state for exactly this context
+                    continue
+                assert j == 0 and (f > 500).all(), (start, j)  # own predicted features only as a forward's first row
+                n_own += 1
+                own_at.add(p)
+        assert n_true > 0 and n_redone > 0
+        assert n_own > 0  # fresh drafts do run on the head's own predicted features
+
+
+def test_feature_draft_with_one_token_prompt_proposes_nothing_first():
+    v = 8
+    target, _, draft = tables(v, seed=4)
+    head = FeatureLevel(draft, torch.zeros(v, v))
+    r = ChainDecoder([TableLevel(target, "t", 2), head], draft_k=3).generate([5], 10)
+    assert r.token_ids == _greedy_ar(target, [5], 10, v)
+    assert r.level_stats[0].accept_lengths[0] == 1 and r.level_stats[0].catch_up_passes == 0
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_raises():
+    v = 8
+    target, mid, draft = tables(v)
+    dec = ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], max_seq_len=16)
+    with pytest.raises(PolyspecError, match="temperature"):
+        dec.generate([1], 4, SamplingParams(temperature=-1.0))
+    with pytest.raises(PolyspecError, match="top_p"):
+        dec.generate([1], 4, SamplingParams(temperature=1.0, top_p=0.0))
+    with pytest.raises(PolyspecError, match="top_p"):
+        dec.generate([1], 4, SamplingParams(temperature=1.0, top_p=1.01))
+    with pytest.raises(PolyspecError, match="top_k"):
+        dec.generate([1], 4, SamplingParams(top_k=-2))
+    with pytest.raises(PolyspecError, match="max_seq_len"):
+        dec.generate([1] * 10, 7)
+    dec.generate([1] * 10, 6)  # exactly max_seq_len is fine
+    with pytest.raises(PolyspecError, match="non-empty"):
+        dec.generate([], 4)
+    with pytest.raises(PolyspecError, match="max_new_tokens"):
+        dec.generate([1], 0)
+    with pytest.raises(PolyspecError, match="mu"):
+        ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], mu=[4])
+    with pytest.raises(PolyspecError, match="mu"):
+        ChainDecoder([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], mu=[0])
+    with pytest.raises(PolyspecError, match="draft_k"):
+        ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_k=0)
+    with pytest.raises(PolyspecError, match="bottom"):
+        ChainDecoder([TableLevel(target, "t", 2), FeatureLevel(draft, torch.zeros(v, v)), TableLevel(draft, "d")])
+    with pytest.raises(PolyspecError, match="at least one"):
+        ChainDecoder([])
+    other = TableLevel(torch.zeros(5, 5), "small-vocab")
+    with pytest.raises(PolyspecError, match="vocabulary"):
+        ChainDecoder([TableLevel(target, "t", 2), other]).generate([1], 4)
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([1, 2, 3], [1, 5, 3]) == 1
+    assert common_prefix([], [1]) == 0
+    a = list(range(100))
+    b = a[:63] + [-1] + a[64:]
+    assert common_prefix(a, b) == 63
+
+
+# -- the engine adapters on tiny random Llamas ---------------------------------------------------------------------
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+needs_model = pytest.mark.skipif(not _has_module("polyspec.decode.model"),
+                                 reason="polyspec.decode.model (the engine's Transformer) does not exist yet")
+needs_head = pytest.mark.skipif(not _has_module("polyspec.decode.head"),
+                                reason="polyspec.decode.head (EagleHead) does not exist yet")
+needs_int4 = pytest.mark.skipif(not _has_module("polyspec.decode.int4"),
+                                reason="polyspec.decode.int4 (quantize_model_rtn) does not exist yet")
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny random Llama target, its RTN int4 copy, a second random Llama (same vocab) and a random EagleHead."""
+    from conftest import make_tiny_llama
+
+    from polyspec.decode.model import Transformer
+
+    root = tmp_path_factory.mktemp("chain_llamas")
+    target = Transformer.from_pretrained(make_tiny_llama(root / "t", seed=0, tokenizer=None)).eval()
+    other = Transformer.from_pretrained(make_tiny_llama(root / "o", seed=1, tokenizer=None)).eval()
+    out = {"target": target, "other": other}
+    if _has_module("polyspec.decode.int4"):
+        from polyspec.decode.int4 import quantize_model_rtn
+
+        out["int4"] = quantize_model_rtn(Transformer.from_pretrained(root / "t").eval(), group_size=128)
+    if _has_module("polyspec.decode.head"):
+        from polyspec.decode.head import EagleHead
+
+        torch.manual_seed(0)
+        out["head"] = EagleHead(target.args, target.embed_tokens, target.lm_head).eval()
+    return out
+
+
+def _kv_matches_fresh(model, tokens: list[int]) -> None:
+    """The model's K/V cache up to cache_len equals a fresh forward over the tokens it should hold."""
+    n = model.cache_len
+    assert n <= len(tokens)
+    fresh = copy.deepcopy(model)
+    fresh.setup_cache(64)
+    with torch.inference_mode():
+        fresh(torch.tensor(tokens[:n]))
+    for k_live, k_new, v_live, v_new in zip(model._cache.k, fresh._cache.k, model._cache.v, fresh._cache.v,
+                                            strict=True):
+        torch.testing.assert_close(k_live[:, :, :n], k_new[:, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v_live[:, :, :n], v_new[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
+@needs_model
+def test_engine_greedy_dual_and_chain_equal_ar(tiny_models):
+    from polyspec.decode.levels import ModelLevel
+
+    t, o = tiny_models["target"], tiny_models["other"]
+    prompt = [5, 17, 230, 9, 77]
+    ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 24)
+    assert len(ar.token_ids) == 24
+    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(o, "o")], draft_k=3, max_seq_len=64).generate(prompt, 24)
+    assert r.token_ids == ar.token_ids
+    _kv_matches_fresh(t, prompt + r.token_ids)
+    _kv_matches_fresh(o, prompt + r.token_ids)
+    # A copy of the target as the draft: everything accepted (the cached block forward agrees with AR). The same
+    # module cannot be two levels (each level owns its cache).
+    with pytest.raises(PolyspecError, match="twice"):
+        ChainDecoder([ModelLevel(t, "t"), ModelLevel(t, "t-again")])
+    twin = copy.deepcopy(t)
+    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft_k=3, max_seq_len=64).generate(prompt, 24)
+    assert r.token_ids == ar.token_ids
+    assert r.level_stats[0].accept_lengths == [4] * 6
+
+
+@needs_model
+@needs_int4
+@needs_head
+def test_engine_chain_with_int4_and_eagle_head_equals_ar(tiny_models):
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t, q, o, h = (tiny_models[k] for k in ("target", "int4", "other", "head"))
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 20).token_ids
+    for levels, kw in [
+        ([ModelLevel(t, "t"), HeadLevel(h, "head")], {"draft_k": 4}),
+        ([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], {"draft_k": 3, "mu": [4]}),
+        ([ModelLevel(t, "t"), ModelLevel(q, "int4"), ModelLevel(o, "other"), HeadLevel(h, "head")],
+         {"draft_k": 2, "mu": [4, 2]}),
+    ]:
+        r = ChainDecoder(levels, max_seq_len=64, **kw).generate(prompt, 20)
+        assert r.token_ids == ar, r.stats
+        seq = prompt + r.token_ids
+        for lv in levels[:-1]:
+            _kv_matches_fresh(lv.model, seq)
+        assert h.cache_len <= len(seq) - 1
+    # the int4 copy mostly agrees with its target: blocks do get accepted
+    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4")], draft_k=4, max_seq_len=64).generate(prompt, 20)
+    assert r.token_ids == ar and max(r.level_stats[0].accept_lengths) > 1
+
+
+@needs_model
+@needs_head
+def test_engine_sampling_runs_and_is_deterministic(tiny_models):
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t, o, h = tiny_models["target"], tiny_models["other"], tiny_models["head"]
+    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(o, "o"), HeadLevel(h, "head")], draft_k=3, mu=[3],
+                       max_seq_len=64)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50)
+    a = dec.generate([1, 2, 3], 16, sp, seed=4)
+    b = dec.generate([1, 2, 3], 16, sp, seed=4)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 16
+    assert a.stats["tokens_per_second"] > 0 and a.stats["beta"] > 0

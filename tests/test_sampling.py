@@ -1,0 +1,178 @@
+"""The sampling maths: warp (temperature / top-k / top-p), sample, residual, exact speculative verification."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import pytest
+import torch
+
+from polyspec.decode import sampling
+from polyspec.decode.sampling import check_sampling, residual, sample, verify_block, warp
+from polyspec.errors import PolyspecError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: intra-op threads only add overhead (and jitter) here."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def chi2_critical(df: int, alpha: float) -> float:
+    """Upper alpha quantile of chi-square(df) (Wilson-Hilferty approximation)."""
+    z = NormalDist().inv_cdf(1 - alpha)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic of counts [K] against probs [K]; cells with expected count < 5 are pooled."""
+    n = counts.sum().item()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = counts.double()
+    e = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    o = torch.cat([obs[big], obs[~big].sum().reshape(1)])
+    keep = e > 0
+    if (o[~keep] > 0).any():
+        return float("inf"), 1
+    e, o = e[keep], o[keep]
+    return float(((o - e) ** 2 / e).sum()), int(keep.sum()) - 1
+
+
+# -- warp -------------------------------------------------------------------------------------------------------
+
+
+def test_warp_greedy_is_one_hot_lowest_index_on_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, -1.0, 5.0, 5.0]])
+    probs = warp(logits, 0.0)
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
+def test_warp_temperature_is_softmax_of_scaled_logits_and_keeps_float64():
+    logits = torch.randn(3, 7, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(warp(logits, 0.7), torch.softmax(logits / 0.7, dim=-1))
+    p64 = warp(logits.double(), 1.3)
+    assert p64.dtype == torch.float64
+    torch.testing.assert_close(p64.sum(-1), torch.ones(3, dtype=torch.float64))
+    assert warp(logits.half(), 1.0).dtype == torch.float32
+
+
+def test_warp_top_k_keeps_the_k_largest_and_ties_at_the_boundary():
+    logits = torch.tensor([0.0, 2.0, 1.0, 3.0, 1.0])
+    p = warp(logits, 1.0, top_k=2)
+    assert (p > 0).tolist() == [False, True, False, True, False]
+    torch.testing.assert_close(p[[1, 3]], torch.softmax(torch.tensor([2.0, 3.0]), 0))
+    p3 = warp(logits, 1.0, top_k=3)  # the 3rd largest (1.0) is tied: both kept
+    assert (p3 > 0).tolist() == [False, True, True, True, True]
+    torch.testing.assert_close(warp(logits, 1.0, top_k=5), warp(logits, 1.0))
+
+
+def test_warp_top_p_keeps_the_smallest_set_reaching_the_mass():
+    probs = torch.tensor([0.1, 0.5, 0.15, 0.25])
+    logits = probs.log()
+    p = warp(logits, 1.0, top_p=0.7)  # 0.5 + 0.25 = 0.75 >= 0.7: keep tokens 1 and 3
+    torch.testing.assert_close(p, torch.tensor([0.0, 0.5 / 0.75, 0.0, 0.25 / 0.75]))
+    p = warp(logits, 1.0, top_p=0.75 + 1e-4)  # needs the third token too
+    assert (p > 0).tolist() == [False, True, True, True]
+    p = warp(logits, 1.0, top_p=0.01)  # the most likely token always stays
+    assert p.tolist() == [0.0, 1.0, 0.0, 0.0]
+    # top-k applies before top-p
+    p = warp(logits, 1.0, top_k=3, top_p=0.6)  # renormalised top-3: 0.5/0.9=0.56, then 0.25/0.9 -> keep 2
+    assert (p > 0).tolist() == [False, True, False, True]
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1.0, "top_p": 0.0}, "top_p"), ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+    ({"temperature": 1.0, "top_k": -1}, "top_k"), ({"temperature": 1.0, "top_k": 2.5}, "top_k"),
+])
+def test_bad_sampling_parameters_raise(kwargs, what):
+    with pytest.raises(PolyspecError, match=what):
+        warp(torch.zeros(4), **kwargs)
+    with pytest.raises(PolyspecError, match=what):
+        check_sampling(**kwargs)
+
+
+# -- sample / residual ------------------------------------------------------------------------------------------
+
+
+def test_sample_is_deterministic_never_picks_zero_mass_and_matches_probs():
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = [sample(probs, g) for _ in range(4000)]
+    g2 = torch.Generator().manual_seed(0)
+    assert draws[:50] == [sample(probs, g2) for _ in range(50)]
+    counts = torch.bincount(torch.tensor(draws), minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    stat, df = chi2_stat(counts, probs)
+    assert stat < chi2_critical(df, 1e-3)
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+
+
+def test_sample_rounding_at_the_top_of_the_cdf_stays_on_support(monkeypatch):
+    monkeypatch.setattr(sampling, "uniform", lambda gen, n=None: torch.tensor(1.0, dtype=torch.float64))
+    assert sample(torch.tensor([0.3, 0.7, 0.0, 0.0]), torch.Generator()) == 1
+
+
+def test_residual():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.2, 0.6, 0.1, 0.1])
+    torch.testing.assert_close(residual(p, q), torch.tensor([0.75, 0.0, 0.25, 0.0]))
+    torch.testing.assert_close(residual(p, p), p)  # p == q: falls back to p
+    onehot_p, onehot_q = torch.tensor([0.0, 1.0, 0.0]), torch.tensor([1.0, 0.0, 0.0])
+    assert residual(onehot_p, onehot_q).tolist() == [0.0, 1.0, 0.0]
+    rows = residual(torch.stack([p, p]), torch.stack([q, p]))  # batched rows
+    torch.testing.assert_close(rows, torch.stack([residual(p, q), p]))
+
+
+# -- verify_block -----------------------------------------------------------------------------------------------
+
+
+def test_verify_block_scripted_cases():
+    g = torch.Generator().manual_seed(0)
+    v = 5
+    q = torch.full((3, v), 1.0 / v)
+    # p == q: everything accepted, bonus from p[3] (one-hot -> token 4)
+    p = torch.cat([q, torch.eye(v)[4:5]])
+    for _ in range(20):
+        assert verify_block(p, q, [0, 3, 2], g) == (3, 4)
+    # p has no mass on the second token: rejected there, correction from residual = one-hot 1
+    p = torch.tensor([[0.2] * 5, [0.0, 1.0, 0.0, 0.0, 0.0], [0.2] * 5, [0.2] * 5])
+    for _ in range(20):
+        assert verify_block(p, q, [0, 3, 2], g) == (1, 1)
+    # greedy one-hot rows: acceptance is argmax matching
+    eye = torch.eye(v)
+    p = eye[[1, 2, 3, 0]]
+    assert verify_block(p, eye[[1, 2, 4]], [1, 2, 4], g) == (2, 3)
+    assert verify_block(p, eye[[1, 2, 3]], [1, 2, 3], g) == (3, 0)
+    assert verify_block(p, eye[[4, 2, 3]], [4, 2, 3], g) == (0, 1)
+    # empty block: one sample from p[0]
+    assert verify_block(eye[[2]], torch.zeros(0, v), [], g) == (0, 2)
+    with pytest.raises(ValueError, match="rows"):
+        verify_block(eye[[1, 2]], eye[[1, 2]], [1, 2], g)
+
+
+def test_verify_block_first_token_has_the_verifier_law_and_wrong_residual_does_not(monkeypatch):
+    """One proposed token x ~ q; the emitted first token must be distributed as p exactly."""
+    p = torch.tensor([0.1, 0.6, 0.25, 0.05])
+    q = torch.tensor([0.4, 0.1, 0.2, 0.3])
+    nxt = torch.full((4,), 0.25)
+
+    def emitted(n: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        counts = torch.zeros(4, dtype=torch.long)
+        for _ in range(n):
+            x = sample(q, g)
+            n_acc, y = verify_block(torch.stack([p, nxt]), q[None], [x], g)
+            counts[x if n_acc == 1 else y] += 1
+        return counts
+
+    stat, df = chi2_stat(emitted(3000, 1), p)
+    assert stat < chi2_critical(df, 1e-3)
+    monkeypatch.setattr(sampling, "residual", lambda p_, q_: p_)  # the classic bug: resample from p
+    stat, df = chi2_stat(emitted(3000, 1), p)
+    assert stat > chi2_critical(df, 1e-3)

@@ -85,6 +85,21 @@ def cmd_theory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train (or find, when its inputs are unchanged) the recipe's EAGLE draft head; print its folder and metrics."""
+    from polyspec.train.__main__ import main as train_main
+
+    extra = ["--no-progress"] if args.no_progress else []
+    return train_main([str(args.recipe), *args.overrides, *extra])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a chain folder over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics)."""
+    from polyspec.export import serve
+
+    return serve.run(args)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from a chain folder (validated first) in ar, dual or chain mode; exactly the target's distribution."""
     from polyspec.decode.sampling import check_sampling
@@ -150,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe(verb("validate", cmd_validate))
     _add_recipe(verb("prepare", cmd_prepare))
     _add_recipe(verb("run", cmd_run))
+
+    p = verb("train", cmd_train)
+    _add_recipe(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    from polyspec.export import serve as _serve  # light: no fastapi/torch at import
+
+    _serve.configure_parser(verb("serve", cmd_serve))
 
     p = verb("generate", cmd_generate)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")

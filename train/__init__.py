@@ -1,1 +1,10 @@
-"""polyspec.train: EAGLE-style draft heads trained on ShareGPT (issue: train/). Not implemented yet."""
+"""polyspec.train: EAGLE-style draft heads trained on ShareGPT with Lightning (the chain's bottom level).
+
+``train_stage(recipe, tracker=None) -> Path`` trains (or finds) the head for a recipe and returns its folder;
+``python -m polyspec.train RECIPE [a.b=v ...]`` runs it from the shell. Lightning is imported only when training
+starts (see :mod:`polyspec.train.stage`).
+"""
+
+from polyspec.train.stage import train_stage
+
+__all__ = ["train_stage"]

@@ -1,0 +1,310 @@
+"""The OpenAI wire format of ``polyspec serve``: strict request models, error bodies, response and stream-chunk objects,
+and the text side of an answer (incremental detokenisation, stop strings). Pure functions; no web framework here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOPS = 4  # OpenAI's limit on stop sequences
+
+
+class ApiError(Exception):
+    """A request that gets an OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# requests
+
+
+class _Strict(BaseModel):
+    """Unknown fields, wrong JSON types (no "1" for 1, no true for 1) and NaN/inf are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]  # a string, or OpenAI's content parts (text parts only; joined)
+
+    def as_template_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints take. None = the chain's decode default (from its manifest)."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, description="0 = greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="a 64-bit integer")
+    n: int = Field(1, description="only 1 (batch-1 engine)")
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported (one answer per request)")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="newer name of max_tokens")
+
+    def token_budget(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, "max_tokens and max_completion_tokens disagree; send one of them", param="max_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str = Field(min_length=1)
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+
+def parse_request(raw: bytes, model: type[_Sampling]) -> Any:
+    """Body bytes -> a validated request, or an ApiError (400) naming the field and what is wrong with it."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc, model) from None
+
+
+_UNION_TAGS = {"str": "a string", "list[str]": "a list of strings",
+               "list[TextPart]": "a list of text parts ({'type': 'text', 'text': ...})"}
+
+
+def _validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    parts = [str(p) for p in first["loc"]]
+    tag = next((i for i, p in enumerate(parts) if p in _UNION_TAGS), None)
+    loc = ".".join(parts if tag is None else parts[:tag])
+    if first["type"] == "extra_forbidden":
+        known = ", ".join(sorted(model.model_fields))
+        if len(parts) > 1:  # an unknown key inside a nested object (a message, stream_options)
+            return ApiError(400, f"unknown field '{loc}'", param=loc, code="unknown_field")
+        return ApiError(400, f"unknown field '{loc}'; supported fields: {known}", param=loc, code="unknown_field")
+    if first["type"] == "missing" and tag is None:
+        return ApiError(400, f"'{loc}' is required", param=loc, code="missing_field")
+    if tag is not None:  # one value, several accepted forms: name them all
+        forms = []
+        for e in errors:
+            ps = [str(p) for p in e["loc"]]
+            if ps[:tag] == parts[:tag] and len(ps) > tag and ps[tag] in _UNION_TAGS:
+                forms.append(_UNION_TAGS[ps[tag]])
+        value = _value_at(exc, parts[:tag])
+        msg = "expected " + " or ".join(dict.fromkeys(forms))
+    else:
+        msg = first["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        value = first.get("input")
+    shown = "" if isinstance(value, (dict, list)) or value is _NOTHING else f" (got {value!r})"
+    return ApiError(400, f"invalid '{loc}': {msg}{shown}", param=loc, code="invalid_value")
+
+
+_NOTHING = object()
+
+
+def _value_at(exc: ValidationError, path: list[str]) -> object:
+    """The offending value at ``path`` when pydantic reported it (only for scalar inputs), else _NOTHING."""
+    for e in exc.errors(include_url=False):
+        ps = [str(p) for p in e["loc"]]
+        if ps[:len(path)] == path and len(ps) == len(path) + 1 and not isinstance(e.get("input"), (dict, list)):
+            return e.get("input")
+    return _NOTHING
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the text of an answer
+
+
+def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """One text piece per generated token ("" while a multi-byte character is incomplete, and for special tokens);
+    the pieces concatenate to the decoded text. Decodes a short window per token (O(n)), never the whole prefix."""
+    pieces: list[str] = []
+    prefix, read = 0, 0  # window start, and the end of what has been emitted
+    for i in range(len(token_ids)):
+        before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True)
+        now = tokenizer.decode(token_ids[prefix:i + 1], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            pieces.append(now[len(before):])
+            prefix, read = read, i + 1
+        else:
+            pieces.append("")
+    if read < len(token_ids):  # an incomplete character at the very end: emit what the tokenizer makes of it
+        tail = tokenizer.decode(token_ids[prefix:], skip_special_tokens=True)
+        before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True)
+        pieces[-1] += tail[len(before):]
+    return pieces
+
+
+@dataclass
+class Answer:
+    """The text of one answer, cut at a stop string when one appears."""
+
+    pieces: list[str]  # per emitted token (after the stop cut)
+    finish_reason: Literal["stop", "length"]
+    completion_tokens: int
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def make_answer(pieces: list[str], token_ids: list[int], eos: set[int], stops: list[str], max_tokens: int) -> Answer:
+    """finish_reason "stop" for an EOS token or a stop string (the text ends before it), "length" for a full budget.
+    completion_tokens counts the tokens up to and including the one that completed the stop string."""
+    if stops:
+        text, cut = "", None
+        for i, piece in enumerate(pieces):
+            start = max(0, len(text) - max(len(s) for s in stops))  # a stop may straddle pieces
+            text += piece
+            hits = [text.find(s, start) for s in stops]
+            hits = [h for h in hits if h >= 0]
+            if hits:
+                cut = (i, min(hits))
+                break
+        if cut is not None:
+            i, pos = cut
+            kept = text[:pos]
+            out, used = [], 0
+            for piece in pieces[:i + 1]:
+                take = piece[:max(0, len(kept) - used)]
+                out.append(take)
+                used += len(take)
+            return Answer(out, "stop", i + 1)
+    ended = bool(token_ids) and token_ids[-1] in eos
+    reason: Literal["stop", "length"] = "stop" if ended or len(token_ids) < max_tokens else "length"
+    return Answer(list(pieces), reason, len(token_ids))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# response objects
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_object(kind: Literal["chat", "text"], rid: str, model: str, answer: Answer, prompt_tokens: int,
+                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A whole (non-streamed) chat.completion or text_completion object."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
+                  "finish_reason": answer.finish_reason}
+    else:
+        choice = {"index": 0, "text": answer.text, "logprobs": None, "finish_reason": answer.finish_reason}
+    obj = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+           "created": int(time.time()), "model": model, "choices": [choice],
+           "usage": usage(prompt_tokens, answer.completion_tokens)}
+    if extra:
+        obj.update(extra)
+    return obj
+
+
+def stream_chunks(kind: Literal["chat", "text"], rid: str, model: str, answer: Answer, prompt_tokens: int,
+                  include_usage: bool = False) -> list[dict[str, Any]]:
+    """The chunk objects of a streamed answer in OpenAI's order: (chat: a role chunk), one chunk per non-empty token
+    piece, a last chunk carrying finish_reason, (include_usage: a chunk with empty choices and the usage)."""
+    created = int(time.time())
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(delta: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
+        if kind == "chat":
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+        c = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    out = [chunk({"role": "assistant", "content": ""}, None)] if kind == "chat" else []
+    out += [chunk({"content": p} if kind == "chat" else p, None) for p in answer.pieces if p]
+    out.append(chunk({} if kind == "chat" else "", answer.finish_reason))
+    if include_usage:
+        out.append({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                    "usage": usage(prompt_tokens, answer.completion_tokens)})
+    return out
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(obj, separators=(',', ':'), allow_nan=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def finite(x: float) -> float | None:
+    """JSON has no inf/nan: report those as null."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None

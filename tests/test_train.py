@@ -1,0 +1,271 @@
+"""polyspec.train: EAGLE alignment and losses, pickle-free checkpoints, tiny training runs (online and offline),
+resume after a kill, the offline cache and its budget, DeepSpeed refusal, and Lightning DDP with 2 gloo processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import ASSETS, REPO, make_tiny_llama
+
+from polyspec.config import validate_tree
+from polyspec.errors import PolyspecError
+from polyspec.train.ckpt_io import load_tree, save_tree
+from polyspec.train.losses import eagle_losses, expected_acceptance_length, shift_for_head, warmup_linear_decay
+
+SAMPLE = ASSETS / "sharegpt_sample.json"
+
+
+def _tree(tmp: Path, model: Path, **train) -> dict:
+    base = {"features": "online", "epochs": 2, "max_steps": None, "batch_size": 2, "lr": 2e-3, "warmup_steps": 1,
+            "checkpoint_every": 2, "feature_noise": 0.0}
+    base.update(train)
+    return {"workdir": str(tmp / "wd"), "target": {"source": str(model), "device": "cpu"},
+            "data": {"source": str(SAMPLE), "max_length": 96, "heldout_fraction": 0.25},
+            "tracking": {"enabled": False}, "train": base}
+
+
+def _recipe(tmp: Path, model: Path, **train):
+    return validate_tree(_tree(tmp, model, **train), "test")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("train_tiny"), hidden=64, intermediate=128, heads=4, kv_heads=2)
+
+
+def _info(head_dir: Path) -> dict:
+    return json.loads((head_dir / "training.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# pure functions
+
+
+def test_shift_for_head_follows_the_eagle_alignment():
+    ids = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 0, 0]])  # [B=2, T=5], row 1 padded after 3 tokens
+    feats = torch.arange(2 * 5 * 1, dtype=torch.float32).view(2, 5, 1)  # f_t = a distinct number per position
+    logits = torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)
+    mask = torch.tensor([[0, 0, 1, 1, 0], [1, 1, 1, 1, 1]])  # row 1: even a mask on padding must not count
+    s = shift_for_head(ids, feats, logits, mask, torch.tensor([5, 3]))
+    assert s["head_ids"].tolist() == [[11, 12, 13, 14], [21, 22, 0, 0]]  # row t reads x_{t+1}
+    assert s["head_features"][0, :, 0].tolist() == [0, 1, 2, 3]  # ... and f_t
+    assert s["target_features"][0, :, 0].tolist() == [1, 2, 3, 4]  # predicts f_{t+1}
+    assert torch.equal(s["target_logits"][0], logits[0, 1:])  # teacher's distribution of x_{t+2}
+    # row t counts when x_{t+2} is an assistant token; the last real row takes the mask of the last token
+    assert s["weight"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
+
+
+def test_losses_agreement_and_acceptance_formula():
+    torch.manual_seed(0)
+    hid, logits = torch.randn(2, 4, 8), torch.randn(2, 4, 16)
+    w = torch.tensor([[1.0, 1, 0, 1], [0, 1, 1, 1]])
+    same = eagle_losses(logits, hid, hid, logits, w)
+    assert float(same["feature"]) == 0.0 and float(same["correct"]) == float(same["count"]) == 6.0
+    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    assert math.isclose(float(same["token"]), float((entropy * w).sum() / 6), rel_tol=1e-5)
+    other = eagle_losses(-logits, hid + 1.0, hid, logits, w)
+    assert float(other["feature"]) == pytest.approx(0.5) and float(other["correct"]) == 0.0  # SmoothL1(1) = 0.5
+    assert float(other["token"]) > float(same["token"])
+    assert expected_acceptance_length(0.0, 4) == 1.0
+    assert expected_acceptance_length(1.0, 4) == 5.0
+    assert expected_acceptance_length(0.5, 2) == pytest.approx(1.75)
+    assert [warmup_linear_decay(s, 2, 6) for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+
+
+def test_checkpoint_tree_round_trip_without_pickle(tmp_path):
+    tree = {"state_dict": {"a.weight": torch.randn(3, 2)}, "optimizer_states": [{"state": {0: {"step": torch.tensor(
+        3.0), "exp_avg": torch.ones(2)}}, "param_groups": [{"params": [0], "betas": (0.9, 0.95), "lr": 1e-3}]}],
+        "epoch": 1, "best": None, "score": float("inf"), "name": "x"}
+    path = save_tree(tree, tmp_path / "step-00000003.ckpt")
+    back = load_tree(path)
+    assert torch.equal(back["state_dict"]["a.weight"], tree["state_dict"]["a.weight"])
+    assert back["optimizer_states"][0]["state"][0]["step"].item() == 3.0  # int keys survive
+    assert back["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.95)  # tuples survive
+    assert back["score"] == float("inf") and back["best"] is None and back["epoch"] == 1
+    assert path.read_bytes()[:8] != b"\x80\x04\x95"[:8]  # not a pickle stream
+    with pytest.raises(PolyspecError, match="without pickling"):
+        save_tree({"bad": object()}, tmp_path / "bad.ckpt")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# refusals before any work
+
+
+def test_deepspeed_without_cuda_is_refused_before_any_work(tmp_path, tiny_model, monkeypatch):
+    from polyspec.train import train_stage
+    from polyspec.train.stage import runtime_settings
+
+    tree = _tree(tmp_path, tiny_model, strategy="deepspeed_stage_2")
+    tree["target"]["device"] = "auto"
+    recipe = validate_tree(tree, "test")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(PolyspecError, match="needs CUDA"):
+        train_stage(recipe, progress=False)
+    assert not (tmp_path / "wd").exists()  # nothing resolved, prepared or written
+    # with CUDA present but without the package, the error names the extra
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a))
+    with pytest.raises(PolyspecError, match=r"\[deepspeed\]"):
+        runtime_settings(recipe.train, "cuda")
+
+
+def test_offline_cache_round_trip_and_budget_refusal(tmp_path, tiny_model):
+    from polyspec.data.prepare import prepare_dataset
+    from polyspec.sources import load_tokenizer, model_id
+    from polyspec.train import train_stage
+    from polyspec.train.features import (
+        CachedFeatureDataset,
+        build_feature_cache,
+        bytes_per_token,
+        load_teacher,
+        teacher_outputs,
+    )
+
+    recipe = _recipe(tmp_path, tiny_model, features="offline", cache_budget_gb=1e-7)
+    with pytest.raises(PolyspecError, match="cache_budget_gb"):
+        train_stage(recipe, progress=False)
+    assert not (tmp_path / "wd" / "cache" / "features").exists()  # refused before writing anything
+
+    tok = load_tokenizer(tiny_model)
+    prepared = prepare_dataset(recipe, tok, tokenizer_id=model_id("local", tiny_model))
+    teacher = load_teacher(tiny_model, torch.float32, "cpu")
+    index = build_feature_cache(teacher, {"train": prepared.train, "heldout": prepared.heldout},
+                                tmp_path / "cache", info={"teacher": "t"}, batch_size=3, shard_bytes=20_000)
+    assert len(index["splits"]["train"]) > 1  # several shards
+    h = teacher.args.hidden_size
+    assert bytes_per_token(h) == 2 * h + 5
+    assert bytes_per_token(h) <= index["bytes_per_token"] < bytes_per_token(h) + 64  # payload + small headers
+    ds = CachedFeatureDataset(tmp_path / "cache", "train")
+    assert len(ds) == len(prepared.train)
+    for i in (0, len(ds) - 1):
+        row = ds[i]
+        assert row["input_ids"].tolist() == prepared.train[i]["input_ids"]
+        assert row["loss_mask"].tolist() == prepared.train[i]["loss_mask"]
+        _, hidden = teacher_outputs(teacher, row["input_ids"][None])
+        assert row["hidden"].dtype == torch.bfloat16
+        torch.testing.assert_close(row["hidden"].float(), hidden[0], atol=0.05, rtol=0.02)
+
+    # a short offline training run reads the same cache format end to end
+    ok = _recipe(tmp_path, tiny_model, features="offline", max_steps=3, epochs=1)
+    out = train_stage(ok, progress=False)
+    info = _info(out)
+    assert info["steps"] == 3 and info["offline_cache"]["bytes_per_token"] >= bytes_per_token(h)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# training runs
+
+
+def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_path, tiny_model):
+    import lightning as L
+    from mlflow import MlflowClient
+
+    from polyspec.decode.head import load_head, read_head_config
+    from polyspec.decode.model import Transformer
+    from polyspec.sources import model_id
+    from polyspec.tracking import start_run
+    from polyspec.train import train_stage
+
+    tree = _tree(tmp_path, tiny_model, max_steps=24, epochs=20, checkpoint_every=50)
+    tree["tracking"] = {"enabled": True, "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "t"}
+    recipe = validate_tree(tree, "test")
+    with start_run(recipe, "train") as tracker:
+        out = train_stage(recipe, tracker=tracker, progress=False, log_every=1)
+    info = _info(out)
+    assert info["steps"] == 24
+    evals = [e["heldout/loss"] for e in info["eval_history"]]
+    assert len(evals) >= 2 and evals[-1] < evals[0]
+    assert 0.0 <= info["heldout_top1_agreement"] <= 1.0
+    alpha = info["heldout_top1_agreement"]
+    assert info["acceptance_length_estimate"] == pytest.approx(expected_acceptance_length(alpha, 4))
+
+    cfg = read_head_config(out)
+    assert cfg["target"]["model_id"] == model_id("local", tiny_model) and cfg["target"]["hash"]
+    target = Transformer.from_pretrained(tiny_model)
+    head = load_head(out, target)
+    assert head.args.hidden_size == target.args.hidden_size
+
+    client = MlflowClient(tracking_uri=recipe.tracking.uri)
+    run = client.get_run(tracker.run_id)
+    for name in ("train/feature_loss", "train/token_loss", "train/loss", "lr", "tokens_per_second",
+                 "heldout/top1_agreement", "heldout/acceptance_length_estimate"):
+        assert name in run.data.metrics, name
+    def history(name: str) -> list[float]:
+        return [m.value for m in sorted(client.get_metric_history(tracker.run_id, name), key=lambda m: m.step)]
+
+    losses, feature = history("train/loss"), history("train/feature_loss")
+    assert len(losses) == 24
+    # the loss goes down; most of it is the feature part (the token part's floor is the random teacher's entropy)
+    assert sum(losses[-4:]) < 0.95 * sum(losses[:4])
+    assert sum(feature[-4:]) < 0.85 * sum(feature[:4]), feature
+    artifacts = [a.path for a in client.list_artifacts(tracker.run_id, "head")]
+    assert artifacts == [f"head/{out.name}"]
+
+    class MustNotTrain(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            raise AssertionError("a rerun with the same inputs must not train")
+
+    assert train_stage(recipe, progress=False, callbacks=[MustNotTrain()]) == out
+
+
+def test_resume_after_a_kill_ends_with_the_same_step_count(tmp_path, tiny_model):
+    import lightning as L
+
+    from polyspec.train import train_stage
+
+    class Killed(RuntimeError):
+        pass
+
+    class KillAt(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 5:
+                raise Killed("simulated kill")
+
+    class StartStep(L.Callback):
+        seen: list[int] = []
+
+        def on_train_start(self, trainer, pl_module):
+            StartStep.seen.append(trainer.global_step)
+
+    recipe = _recipe(tmp_path, tiny_model, epochs=3, max_steps=None, checkpoint_every=2)
+    with pytest.raises(Killed):
+        train_stage(recipe, progress=False, callbacks=[KillAt()])
+    ckpts = sorted(p.name for p in (tmp_path / "wd" / "train").glob("*/checkpoints/*.ckpt"))
+    assert ckpts == ["step-00000004.ckpt"]
+    out = train_stage(recipe, progress=False, callbacks=[StartStep()])
+    info = _info(out)
+    assert StartStep.seen == [4] and info["resumed_from"].endswith("step-00000004.ckpt")
+
+    fresh = _recipe(tmp_path / "fresh", tiny_model, epochs=3, max_steps=None, checkpoint_every=2)
+    expected = _info(train_stage(fresh, progress=False))["steps"]
+    n_train = json.loads(next((tmp_path / "wd" / "cache" / "data").glob("*/report.json")).read_text())[
+        "train_sequences"]
+    assert expected == 3 * math.ceil(n_train / 2)
+    assert info["steps"] == expected and info["epochs_completed"] == 3
+
+
+def test_lightning_ddp_with_two_gloo_processes(tmp_path, tiny_model):
+    """``python -m polyspec.train`` with strategy ddp, 2 CPU processes: Lightning re-runs the command as rank 1."""
+    tree = _tree(tmp_path, tiny_model, strategy="ddp", devices=2, epochs=1, checkpoint_every=100)
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    proc = subprocess.run([sys.executable, "-m", "polyspec.train", str(path), "--no-progress"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    info = _info(Path(summary["head"]))
+    n_train = json.loads(next((tmp_path / "wd" / "cache" / "data").glob("*/report.json")).read_text())[
+        "train_sequences"]
+    assert info["runtime"]["strategy"] == "ddp" and info["runtime"]["devices"] == "2"
+    assert info["steps"] == math.ceil(math.ceil(n_train / 2) / 2)  # each rank sees half the rows, batch 2
+    assert "heldout_top1_agreement" in info

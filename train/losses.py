@@ -1,0 +1,130 @@
+"""The EAGLE training maths as small pure functions: input alignment, losses, noise, schedule, acceptance estimate.
+
+Alignment (the docstring of :mod:`polyspec.decode.head`): for a sequence x_0..x_{T-1} with teacher features
+f_0..f_{T-1} (f_t = the teacher's final-norm'd hidden state at t, whose logits predict x_{t+1}), head row t
+(t = 0..T-2) reads (token x_{t+1}, feature f_t) and is trained to output f_{t+1} (feature regression) and, through
+the frozen lm_head, the teacher's distribution over x_{t+2}, which is softmax(lm_head(f_{t+1})) — the teacher's own
+next-token distribution at position t+1 (token loss). Row t counts in the loss when the token it predicts, x_{t+2},
+is an assistant token (``loss_mask``); the last row (x_{T} does not exist) takes the mask of x_{T-1}, so a truncated
+assistant turn keeps its last prediction. Padding rows count nowhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def shift_for_head(input_ids: torch.Tensor, features: torch.Tensor, teacher_logits: torch.Tensor,
+                   loss_mask: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Teacher outputs on a padded batch -> the head's inputs and targets (rows t = 0..T-2).
+
+    input_ids [B, T], features [B, T, H], teacher_logits [B, T, V], loss_mask [B, T] (1 on assistant tokens),
+    lengths [B] (real tokens per row; the rest is padding) ->
+    ``head_ids`` [B, T-1] (x_{t+1}), ``head_features`` [B, T-1, H] (f_t), ``target_features`` [B, T-1, H] (f_{t+1}),
+    ``target_logits`` [B, T-1, V] (teacher logits at t+1, predicting x_{t+2}), ``weight`` [B, T-1] float (0/1).
+    """
+    b, t = input_ids.shape
+    pos = torch.arange(t - 1, device=input_ids.device)  # [T-1]
+    lengths = lengths.to(input_ids.device)
+    real = pos[None, :] < (lengths[:, None] - 1)  # [B, T-1]: both t and t+1 are real tokens
+    # mask of the predicted token x_{t+2}; the last real row uses the mask of x_{T-1} (its own target position)
+    pred_pos = torch.minimum(pos[None, :] + 2, lengths[:, None] - 1).clamp(min=0)  # [B, T-1]
+    pred_mask = loss_mask.gather(1, pred_pos.long()).bool()  # [B, T-1]
+    return {
+        "head_ids": input_ids[:, 1:],
+        "head_features": features[:, :-1],
+        "target_features": features[:, 1:],
+        "target_logits": teacher_logits[:, 1:],
+        "weight": (real & pred_mask).float(),
+    }
+
+
+def uniform_noise(x: torch.Tensor, half_width: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """x + U(-half_width, half_width) elementwise (EAGLE's feature noise); x unchanged when half_width is 0."""
+    if half_width <= 0:
+        return x
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)  # [...]
+    return x + ((u * 2 - 1) * half_width).to(x.dtype)
+
+
+def eagle_losses(head_logits: torch.Tensor, head_hidden: torch.Tensor, target_features: torch.Tensor,
+                 target_logits: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Masked EAGLE losses and agreement counts (all computed in float32).
+
+    head_logits [B, N, V], head_hidden [B, N, H], target_features [B, N, H], target_logits [B, N, V], weight [B, N]
+    -> ``feature`` (SmoothL1 of head_hidden vs target_features, mean over H, weighted mean over rows), ``token``
+    (cross-entropy against the teacher's distribution softmax(target_logits), weighted mean over rows),
+    ``correct`` (rows where argmax head == argmax teacher, weighted sum) and ``count`` (sum of weights).
+    """
+    w = weight.float()  # [B, N]
+    count = w.sum()
+    denom = count.clamp(min=1.0)
+    feat = F.smooth_l1_loss(head_hidden.float(), target_features.float(), reduction="none").mean(-1)  # [B, N]
+    teacher_p = torch.softmax(target_logits.float(), dim=-1)  # [B, N, V]
+    logq = torch.log_softmax(head_logits.float(), dim=-1)  # [B, N, V]
+    token = -(teacher_p * logq).sum(-1)  # [B, N]
+    agree = (head_logits.argmax(-1) == target_logits.argmax(-1)).float()  # [B, N]
+    return {
+        "feature": (feat * w).sum() / denom,
+        "token": (token * w).sum() / denom,
+        "correct": (agree * w).sum(),
+        "count": count,
+    }
+
+
+def expected_acceptance_length(alpha: float, k: int) -> float:
+    """Expected tokens produced per verification step for a K-token draft when each draft token is accepted
+    independently with probability ``alpha`` (stopping at the first rejection) and the verifier always adds one
+    token of its own: sum_{i=0..K} alpha^i = (1 - alpha^(K+1)) / (1 - alpha); K + 1 at alpha = 1."""
+    alpha = min(max(float(alpha), 0.0), 1.0)
+    if k < 0:
+        raise ValueError("k must be >= 0")
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def warmup_linear_decay(step: int, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier: linear warmup from 1/warmup to 1 over ``warmup_steps``, then linear decay to 0 at
+    ``total_steps`` (EAGLE's schedule); constant 1 after warmup when total_steps is unknown (<= 0)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if total_steps <= 0 or total_steps <= warmup_steps:
+        return 1.0
+    return max(0.0, (total_steps - step) / (total_steps - warmup_steps))
+
+
+def padded_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Collate rows {input_ids [T_i], loss_mask [T_i], optional hidden [T_i, H]} into right-padded tensors:
+    input_ids [B, T] long (pad 0), loss_mask [B, T] (pad 0), lengths [B], hidden [B, T, H] (pad 0) if present."""
+    lengths = torch.tensor([len(r["input_ids"]) for r in rows], dtype=torch.long)  # [B]
+    t = int(lengths.max())
+    b = len(rows)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    out = {"input_ids": ids, "loss_mask": mask, "lengths": lengths}
+    has_hidden = "hidden" in rows[0]
+    if has_hidden:
+        h = rows[0]["hidden"].shape[-1]
+        out["hidden"] = torch.zeros(b, t, h, dtype=rows[0]["hidden"].dtype)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        mask[i, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)
+        if has_hidden:
+            out["hidden"][i, :n] = r["hidden"]
+    return out
+
+
+def tokens_in(batch: dict[str, torch.Tensor]) -> int:
+    """Real (non-padding) tokens in a collated batch."""
+    return int(batch["lengths"].sum())
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else 0
+
+
+__all__ = ["shift_for_head", "uniform_noise", "eagle_losses", "expected_acceptance_length", "warmup_linear_decay",
+           "padded_batch", "tokens_in", "ceil_div"]

@@ -1,0 +1,203 @@
+"""Lightning pieces of head training: the LightningModule, the MLflow callback and the pickle-free checkpoint IO.
+
+This module imports ``lightning`` at the top (about 8 s); import it only inside functions (``polyspec.train.stage``
+does), never from package ``__init__`` files.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from polyspec.train.ckpt_io import load_tree, save_tree
+from polyspec.train.features import teacher_outputs
+from polyspec.train.losses import (
+    eagle_losses,
+    expected_acceptance_length,
+    shift_for_head,
+    uniform_noise,
+    warmup_linear_decay,
+)
+
+TRAINABLE_KEYS = ("head.fc.", "head.layer.")
+
+
+class HeadModule(L.LightningModule):
+    """Trains an :class:`~polyspec.decode.head.EagleHead` against a frozen teacher.
+
+    ``teacher`` (online mode) is kept out of the module's parameters and checkpoints (it is moved to the module's
+    device on first use); in offline mode batches carry ``hidden`` and the teacher's logits are recomputed with the
+    head's frozen lm_head. Checkpoints hold only the head's trainable tensors (fc.*, layer.*).
+    """
+
+    def __init__(self, head: torch.nn.Module, cfg: Any, *, draft_k: int, teacher: torch.nn.Module | None = None):
+        super().__init__()
+        self.head = head
+        self.cfg = cfg
+        self.draft_k = draft_k
+        self._teacher = [teacher]  # a list hides it from nn.Module registration (no DDP / checkpoint / .to())
+        self.strict_loading = False  # checkpoints omit the frozen shared embedding and lm_head
+        self.tokens_seen = 0
+        self.train_log: dict[str, float] = {}
+        self.last_eval: dict[str, float] = {}
+        self._val_sums = torch.zeros(4, dtype=torch.float64)
+
+    # -- teacher -------------------------------------------------------------------------------------------------
+
+    def _teacher_signal(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(teacher logits [B, T, V], features [B, T, H]) for a batch, online or from the cache."""
+        with torch.no_grad():
+            if "hidden" in batch:  # offline: logits from the same frozen lm_head the teacher has
+                hidden = batch["hidden"]
+                w = self.head.lm_head.weight
+                logits = self.head.lm_head(hidden.to(w.dtype)).float()  # [B, T, V]
+                return logits, hidden
+            teacher = self._teacher[0]
+            if teacher is None:
+                raise RuntimeError("online training needs a teacher model")
+            if teacher.inv_freq.device != self.device:
+                teacher.to(self.device)
+            return teacher_outputs(teacher, batch["input_ids"])
+
+    def _losses(self, batch: dict[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
+        logits_t, hidden = self._teacher_signal(batch)
+        s = shift_for_head(batch["input_ids"], hidden, logits_t, batch["loss_mask"], batch["lengths"])
+        feats = uniform_noise(s["head_features"].float(), noise)  # [B, T-1, H]
+        logits, out = self.head(s["head_ids"], feats)  # [B, T-1, V], [B, T-1, H]
+        return eagle_losses(logits, out, s["target_features"], s["target_logits"], s["weight"])
+
+    # -- training --------------------------------------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        parts = self._losses(batch, self.cfg.feature_noise)
+        loss = self.cfg.feature_loss_weight * parts["feature"] + self.cfg.token_loss_weight * parts["token"]
+        self.tokens_seen += int(batch["lengths"].sum())
+        count = float(parts["count"])
+        self.train_log = {
+            "train/loss": float(loss.detach()),
+            "train/feature_loss": float(parts["feature"].detach()),
+            "train/token_loss": float(parts["token"].detach()),
+            "train/top1_agreement": float(parts["correct"]) / count if count else 0.0,
+        }
+        self.log("loss", loss.detach(), prog_bar=True, on_step=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def configure_optimizers(self):
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
+        total = self.trainer.estimated_stepping_batches
+        total = int(total) if total != float("inf") else 0
+        warmup = self.cfg.warmup_steps
+
+        def factor(step: int) -> float:
+            return warmup_linear_decay(step, warmup, total)
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    # -- held-out evaluation ---------------------------------------------------------------------------------------
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        parts = self._losses(batch, 0.0)
+        c = parts["count"].double()
+        self._val_sums += torch.stack((parts["feature"].double() * c, parts["token"].double() * c,
+                                       parts["correct"].double(), c))
+
+    def on_validation_epoch_end(self) -> None:
+        sums = self.trainer.strategy.reduce(self._val_sums.clone(), reduce_op="sum")
+        feat, tok, correct, count = (float(x) for x in sums)
+        if self.trainer.sanity_checking or count == 0:
+            return
+        alpha = correct / count
+        self.last_eval = {
+            "heldout/feature_loss": feat / count,
+            "heldout/token_loss": tok / count,
+            "heldout/loss": (self.cfg.feature_loss_weight * feat + self.cfg.token_loss_weight * tok) / count,
+            "heldout/top1_agreement": alpha,
+            "heldout/acceptance_length_estimate": expected_acceptance_length(alpha, self.draft_k),
+            "heldout/positions": count,
+            "step": float(self.global_step),
+            "epoch": float(self.current_epoch),
+        }
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict")
+        if state is not None:
+            checkpoint["state_dict"] = {k: v for k, v in state.items() if k.startswith(TRAINABLE_KEYS)}
+        checkpoint["polyspec_tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict") or {}
+        expected = {k for k in self.state_dict() if k.startswith(TRAINABLE_KEYS)}
+        missing = expected - set(state)
+        if missing:
+            raise RuntimeError(f"checkpoint lacks head tensors {sorted(missing)[:4]}: not a head checkpoint")
+        self.tokens_seen = int(checkpoint.get("polyspec_tokens_seen", 0))
+
+
+class TrackerCallback(L.Callback):
+    """Logs through a :class:`polyspec.tracking.Tracker` on global rank 0: loss components, lr and tokens/s every
+    ``every`` optimizer steps, held-out metrics after each validation. Keeps the logged history for the report."""
+
+    def __init__(self, tracker: Any, every: int, world_size: int):
+        self.tracker, self.every, self.world_size = tracker, max(1, every), world_size
+        self.history: list[dict[str, float]] = []
+        self.evals: list[dict[str, float]] = []
+        self._t0 = time.perf_counter()
+        self._tok0 = 0
+        self._last_step = -1
+        self.start_time, self.start_tokens = time.perf_counter(), 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._t0, self._tok0 = time.perf_counter(), pl_module.tokens_seen
+        self.start_time, self.start_tokens = self._t0, self._tok0
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last_step or not (step % self.every == 0 or step == trainer.max_steps):
+            return
+        self._last_step = step
+        now = time.perf_counter()
+        rate = (pl_module.tokens_seen - self._tok0) * self.world_size / max(now - self._t0, 1e-9)
+        self._t0, self._tok0 = now, pl_module.tokens_seen
+        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else 0.0
+        row = {**pl_module.train_log, "lr": float(lr), "tokens_per_second": rate}
+        if trainer.is_global_zero:
+            self.history.append({"step": float(step), **row})
+            self.tracker.log_metrics(row, step=step)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not pl_module.last_eval or not trainer.is_global_zero:
+            return
+        if self.evals and self.evals[-1].get("step") == pl_module.last_eval.get("step"):
+            return
+        self.evals.append(dict(pl_module.last_eval))
+        self.tracker.log_metrics({k: v for k, v in pl_module.last_eval.items() if k.startswith("heldout/")},
+                                 step=trainer.global_step)
+
+
+class SafetensorsCheckpointIO(CheckpointIO):
+    """Lightning checkpoints as single safetensors files (see :mod:`polyspec.train.ckpt_io`); never pickles."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
+        save_tree(checkpoint, Path(path))
+
+    def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+        return load_tree(Path(path), device=device)
+
+    def remove_checkpoint(self, path) -> None:
+        p = Path(path)
+        if p.is_file():
+            p.unlink()

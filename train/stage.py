@@ -1,0 +1,373 @@
+"""``train_stage(recipe)``: train the chain's bottom level, an EAGLE-style draft head, and write its folder.
+
+Steps: refuse impossible runtime settings (DeepSpeed without CUDA, a missing extra) before any work; resolve the
+target (and, for ``train.teacher: intermediate``, the int4 model from the quantize stage); compute the key of this
+training (target and teacher identity, the data cache key, every result-changing ``train`` setting); return
+``<workdir>/head/<key>/`` at once if it is complete; otherwise prepare the data, optionally build the offline
+feature cache (after checking ``train.cache_budget_gb``), train with Lightning (resuming from the newest checkpoint
+in ``<workdir>/train/<key>/checkpoints/``), evaluate on the held-out split and write the head folder atomically:
+``config.json`` + ``model.safetensors`` from :func:`polyspec.decode.head.save_head` (naming its target and the
+target's model_id and hash) plus ``training.json`` (settings, steps, timings, held-out metrics).
+
+Multi-process strategies (``ddp`` on CPU or GPUs) use Lightning's subprocess launcher, which starts the other ranks
+by re-running the same command: every rank re-enters :func:`train_stage`; only global rank 0 builds caches, logs and
+writes the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from polyspec.config import Recipe, TrainConfig
+from polyspec.errors import PolyspecError, missing_extra
+
+TRAIN_FORMAT = 1
+TRAINING_JSON = "training.json"
+LOG_EVERY = 10  # optimizer steps between MLflow logs of loss components, lr and tokens/s
+# train settings that do not change the trained weights (left out of the key)
+OPERATIONAL_KEYS = ("checkpoint_every", "num_workers", "cache_budget_gb")
+
+
+def is_global_rank_zero() -> bool:
+    """True unless the launcher environment says this process is another rank (RANK, LOCAL_RANK, NODE_RANK)."""
+    return all(int(os.environ.get(v, "0") or 0) == 0 for v in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
+def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
+    """Lightning's accelerator / devices / strategy / precision for ``cfg``; PolyspecError for impossible ones.
+
+    DeepSpeed needs CUDA and the ``deepspeed`` package ([deepspeed] extra); precision ``auto`` is bf16-mixed on GPU
+    and 32-true on CPU; ``devices: auto`` is 1 on CPU (2 processes for ddp) and every GPU on CUDA.
+    """
+    import torch
+
+    cuda = torch.cuda.is_available() and target_device != "cpu"
+    if cfg.strategy.startswith("deepspeed"):
+        if not torch.cuda.is_available():
+            raise PolyspecError(
+                f"train.strategy={cfg.strategy} needs CUDA GPUs and none is available here; use train.strategy=auto "
+                "(one device) or ddp (several CPU processes or GPUs)", exit_code=2)
+        if target_device == "cpu":
+            raise PolyspecError(f"train.strategy={cfg.strategy} needs CUDA but target.device is cpu", exit_code=2)
+        if importlib.util.find_spec("deepspeed") is None:
+            raise missing_extra("deepspeed", "deepspeed")
+    if target_device.startswith("cuda") and not torch.cuda.is_available():
+        raise PolyspecError(f"target.device={target_device} but CUDA is not available; use target.device=auto or cpu")
+    precision = cfg.precision
+    if precision == "auto":
+        precision = "bf16-mixed" if cuda else "32-true"
+    if precision == "16-mixed" and not cuda:
+        raise PolyspecError("train.precision=16-mixed needs a GPU; use 32-true or bf16-mixed on CPU", exit_code=2)
+    devices: int | str = cfg.devices
+    if devices == "auto":
+        devices = "auto" if cuda else (2 if cfg.strategy == "ddp" else 1)
+    elif target_device.startswith("cuda:"):
+        devices = [int(target_device[5:])] if devices == 1 else devices
+    # strategy names pass through: Lightning picks the gloo backend for ddp on CPU
+    return {"accelerator": "gpu" if cuda else "cpu", "devices": devices, "strategy": cfg.strategy,
+            "precision": precision, "device": "cuda" if cuda else "cpu"}
+
+
+def train_key(target_id: str, teacher_id: str, data_key: str, cfg: TrainConfig, runtime: dict[str, Any]) -> str:
+    """SHA-256 over everything that changes the trained head."""
+    train = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
+    ident = {"format": TRAIN_FORMAT, "target": target_id, "teacher": teacher_id, "data": data_key, "train": train,
+             "runtime": {k: str(runtime[k]) for k in ("strategy", "devices", "precision", "accelerator")}}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def head_is_complete(folder: Path, key: str) -> bool:
+    """A head folder written by this stage for exactly this key."""
+    try:
+        info = json.loads((folder / TRAINING_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return info.get("key") == key and (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint with the highest step in ``folder`` (files ``step-NNNNNNNN.ckpt``), or None."""
+    best: tuple[int, Path] | None = None
+    if folder.is_dir():
+        for p in folder.glob("step-*.ckpt"):
+            m = re.fullmatch(r"step-(\d+)\.ckpt", p.name)
+            if m and (best is None or int(m.group(1)) > best[0]):
+                best = (int(m.group(1)), p)
+    return best[1] if best else None
+
+
+def _target_device(recipe: Recipe) -> str:
+    import torch
+
+    dev = recipe.target.device
+    if dev == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return dev
+
+
+def _teacher_dir(recipe: Recipe, target_dir: Path) -> tuple[Path, str]:
+    """(folder, identity) of the model the head learns from."""
+    from polyspec.sources import model_id
+
+    if recipe.train.teacher == "target":
+        return target_dir, "target"
+    try:
+        from polyspec.quantize import quantize_stage  # type: ignore[attr-defined]
+    except ImportError:
+        quantize_stage = None
+    if quantize_stage is None:
+        raise PolyspecError(
+            "train.teacher=intermediate learns from the int4 intermediate model written by the quantize stage, "
+            "which this polyspec does not provide yet; use train.teacher=target", exit_code=2)
+    folder = Path(quantize_stage(recipe, target_dir=target_dir))  # keyed by its inputs: skips when already done
+    return folder, "intermediate:" + model_id("local", folder)
+
+
+def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
+                callbacks: Sequence[Any] = (), log_every: int = LOG_EVERY) -> Path:
+    """Train (or find) the recipe's draft head and return its folder ``<workdir>/head/<key>/``.
+
+    ``tracker``: a :class:`polyspec.tracking.Tracker` to log into (None: no logging). ``progress``: progress bars
+    with ETA for feature extraction and training. ``callbacks``: extra Lightning callbacks (tests use one to
+    interrupt a run). ``log_every``: optimizer steps between logs of loss components, lr and tokens/s.
+    """
+    import torch
+
+    from polyspec.data.prepare import cache_key, prepare_dataset
+    from polyspec.pipeline import target_stage
+    from polyspec.sources import load_tokenizer, model_id
+    from polyspec.tracking import Tracker
+
+    cfg = recipe.train
+    tracker = tracker if tracker is not None else Tracker()
+    rank0 = is_global_rank_zero()
+    target_device = _target_device(recipe)
+    runtime = runtime_settings(cfg, target_device)  # refuses DeepSpeed without CUDA before any work
+
+    target_dir = target_stage(recipe)
+    tokenizer = load_tokenizer(target_dir)
+    target_id = model_id(recipe.target.source, target_dir)
+    teacher_dir, teacher_kind = _teacher_dir(recipe, target_dir)
+    teacher_id = target_id if teacher_kind == "target" else teacher_kind
+    data_key, _ = cache_key(recipe, tokenizer, target_id)
+    key = train_key(target_id, teacher_id, data_key, cfg, runtime)
+    workdir = Path(recipe.workdir)
+    out_dir = workdir / "head" / key[:16]
+    if head_is_complete(out_dir, key):
+        _say(progress and rank0, f"train: head for these inputs already exists: {out_dir}")
+        tracker.set_tags({"polyspec.train.skipped": "true", "polyspec.train.head": str(out_dir)})
+        return out_dir
+
+    prepared = prepare_dataset(recipe, tokenizer, tokenizer_id=target_id, progress=progress and rank0)
+    teacher_dtype = torch.float32 if runtime["precision"] == "32-true" else getattr(torch, recipe.target.dtype)
+    extract_device = runtime["device"] if runtime["device"] == "cpu" else "cuda"
+    teacher = _load(teacher_dir, teacher_dtype, "cpu")
+    hidden_size = teacher.args.hidden_size
+
+    cache_info: dict[str, Any] = {}
+    if cfg.features == "offline":
+        from polyspec.train.features import build_feature_cache, check_cache_budget
+
+        tokens = int(prepared.report.get("total_tokens") or sum(len(r) for r in prepared.train["input_ids"]))
+        rows = len(prepared.train) + len(prepared.heldout)
+        estimate = check_cache_budget(tokens, rows, hidden_size, cfg.cache_budget_gb, "train.features=offline")
+        fkey = hashlib.sha256(json.dumps({"teacher": teacher_id, "data": data_key, "dtype": str(teacher_dtype)},
+                                         sort_keys=True).encode()).hexdigest()[:20]
+        cache_dir = workdir / "cache" / "features" / fkey
+        splits = {"train": prepared.train}
+        if len(prepared.heldout):
+            splits["heldout"] = prepared.heldout
+        t0 = time.perf_counter()
+        if rank0:
+            teacher.to(extract_device)
+            index = build_feature_cache(teacher, splits, cache_dir, batch_size=cfg.batch_size, device=extract_device,
+                                        progress=progress, info={"teacher": teacher_id, "data_key": data_key,
+                                                                 "dtype": "bfloat16"})
+            teacher.to("cpu")
+        else:  # other ranks start after rank 0 has built it (Lightning launches them at fit time)
+            from polyspec.train.features import read_cache_index
+
+            index = read_cache_index(cache_dir)
+        cache_info = {"cache_dir": str(cache_dir), "estimate_bytes": estimate, "bytes": index["bytes"],
+                      "tokens": index["tokens"], "bytes_per_token": index["bytes_per_token"],
+                      "extract_seconds": time.perf_counter() - t0}
+        _say(progress and rank0, f"train: feature cache {cache_dir}: {index['bytes'] / 1e6:.1f} MB, "
+                                 f"{index['bytes_per_token']:.1f} bytes/token (estimate {estimate / 1e6:.1f} MB)")
+        teacher.layers = torch.nn.ModuleList()  # only the shared embedding and lm_head are needed from here on
+    result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every)
+    head = result.pop("_head")
+    if not rank0:
+        return out_dir
+
+    target_info = {
+        "source": recipe.target.source,
+        "model_id": target_id,
+        "hash": hashlib.sha256(target_id.encode()).hexdigest()[:16],
+        "teacher": cfg.teacher,
+        "teacher_model_id": teacher_id,
+    }
+    training = {
+        "format": TRAIN_FORMAT,
+        "key": key,
+        "data_key": data_key,
+        "train": cfg.model_dump(mode="json"),
+        "runtime": {k: str(v) for k, v in runtime.items()},
+        "draft_k": recipe.decode.draft_k,
+        "offline_cache": cache_info or None,
+        **result,
+    }
+    _write_head(head, out_dir, target_info, training)
+    metrics = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    tracker.log_metrics({f"train/final_{k}": v for k, v in metrics.items()}, step=int(result["steps"]))
+    if cache_info:
+        tracker.log_metrics({"offline/bytes_per_token": cache_info["bytes_per_token"],
+                             "offline/cache_bytes": cache_info["bytes"]}, step=0)
+    tracker.set_tags({"polyspec.train.head": str(out_dir), "polyspec.train.key": key})
+    tracker.log_artifact(out_dir, "head")
+    _say(progress, f"train: head written to {out_dir}")
+    return out_dir
+
+
+def _say(enabled: bool, text: str) -> None:
+    if enabled:
+        import sys
+
+        print(text, file=sys.stderr, flush=True)
+
+
+def _load(path: Path, dtype, device):
+    from polyspec.train.features import load_teacher
+
+    return load_teacher(path, dtype, device)
+
+
+def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict[str, Any]) -> Path:
+    """save_head into a temporary folder, add training.json, rename into place (atomic)."""
+    from polyspec.decode.head import save_head
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        built = save_head(head, tmp / "head", target_info)
+        (built / TRAINING_JSON).write_text(json.dumps(training, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        built.chmod(0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)  # an incomplete or stale folder for the same key
+        os.rename(built, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info: dict[str, Any], key: str,
+         tracker: Any, progress: bool, callbacks: Sequence[Any], log_every: int) -> dict[str, Any]:
+    """Build the LightningModule, loaders and Trainer, fit (resuming), evaluate; return the run's numbers."""
+    import warnings
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+
+    from polyspec.decode.head import EagleHead
+    from polyspec.train.features import CachedFeatureDataset, TokenDataset, collate
+    from polyspec.train.module import HeadModule, SafetensorsCheckpointIO, TrackerCallback
+
+    # the shared embedding / lm_head are frozen eval-mode modules on purpose
+    warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
+    cfg = recipe.train
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    head_args = dataclasses.replace(teacher.args, num_layers=1)
+    head = EagleHead(head_args, teacher.embed_tokens, teacher.lm_head).float()
+    module = HeadModule(head, cfg, draft_k=recipe.decode.draft_k,
+                        teacher=teacher if cfg.features == "online" else None)
+
+    if cfg.features == "offline":
+        cache_dir = Path(cache_info["cache_dir"])
+        train_ds = CachedFeatureDataset(cache_dir, "train")
+        val_ds = CachedFeatureDataset(cache_dir, "heldout") if len(prepared.heldout) else None
+    else:
+        train_ds = TokenDataset(prepared.train)
+        val_ds = TokenDataset(prepared.heldout) if len(prepared.heldout) else None
+    gen = torch.Generator().manual_seed(cfg.seed)
+    train_dl = torch.utils.data.DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, generator=gen,
+                                           collate_fn=collate, num_workers=cfg.num_workers,
+                                           persistent_workers=cfg.num_workers > 0)
+    val_dl = (torch.utils.data.DataLoader(val_ds, batch_size=cfg.batch_size, shuffle=False, collate_fn=collate,
+                                          num_workers=cfg.num_workers) if val_ds is not None else None)
+
+    state_dir = Path(recipe.workdir) / "train" / key[:16]
+    ckpt_dir = state_dir / "checkpoints"
+    world = _world_size(runtime)
+    logger_cb = TrackerCallback(tracker, log_every, world)
+    ckpt_cb = ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step:08d}", auto_insert_metric_name=False,
+                              every_n_train_steps=cfg.checkpoint_every, save_top_k=1, save_last=False,
+                              save_on_train_epoch_end=False)
+    cbs: list[Any] = [ckpt_cb, logger_cb, *callbacks]
+    if progress:
+        cbs.append(TQDMProgressBar(refresh_rate=1))
+    plugins = [] if runtime["strategy"].startswith("deepspeed") else [SafetensorsCheckpointIO()]
+    trainer = L.Trainer(
+        accelerator=runtime["accelerator"], devices=runtime["devices"], strategy=runtime["strategy"],
+        precision=runtime["precision"], max_epochs=cfg.epochs, max_steps=cfg.max_steps or -1,
+        accumulate_grad_batches=cfg.grad_accum, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm",
+        callbacks=cbs, plugins=plugins, logger=False, enable_progress_bar=progress, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=1.0 if val_dl is not None else 0, check_val_every_n_epoch=1,
+        default_root_dir=str(state_dir), log_every_n_steps=log_every, use_distributed_sampler=True,
+    )
+    resume = latest_checkpoint(ckpt_dir)
+    if resume is not None and trainer.is_global_zero:
+        _say(progress, f"train: resuming from {resume}")
+    t0 = time.perf_counter()
+    trainer.fit(module, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(resume) if resume else None)
+    wall = time.perf_counter() - t0
+    finished = (cfg.max_steps is not None and trainer.global_step >= cfg.max_steps) or trainer.current_epoch >= cfg.epochs
+    if not finished:  # fit returned early (a signal Lightning handled): keep the state, never write a short head
+        trainer.save_checkpoint(ckpt_dir / f"step-{trainer.global_step:08d}.ckpt")
+        raise PolyspecError(f"training stopped early at step {trainer.global_step}; its state is saved in {ckpt_dir}: "
+                            "run the same command again to resume", exit_code=1)
+    train_seconds = time.perf_counter() - logger_cb.start_time
+    tokens_this_run = (module.tokens_seen - logger_cb.start_tokens) * world
+    if val_dl is not None and module.last_eval.get("step") != float(trainer.global_step):
+        trainer.validate(module, dataloaders=val_dl, verbose=False)
+        logger_cb.on_validation_end(trainer, module)  # validate() alone does not run the fit-time callback path
+    history = logger_cb.history
+    result: dict[str, Any] = {
+        "steps": int(trainer.global_step),
+        "epochs_completed": int(trainer.current_epoch),
+        "resumed_from": str(resume) if resume else None,
+        "fit_seconds": wall,
+        "tokens_seen": int(module.tokens_seen) * world,
+        "tokens_this_run": int(tokens_this_run),
+        "tokens_per_second": tokens_this_run / max(train_seconds, 1e-9),
+        "train_loss_first": history[0]["train/loss"] if history else None,
+        "train_loss_last": history[-1]["train/loss"] if history else None,
+        "heldout": {k.removeprefix("heldout/"): v for k, v in module.last_eval.items()},
+        "eval_history": logger_cb.evals,
+        "_head": module.head,
+    }
+    if module.last_eval:
+        result["heldout_top1_agreement"] = module.last_eval["heldout/top1_agreement"]
+        result["acceptance_length_estimate"] = module.last_eval["heldout/acceptance_length_estimate"]
+    return result
+
+
+def _world_size(runtime: dict[str, Any]) -> int:
+    devices = runtime["devices"]
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, list):
+        return len(devices)
+    import torch
+
+    return max(1, torch.cuda.device_count()) if runtime["accelerator"] == "gpu" else 1

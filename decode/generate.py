@@ -32,6 +32,7 @@ class LoadedChain:
     context: int  # the target's max_position_embeddings
     draft_k: int = 4
     mu: tuple[int, ...] = (8,)
+    mode: str = "ar"  # the manifest's chosen decode mode
 
     def levels_for(self, mode: str) -> list[str]:
         """ar = the target; dual = target + the bottom level; chain = all levels."""
@@ -92,7 +93,7 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
     return LoadedChain(
         models=models, order=[lv.name for lv in manifest.levels], kinds={lv.name: lv.kind for lv in manifest.levels},
         tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
-        draft_k=manifest.decode.draft_k, mu=tuple(manifest.decode.mu),
+        draft_k=manifest.decode.draft_k, mu=tuple(manifest.decode.mu), mode=manifest.decode.mode,
     )
 
 
@@ -142,10 +143,12 @@ def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: i
     return ChainDecoder(levels, draft_k=draft_k or chain.draft_k, mu=mu, max_seq_len=max_seq_len)
 
 
-def generate_text(chain: LoadedChain, prompt: str, *, mode: str = "chain", max_new_tokens: int = 128,
+def generate_text(chain: LoadedChain, prompt: str, *, mode: str | None = None, max_new_tokens: int = 128,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = True,
                   draft_k: int | None = None, mu: list[int] | None = None) -> dict[str, Any]:
-    """One generation: {"text", "token_ids" (new tokens), "stats"} — stats as :class:`ChainDecoder` reports them."""
+    """One generation: {"text", "token_ids" (new tokens), "stats"} — stats as :class:`ChainDecoder` reports them.
+    ``mode`` None = the manifest's chosen mode."""
+    mode = mode or chain.mode
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     sampling.check()
     ids = encode_prompt(chain.tokenizer, prompt, chat=chat)

@@ -93,6 +93,50 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train_main([str(args.recipe), *args.overrides, *extra])
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Quantise the recipe's target to W4A16 (GPTQ, group size 128) with GPTQModel; write the GPTQ folder and a
+    quality/speed report (perplexity, top-1 agreement, KL, RTN baseline, L of M2 under M1, forward-time ratio)."""
+    from polyspec.quantize import quantize_stage
+    from polyspec.tracking import start_run
+
+    recipe = _load(args)
+    with start_run(recipe, "quantize", command=[sys.argv[0], *sys.argv[1:]]) as tracker:
+        out = quantize_stage(recipe, tracker=tracker)
+    print(f"intermediate model: {out}")
+    report = Path(out).parent / "report.json"
+    if report.is_file():
+        print(f"report: {report}")
+    return 0
+
+
+def _stage_argv(verb: str, args: argparse.Namespace) -> list[str]:
+    argv = [verb, str(args.recipe), *args.overrides]
+    for flag in ("head", "int4", "threads"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag}", str(getattr(args, flag))]
+    if args.untrained_head:
+        argv.append("--untrained-head")
+    if args.rtn_int4:
+        argv.append("--rtn-int4")
+    return argv
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure T_i (forward cost per level at decode shapes) and L_i (acceptance lengths) on this device, then decide
+    with Theorem 3.2 and the exact Lemma 3.1 cost whether the int4 level pays; prints the verdict table."""
+    from polyspec.export.stage import main as stage_main
+
+    return stage_main(_stage_argv("profile", args))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Profile (or reuse the profile) and write the validated chain folder: levels, manifest with hashes and
+    measurements, the draft head as ONNX with an onnxruntime parity check."""
+    from polyspec.export.stage import main as stage_main
+
+    return stage_main(_stage_argv("export", args))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a chain folder over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics)."""
     from polyspec.export import serve
@@ -170,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
+    _add_recipe(verb("quantize", cmd_quantize))
+    for name, fn in (("profile", cmd_profile), ("export", cmd_export)):
+        p = verb(name, fn)
+        _add_recipe(p)
+        p.add_argument("--head", type=Path, help="draft head folder (default: the train stage's)")
+        p.add_argument("--int4", type=Path, help="int4 GPTQ folder (default: the quantize stage's)")
+        p.add_argument("--untrained-head", action="store_true", help="use a random-init head (timing, wiring)")
+        p.add_argument("--rtn-int4", action="store_true", help="use an RTN int4 copy of the target")
+        p.add_argument("--threads", type=int, help="torch threads while profiling (default: profile.threads)")
+
     from polyspec.export import serve as _serve  # light: no fastapi/torch at import
 
     _serve.configure_parser(verb("serve", cmd_serve))
@@ -177,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("generate", cmd_generate)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
     p.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
-    p.add_argument("--mode", choices=["ar", "dual", "chain"], default="chain")
+    p.add_argument("--mode", choices=["ar", "dual", "chain"], default=None,
+                   help="default: the mode the manifest chose when the chain was profiled")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")

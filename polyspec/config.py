@@ -175,6 +175,17 @@ class ProfileConfig(Section):
     warmup: int = Field(2, ge=0)
     repeats: int = Field(10, ge=1)
     kv_length: int = Field(512, ge=1, description="KV length at which per-level forward time is measured")
+    draft_k_grid: list[int] = Field(default_factory=lambda: [2, 3, 4, 5], description="draft_k values tried")
+    mu_grid: list[int] = Field(default_factory=lambda: [4, 6, 8, 12], description="mu values tried for chains")
+    grid_prompts: int | None = Field(None, ge=1, description="prompts per grid point (default: prompts // 4)")
+    threads: int | None = Field(None, ge=1, description="torch threads while profiling (default: unchanged)")
+
+    @field_validator("draft_k_grid", "mu_grid")
+    @classmethod
+    def _grid(cls, v: list[int]) -> list[int]:
+        if not v or any(x < 1 for x in v):
+            raise ValueError("must be a non-empty list of integers >= 1")
+        return v
 
 
 class ExportConfig(Section):

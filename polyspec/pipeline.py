@@ -1,8 +1,8 @@
 """``polyspec run``: the stages of a recipe in order, each keyed by its inputs so reruns skip finished work.
 
 Stages: target (resolve the model source) -> data (ShareGPT, chat template, cache) -> train (draft head) ->
-quantize (int4 intermediate) -> profile (T_i, L_i) -> export (chain folder). Stages that this version of polyspec
-does not implement yet are reported as such, never faked.
+quantize (int4 intermediate) -> profile (T_i, L_i, verdicts) -> export (chain folder) -> a sample answer from the
+exported chain. Every stage writes atomically, so a stage killed midway is redone on the next run.
 """
 
 from __future__ import annotations
@@ -12,15 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.config import Recipe
-from polyspec.errors import PolyspecError
-
-# Stages that exist in later issues; run_pipeline reports them honestly until their modules provide an entry point.
-PENDING_STAGES = {
-    "train": ("polyspec.train", "train_stage"),
-    "quantize": ("polyspec.quantize", "quantize_stage"),
-    "profile": ("polyspec.export", "profile_stage"),
-    "export": ("polyspec.export", "export_stage"),
-}
 
 
 def _console():
@@ -52,81 +43,95 @@ def prepare_stage(recipe: Recipe, target_dir: Path | None = None) -> dict[str, A
     return dict(prepared.report)
 
 
-def sample_answer(target_dir: Path, prompt: str, max_new_tokens: int) -> dict[str, Any]:
-    """A greedy chat answer from the target through polyspec's own engine (AR mode)."""
-    from polyspec.decode.generate import generate_from_folder
+def _is_rank_zero() -> bool:
+    import os
 
-    return generate_from_folder(target_dir, prompt, max_new_tokens=max_new_tokens)
+    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
 def run_pipeline(recipe: Recipe, command: list[str] | None = None) -> int:
-    """Run every stage in order; print what was done, skipped or is not implemented yet."""
-    import importlib
-
+    """Run every stage in order (each skips when its inputs are unchanged); print what was done and the verdicts."""
+    from polyspec.config import recipe_to_yaml
     from polyspec.tracking import start_run
 
+    if not _is_rank_zero():
+        # Lightning's ddp launcher re-runs this command on the other ranks: they only join the training.
+        from polyspec.train import train_stage
+
+        train_stage(recipe, tracker=None, progress=False)
+        return 0
     console = _console()
     workdir = Path(recipe.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    from polyspec.config import recipe_to_yaml
-
     (workdir / "recipe.resolved.yaml").write_text(recipe_to_yaml(recipe), encoding="utf-8")
     if command:
         (workdir / "command.txt").write_text(" ".join(command) + "\n", encoding="utf-8")
-    done: list[tuple[str, str]] = []
+    t_all = time.perf_counter()
+
+    def stage(name: str, fn, describe):
+        t0 = time.perf_counter()
+        console.rule(f"[bold]{name}")
+        with start_run(recipe, name, command=command, nested=True) as tr:
+            result = fn(tr)
+        console.print(f"[green]{name:<9}[/]{describe(result)} ({time.perf_counter() - t0:.1f} s)")
+        return result
+
     with start_run(recipe, "run", command=command) as run:
         console.rule("[bold]polyspec run")
         console.print(f"recipe validated; workdir {workdir}; tracking run {run.run_id or '(tracking off)'}")
 
-        t0 = time.perf_counter()
-        with start_run(recipe, "target", command=command, nested=True) as tr:
-            target_dir = target_stage(recipe)
-            tr.log_params({"target_source": recipe.target.source, "target_dir": str(target_dir)})
-        console.print(f"[green]target[/]   {recipe.target.source} -> {target_dir} ({time.perf_counter() - t0:.1f} s)")
-        done.append(("target", "done"))
+        target_dir = stage("target", lambda tr: _target_logged(recipe, tr),
+                           lambda d: f"{recipe.target.source} -> {d}")
+        stage("data", lambda tr: _data_logged(recipe, target_dir, tr), _fmt_counts)
 
-        t0 = time.perf_counter()
-        with start_run(recipe, "data", command=command, nested=True) as tr:
-            report = prepare_stage(recipe, target_dir)
-            tr.log_metrics({k: float(v) for k, v in report.items() if isinstance(v, (int, float))
-                            and not isinstance(v, bool)})
-        console.print(f"[green]data[/]     {_fmt_counts(report)} ({time.perf_counter() - t0:.1f} s)")
-        done.append(("data", "cached" if report.get("cached") else "done"))
+        from polyspec.export import export_stage, profile_stage
+        from polyspec.quantize import quantize_stage
+        from polyspec.train import train_stage
 
-        for stage, (module, fn) in PENDING_STAGES.items():
-            mod = importlib.import_module(module)
-            if not hasattr(mod, fn):
-                console.print(f"[yellow]{stage:<9}[/]not implemented in polyspec {_version()} yet (see README, Status)")
-                done.append((stage, "not implemented"))
-                continue
-            with start_run(recipe, stage, command=command, nested=True) as tr:  # pragma: no cover - later issues
-                getattr(mod, fn)(recipe, tracker=tr)
-            done.append((stage, "done"))
+        head = stage("train", lambda tr: train_stage(recipe, tracker=tr), lambda d: f"draft head {d}")
+        int4 = stage("quantize", lambda tr: quantize_stage(recipe, tracker=tr), lambda d: f"int4 intermediate {d}")
+        parts = {"target": Path(target_dir), "int4": Path(int4), "head": Path(head)}
+        prof = stage("profile", lambda tr: profile_stage(recipe, tracker=tr, parts=parts),
+                     lambda p: f"profile {p.get('path')}")
+        chain = stage("export", lambda tr: export_stage(recipe, tracker=tr, parts=parts, profile=prof),
+                      lambda d: f"chain {d}")
 
-        t0 = time.perf_counter()
+        verdict = Path(prof["path"]) / "verdict.md"
+        if verdict.is_file():
+            console.rule("[bold]verdicts")
+            console.print(verdict.read_text(encoding="utf-8"), markup=False)
+
+        from polyspec.decode.generate import generate_text, load_chain
+
+        loaded = load_chain(chain, device=recipe.target.device)
         prompt = "What is the capital of France?"
-        try:
-            ans = sample_answer(target_dir, prompt, max_new_tokens=recipe.decode.max_new_tokens)
-        except PolyspecError as exc:
-            console.print(f"[red]sample[/]   could not generate: {exc}")
-            return 1
-        run.log_metrics({"sample_tokens_per_second": ans["stats"]["tokens_per_second"]})
-        console.print(f"[green]sample[/]   greedy answer of the target (ar mode, {ans['stats']['new_tokens']} tokens, "
-                      f"{ans['stats']['tokens_per_second']:.1f} tok/s, {time.perf_counter() - t0:.1f} s):")
+        ans = generate_text(loaded, prompt, max_new_tokens=recipe.decode.max_new_tokens)
+        s = ans["stats"]
+        run.log_metrics({"sample_tokens_per_second": s["tokens_per_second"]})
+        levels = ", ".join(f"{lv['name']} {lv['mean_accepted']:.2f}" for lv in s["levels"])
+        console.rule("[bold]sample")
+        console.print(f"greedy answer of the exported chain ({s['mode']} mode, {s['new_tokens']} tokens, "
+                      f"{s['tokens_per_second']:.1f} tok/s; mean accepted per forward: {levels}):")
         console.print(f"  [bold]user:[/] {prompt}\n  [bold]assistant:[/] {ans['text'].strip()}")
-        missing = [s for s, st in done if st == "not implemented"]
-        if missing:
-            console.print(f"[yellow]no chain exported[/]: stages not implemented yet: {', '.join(missing)}")
+        console.print(f"done in {time.perf_counter() - t_all:.0f} s; chain: {chain}  "
+                      f"(try: polyspec generate {chain} --prompt '...'; polyspec serve {chain})")
     return 0
+
+
+def _target_logged(recipe: Recipe, tracker) -> Path:
+    target_dir = target_stage(recipe)
+    tracker.log_params({"target_dir": str(target_dir)})
+    return target_dir
+
+
+def _data_logged(recipe: Recipe, target_dir: Path, tracker) -> dict[str, Any]:
+    report = prepare_stage(recipe, target_dir)
+    tracker.log_metrics({f"data/{k}": float(v) for k, v in report.items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return report
 
 
 def _fmt_counts(report: dict[str, Any]) -> str:
     keys = [k for k in ("conversations_read", "conversations_kept", "train_sequences", "heldout_sequences",
                         "total_tokens", "assistant_tokens", "cached") if k in report]
     return ", ".join(f"{k}={report[k]}" for k in keys) if keys else str(report)
-
-
-def _version() -> str:
-    from polyspec import __version__
-
-    return __version__

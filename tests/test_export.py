@@ -1,0 +1,187 @@
+"""Exporting a tiny random chain: the folder validates, carries the measurements, the ONNX head matches torch, an
+interrupted export leaves nothing half-written, tampering is detected, and the decoder loads the result."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyspec.errors import PolyspecError
+from polyspec.manifest import read_manifest, validate_chain
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Steady timings and no thread oversubscription on a shared 2-core machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_llama_dir, tmp_path_factory):
+    from polyspec.decode.head import EagleHead, save_head
+    from polyspec.decode.int4 import save_int4_checkpoint
+    from polyspec.decode.model import Transformer
+
+    root = tmp_path_factory.mktemp("export_parts")
+    int4 = save_int4_checkpoint(tiny_llama_dir, root / "int4", group_size=128)
+    target = Transformer.from_pretrained(tiny_llama_dir)
+    torch.manual_seed(5)
+    save_head(EagleHead(target.args, target.embed_tokens, target.lm_head), root / "head", target_info={"t": "tiny"})
+    return {"target": Path(tiny_llama_dir), "int4": Path(int4), "head": root / "head"}
+
+
+@pytest.fixture(scope="module")
+def profile(parts, tmp_path_factory):
+    from polyspec.export.stage import profile_folders
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (12,), generator=g).tolist()]
+    return profile_folders(parts, tmp_path_factory.mktemp("prof") / "p", prompts=1, max_new_tokens=8, kv_length=16,
+                           warmup=0, repeats=2, device="cpu", draft_ks=(2,), mus=(4,), prompt_ids=prompts, threads=1,
+                           say=lambda _m: None)
+
+
+@pytest.fixture(scope="module")
+def chain(parts, profile, tmp_path_factory):
+    from polyspec.config import DecodeConfig
+    from polyspec.export.stage import export_chain
+
+    out = tmp_path_factory.mktemp("export") / "chain"
+    return export_chain(out, parts, profile, DecodeConfig(max_new_tokens=16), onnx=True, opset=18)
+
+
+def test_exported_chain_validates_and_describes_itself(chain, profile):
+    m = validate_chain(chain)
+    assert [lv.kind for lv in m.levels] == ["target", "int4", "head"]
+    assert m.levels[1].quantization["bits"] == 4 and m.levels[1].quantization["group_size"] == 128
+    head = m.levels[2]
+    assert {"head.onnx", "model.safetensors", "config.json"} <= set(head.files)
+    assert all(len(h) == 64 for lv in m.levels for h in lv.files.values())
+    meas = m.measurements
+    assert meas["schema"] == "polyspec.measurements/1"
+    assert set(meas["T"]) == {"target", "intermediate", "draft"} and meas["T"]["draft"][0]["median_s"] > 0
+    assert meas["L"] == profile["L"] and meas["verdict"] == json.loads(json.dumps(profile["verdict"]))
+    assert {"wall", "steady", "vs_ar"} <= set(meas["speedup"])
+    assert meas["speedup"]["wall"]["configs"]["chain"]["predicted"] > 0
+    dec = profile["decision"]
+    assert (m.decode.mode, m.decode.draft_k, m.decode.mu) == (dec["mode"], dec["draft_k"], dec["mu"])
+    assert m.decode.max_new_tokens == 16  # the other decode defaults come from the recipe
+    assert m.schema_version == 1 and m.polyspec_version
+    assert {"software", "hardware", "git_sha", "packages"} <= set(m.stamps)
+    assert "torch" in m.stamps["packages"]
+    # only the chain folder is left next to it: no temporary or staging folders
+    assert [p.name for p in chain.parent.iterdir()] == ["chain"]
+
+
+def test_onnx_head_matches_torch(chain):
+    import onnxruntime as ort
+
+    from polyspec.decode.head import load_head
+    from polyspec.decode.model import Transformer
+
+    m = read_manifest(chain)
+    assert m.measurements["onnx"]["max_abs_diff"] < 1e-4
+    head_dir = chain / m.levels[2].path
+    target = Transformer.from_pretrained(chain / m.levels[0].path)
+    head = load_head(head_dir, target).eval()
+    sess = ort.InferenceSession(str(head_dir / "head.onnx"), providers=["CPUExecutionProvider"])
+    g = torch.Generator().manual_seed(9)
+    for b, t in ((1, 1), (3, 5)):  # dynamic batch and sequence axes, T = 1 included
+        ids = torch.randint(0, 512, (b, t), generator=g)
+        feats = torch.randn(b, t, 128, generator=g)
+        logits, hidden = sess.run(["logits", "hidden"], {"input_ids": ids.numpy(), "features": feats.numpy()})
+        with torch.no_grad():
+            ref_logits, ref_hidden = head(ids, feats)
+        assert float((torch.from_numpy(logits) - ref_logits).abs().max()) < 1e-4
+        assert float((torch.from_numpy(hidden) - ref_hidden).abs().max()) < 1e-4
+
+
+def test_decoder_loads_and_runs_the_exported_chain(chain):
+    from polyspec.decode.generate import generate_text, load_chain
+
+    loaded = load_chain(chain, device="cpu")
+    m = read_manifest(chain)
+    assert (loaded.draft_k, list(loaded.mu)) == (m.decode.draft_k, m.decode.mu)
+    outs = {mode: generate_text(loaded, "hello there", mode=mode, max_new_tokens=10)["token_ids"]
+            for mode in ("ar", "chain")}
+    assert outs["chain"] == outs["ar"] and len(outs["ar"]) == 10
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
+def test_interrupted_export_leaves_no_half_written_folder(parts, profile, tmp_path, monkeypatch, exc):
+    import polyspec.manifest as manifest
+    from polyspec.config import DecodeConfig
+    from polyspec.export.stage import export_chain
+
+    real = manifest.write_manifest
+
+    def write_then_die(chain_dir, m):  # the levels and a manifest are on disk when the "kill" arrives
+        real(chain_dir, m)
+        if m.measurements:
+            raise exc
+
+    monkeypatch.setattr(manifest, "write_manifest", write_then_die)
+    out = tmp_path / "chain"
+    with pytest.raises(type(exc)):
+        export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary folder left either
+
+    # an existing chain survives a failed re-export untouched
+    monkeypatch.setattr(manifest, "write_manifest", real)
+    export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+    before = read_manifest(out).model_dump()
+    monkeypatch.setattr(manifest, "write_manifest", write_then_die)
+    with pytest.raises(type(exc)):
+        export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+    assert validate_chain(out).model_dump() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["chain"]
+
+
+def test_tampering_and_extra_files_are_detected(chain, tmp_path):
+    bad = tmp_path / "chain"
+    shutil.copytree(chain, bad)
+    onnx = bad / "levels" / "draft" / "head.onnx"
+    data = bytearray(onnx.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    onnx.write_bytes(bytes(data))
+    with pytest.raises(PolyspecError, match="head.onnx") as err:
+        validate_chain(bad)
+    assert err.value.exit_code != 0
+    shutil.rmtree(bad)
+    shutil.copytree(chain, bad)
+    (bad / "levels" / "target" / "notes.txt").write_text("x")
+    with pytest.raises(PolyspecError, match="notes.txt"):
+        validate_chain(bad)
+
+
+def test_export_stage_logs_to_the_tracker(parts, profile, tmp_path):
+    from polyspec.config import validate_tree
+    from polyspec.export.stage import export_stage
+
+    recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
+                            "export": {"out": str(tmp_path / "out" / "chain"), "onnx": False},
+                            "decode": {"max_new_tokens": 32}}, "test")
+    calls = []
+
+    class Tracker:
+        def log_metrics(self, m, step=None):
+            calls.append(("metrics", m))
+
+        def set_tags(self, tags):
+            calls.append(("tags", tags))
+
+        def log_artifact(self, path, artifact_path=None):
+            calls.append(("artifact", Path(path), artifact_path))
+
+    out = export_stage(recipe, Tracker(), parts=parts, profile=profile, say=lambda _m: None)
+    assert out == tmp_path / "out" / "chain"
+    m = validate_chain(out)
+    assert m.measurements["onnx"] is None and "head.onnx" not in m.levels[2].files
+    artifacts = [c[1] for c in calls if c[0] == "artifact"]
+    assert out / "manifest.json" in artifacts and out / m.levels[2].path in artifacts

@@ -1,0 +1,74 @@
+"""`polyspec run` end to end on a tiny recipe: every stage runs, the chain validates and generates, a rerun skips
+finished stages, and a stage killed midway leaves no half-written artifact and is redone."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ASSETS, make_tiny_llama
+from polyspec.cli import main
+
+pytest.importorskip("gptqmodel", reason="the [quant] extra (gptqmodel) is needed for the quantize stage")
+
+SAMPLE = ASSETS / "sharegpt_sample.json"
+
+
+def _recipe(tmp_path: Path, target: Path) -> Path:
+    text = f"""# Run: polyspec run {tmp_path}/r.yaml
+workdir: {tmp_path / "work"}
+target: {{source: {target}, device: cpu}}
+data: {{source: {SAMPLE}, max_length: 96, heldout_fraction: 0.25}}
+tracking: {{enabled: true}}
+train: {{epochs: 1, max_steps: 4, batch_size: 2, lr: 0.002, warmup_steps: 1, checkpoint_every: 2}}
+quantize: {{calibration_samples: 4, calibration_length: 32, devices: cpu}}
+profile: {{prompts: 2, max_new_tokens: 8, kv_length: 16, repeats: 1, warmup: 0, draft_k_grid: [2], mu_grid: [4],
+          grid_prompts: 1}}
+decode: {{draft_k: 2, mu: [4], max_new_tokens: 8}}
+"""
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_run_end_to_end_rerun_and_interrupted_stage(tmp_path, monkeypatch, capsys):
+    target = make_tiny_llama(tmp_path / "target", seed=4)
+    recipe = _recipe(tmp_path, target)
+    assert main(["run", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    chain = tmp_path / "work" / "chain"
+    assert (chain / "manifest.json").is_file()
+    assert main(["validate-chain", str(chain)]) == 0
+    manifest = json.loads((chain / "manifest.json").read_text())
+    assert [lv["kind"] for lv in manifest["levels"]] == ["target", "int4", "head"]
+    assert manifest["measurements"], "profile measurements belong in the manifest"
+    assert any(f.endswith(".onnx") for f in manifest["levels"][2]["files"])
+    assert "verdicts" in out and "assistant:" in out
+    assert (tmp_path / "work" / "mlflow.db").is_file()
+    assert (tmp_path / "work" / "recipe.resolved.yaml").is_file()
+
+    # a rerun with the same inputs skips every stage: much faster, same chain
+    t0 = time.perf_counter()
+    before = (chain / "manifest.json").read_text()
+    assert main(["run", str(recipe)]) == 0
+    capsys.readouterr()
+    assert json.loads((chain / "manifest.json").read_text())["levels"] == json.loads(before)["levels"]
+
+    # a stage killed midway (new train settings -> new head) leaves no half-written folder; the next run redoes it
+    import polyspec.decode.head as head_mod
+
+    heads_before = set((tmp_path / "work" / "head").iterdir())
+
+    def killed(*a, **k):  # the head is being written when the process is killed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(head_mod, "save_head", killed)
+    assert main(["run", str(recipe), "train.max_steps=6"]) == 130
+    new = set((tmp_path / "work" / "head").iterdir()) - heads_before
+    assert all(p.name.startswith(".") or not (p / "model.safetensors").exists() for p in new), new
+    monkeypatch.undo()
+    assert main(["run", str(recipe), "train.max_steps=6"]) == 0
+    capsys.readouterr()
+    assert main(["validate-chain", str(chain)]) == 0
+    print(f"rerun took {time.perf_counter() - t0:.1f} s")

@@ -1,0 +1,226 @@
+"""Profiling a tiny random chain (target <- RTN int4 <- random EAGLE head): forward costs, acceptance, verdicts,
+the decision, stamped tables and plots; plus the pure verdict / interpolation maths."""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyspec.export.profile import cost_at, mean_cost, summarize_times
+from polyspec.export.verdict import choose_config, fit_alpha, lengths_from_hist, variance_check
+from polyspec.theory import acceptance_length_moments, chain_time_per_token, insertion
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Steady timings and no thread oversubscription on a shared 2-core machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tiny_llama_dir, tmp_path_factory):
+    from polyspec.decode.head import EagleHead, save_head
+    from polyspec.decode.int4 import save_int4_checkpoint
+    from polyspec.decode.model import Transformer
+
+    root = tmp_path_factory.mktemp("profile_parts")
+    int4 = save_int4_checkpoint(tiny_llama_dir, root / "int4", group_size=128)
+    target = Transformer.from_pretrained(tiny_llama_dir)
+    torch.manual_seed(3)
+    save_head(EagleHead(target.args, target.embed_tokens, target.lm_head), root / "head", target_info={"t": "tiny"})
+    return {"target": Path(tiny_llama_dir), "int4": Path(int4), "head": root / "head"}
+
+
+def _prompts(n: int = 2) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 500, (10 + 6 * i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def profile(tiny_parts, tmp_path_factory):
+    from polyspec.export.stage import profile_folders
+
+    out = tmp_path_factory.mktemp("profile") / "p"
+    return profile_folders(tiny_parts, out, prompts=2, max_new_tokens=10, kv_length=32, warmup=1, repeats=3,
+                           device="cpu", draft_ks=(2, 3), mus=(4,), prompt_ids=_prompts(), threads=1,
+                           say=lambda _m: None)
+
+
+def test_costs_have_the_right_shape_and_are_positive(profile):
+    costs = profile["costs"]
+    assert set(costs) == {"target", "intermediate", "draft"}
+    for name, rows in costs.items():
+        widths = [r["width"] for r in rows]
+        assert widths == sorted(set(widths)) and widths[0] == 1, name
+        for r in rows:
+            assert r["kv_length"] == 32 and r["repeats"] == 3
+            assert 0 < r["min_s"] <= r["p10_s"] <= r["median_s"] <= r["p90_s"]
+    # the verifiers were timed at the widths the decoder ran: draft_k + 1 for the target in dual mode
+    assert {3, 4} <= {r["width"] for r in costs["target"]}
+
+
+def test_acceptance_tables(profile):
+    L = profile["L"]
+    for key in ("L_i", "L_new", "L_i_new"):
+        assert L[key] >= 1.0
+    assert L["beta_dual"] > 0 and L["beta_chain"] > 0
+    final = profile["final"]
+    assert set(final) == {"ar", "dual", "chain", "dual_at_chain_k", "int4_over_head"}
+    for name, cfg in final.items():
+        assert cfg["new_tokens"] > 0 and cfg["tokens_per_second"] > 0, name
+        for d in cfg["per_level"].values():
+            if "accept_hist" in d:  # a full distribution: counts add up to the verifications, mean is L
+                lengths = lengths_from_hist(d["accept_hist"])
+                assert len(lengths) == d["verifications"] > 0
+                assert sum(lengths) / len(lengths) == pytest.approx(d["L"])
+    # the RTN copy agrees with the target far more than a random head does
+    assert L["L_i_new"] > L["L_i"]
+    # greedy ar, dual and chain emit the same tokens
+    assert profile["lossless_greedy"] is True
+
+
+def test_verdict_is_theory_insertion_on_the_measured_numbers(profile):
+    v = profile["verdict"]
+    i = v["inputs"]
+    again = insertion(i["T_i"], i["T_new"], i["T_next"], i["L_i"], i["L_new"], i["L_i_new"], i["beta"]).to_dict()
+    for key, value in again.items():
+        assert v[key] == pytest.approx(value) if isinstance(value, float) else v[key] == value, key
+    assert i["L_i"] == profile["L"]["L_i"] and i["L_new"] == profile["L"]["L_new"]
+    assert i["L_i_new"] == profile["L"]["L_i_new"]
+    assert v["pays"] == (v["time_after"] < v["time_before"])
+    assert len(profile["candidates"]) == 2  # one per grid chain point
+    for c in profile["candidates"]:
+        assert {"cond1_holds", "cond2_holds", "valid_regime", "pays", "label"} <= set(c)
+
+
+def test_decision_minimises_predicted_time(profile):
+    rows = profile["grid"]
+    assert len(rows) == 2 + 2 + 1  # dual per draft_k, chain per (draft_k, mu), ar
+    for r in rows:
+        t = r["T_s"]
+        names = list(t)
+        if len(names) > 1:
+            expect = chain_time_per_token([t[n] for n in names], [r["L_eff"][n] for n in names[:-1]], r["beta"])
+            assert r["predicted_time_per_token_s"] == pytest.approx(expect)
+    dec = profile["decision"]
+    best = min((r for r in rows if r["mode"] in ("chain", "dual")), key=lambda r: r["predicted_time_per_token_s"])
+    assert (dec["mode"], dec["draft_k"]) == (best["mode"], best["draft_k"])
+    assert dec["predicted_time_per_token_s"] == best["predicted_time_per_token_s"]
+    sp = profile["speedup"]["wall"]["configs"]
+    assert sp["dual"]["predicted"] == pytest.approx(1.0) and sp["dual"]["measured"] == pytest.approx(1.0)
+    assert all(row["predicted"] > 0 and row["measured"] > 0 for row in sp.values())
+
+
+def test_variance_check_uses_the_exact_formula(profile):
+    for name, vc in profile["variance"].items():
+        if not vc["count"]:
+            continue
+        mean, var = acceptance_length_moments(vc["alpha"], vc["n"])
+        assert mean == pytest.approx(min(max(vc["mean"], 1.0), vc["n"]), abs=1e-6), name
+        assert var == pytest.approx(vc["var_theory"])
+
+
+def test_tables_are_stamped_and_plots_written(profile):
+    folder = Path(profile["path"])
+    for name in ("costs", "acceptance", "grid", "verdict", "speedup", "variance"):
+        table = json.loads((folder / "tables" / f"{name}.json").read_text())
+        assert table["stamps"]["software"]["polyspec"] and table["stamps"]["hardware"]["logical_cores"] >= 1
+        assert "torch" in table["stamps"]["software"]["packages"]
+    for png in ("insertion_region.png", "acceptance_hist.png"):
+        assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (folder / "verdict.md").read_text()
+    assert "cond1" in md and "cond2" in md and "Hardware:" in md
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
+    from polyspec.config import validate_tree
+    from polyspec.export.stage import profile_stage
+
+    recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
+                            "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},
+                            "target": {"device": "cpu"},
+                            "profile": {"prompts": 2, "max_new_tokens": 6, "warmup": 0, "repeats": 2,
+                                        "kv_length": 16}}, "test")
+    logged = []
+
+    class Tracker:
+        def log_metrics(self, m, step=None):
+            logged.append(("metrics", m))
+
+        def log_artifact(self, path, artifact_path=None):
+            logged.append(("artifact", Path(path)))
+
+    kw = {"parts": tiny_parts, "draft_ks": (2,), "mus": (4,), "threads": 1, "say": lambda _m: None}
+    first = profile_stage(recipe, Tracker(), **kw)
+    assert first["prompts"]["count"] == 2
+    assert {p["source"] for p in first["prompt_sources"]} <= {"mtbench", "sharegpt"}
+    assert Path(first["path"]).parent == tmp_path / "w" / "profile"
+    assert any(k == "artifact" and p == Path(first["path"]) for k, p in logged)
+    t0 = time.perf_counter()
+    second = profile_stage(recipe, None, **kw)
+    assert time.perf_counter() - t0 < 5 and second["key"] == first["key"] and second["path"] == first["path"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure functions
+
+
+@pytest.mark.parametrize("alpha, n", [(0.0, 3), (0.3, 4), (0.8, 6), (0.95, 13)])
+def test_fit_alpha_inverts_the_exact_mean(alpha, n):
+    mean, _ = acceptance_length_moments(alpha, n)
+    assert fit_alpha(mean, n) == pytest.approx(alpha, abs=1e-8)
+    assert fit_alpha(0.5, n) == 0.0 and fit_alpha(n + 1.0, n) == 1.0
+
+
+def test_variance_check_on_an_exact_distribution():
+    # alpha = 0.5, n = 3: P(1) = .5, P(2) = .25, P(3) = .25 -> 8 samples in those proportions
+    vc = variance_check([1, 1, 1, 1, 2, 2, 3, 3], 3)
+    assert vc["alpha"] == pytest.approx(0.5, abs=1e-9)
+    assert vc["var_measured"] == pytest.approx(vc["var_theory"])
+    assert vc["var_ratio"] == pytest.approx(1.0)
+
+
+def test_cost_interpolation_and_summary():
+    table = [{"width": 1, "median_s": 1.0}, {"width": 3, "median_s": 2.0}, {"width": 7, "median_s": 6.0}]
+    assert cost_at(table, 2) == pytest.approx(1.5)
+    assert cost_at(table, 5) == pytest.approx(4.0)
+    assert cost_at(table, 9) == pytest.approx(8.0)  # extrapolated from the last segment
+    assert cost_at(table, 0) == pytest.approx(1.0)  # never below the smallest measured time
+    assert mean_cost(table, {1: 1, 3: 3}) == pytest.approx((1.0 + 6.0) / 4)
+    s = summarize_times([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s["median_s"], s["min_s"], s["repeats"]) == (3.0, 1.0, 5)
+    assert s["p10_s"] == pytest.approx(1.4) and s["p90_s"] == pytest.approx(4.6)
+
+
+def test_choose_config_picks_the_fastest_allowed_mode():
+    rows = [{"mode": "ar", "predicted_time_per_token_s": 0.1}, {"mode": "dual", "predicted_time_per_token_s": 0.3},
+            {"mode": "chain", "predicted_time_per_token_s": 0.2}]
+    assert choose_config(rows)["mode"] == "chain"
+    assert choose_config(rows, ("dual",))["mode"] == "dual"
+
+
+def test_region_boundaries_agree_with_theory():
+    from polyspec.export.plots import region_lines
+
+    inp = {"T_i": 10.0, "T_next": 1.0, "L_i": 2.0, "L_i_new": 5.0, "beta": 4.0}
+    xs = [0.05, 0.2, 0.5]
+    lines = region_lines(inp, xs)
+    for x, y1, y2, y3 in zip(xs, lines["cond1"], lines["cond2"], lines["exact"], strict=True):
+        for y, key in ((y1, "cond1_holds"), (y2, "cond2_holds")):
+            for eps, expect in ((1e-6, True), (-1e-6, False)):
+                v = insertion(inp["T_i"], x * inp["T_i"], inp["T_next"], inp["L_i"], y + eps, inp["L_i_new"],
+                              inp["beta"])
+                assert getattr(v, key) is expect, (x, key)
+        if math.isfinite(y3):
+            above = insertion(10.0, x * 10.0, 1.0, 2.0, y3 * 1.001, 5.0, 4.0)
+            below = insertion(10.0, x * 10.0, 1.0, 2.0, y3 * 0.999, 5.0, 4.0)
+            assert above.pays and not below.pays

@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ASSETS, make_tiny_llama
+
 from polyspec.cli import main
 
 pytest.importorskip("gptqmodel", reason="the [quant] extra (gptqmodel) is needed for the quantize stage")

@@ -16,9 +16,6 @@ trained and saved (:func:`save_head`). The head has its own static KV cache with
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from torch import nn
 
 from polyspec.decode.model import CachedDecoder, DecoderLayer, ModelArgs, rope_inv_freq
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import atomic_folder
 
 HEAD_MODEL_TYPE = "polyspec-eagle-head"
 HEAD_FORMAT_VERSION = 1
@@ -83,25 +81,6 @@ class EagleHead(CachedDecoder):
         return (logits[0], x[0]) if squeeze else (logits, x)
 
 
-def _atomic_dir_write(out_dir: Path, write) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        write(tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
 def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any]) -> Path:
     """Write ``out_dir`` atomically: config.json (model_type, format version, the layer's ModelArgs, the caller's
     target identity/hash) and model.safetensors with fc.* and layer.* only (never the target's embedding/lm_head)."""
@@ -123,7 +102,7 @@ def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any])
         (tmp / "config.json").write_text(config_text)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
-    return _atomic_dir_write(Path(out_dir), write)
+    return atomic_folder(Path(out_dir), write)
 
 
 def read_head_config(head_dir: str | Path) -> dict[str, Any]:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import swap_into_place
 
 KERNEL_GROUPS = (256, 128, 64, 32)
 QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -421,13 +422,7 @@ def write_gptq_folder(out_dir: str | Path, hf_config: dict[str, Any], tensors: d
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
+        swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import atomic_folder
 
 PROFILE_FORMAT = 1
 MEASUREMENTS_SCHEMA = "polyspec.measurements/1"
@@ -62,26 +63,6 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, set):
         return sorted(o)
     raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
-
-
-def _atomic_folder(out: Path, write) -> Path:
-    """Build a folder with ``write(tmp)`` under a temporary name next to ``out``, then swap it into place."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        write(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
 
 
 def folder_digest(folder: Path) -> str:
@@ -325,7 +306,7 @@ def write_profile(out_dir: Path, profile: dict[str, Any]) -> Path:
             series.append({"label": label, "hist": hist, "n": vc.get("n"), "alpha": vc.get("alpha")})
         plot_acceptance_histograms(series, tmp / "acceptance_hist.png")
 
-    return _atomic_folder(out_dir, write)
+    return atomic_folder(out_dir, write)
 
 
 def read_profile(folder: Path) -> dict[str, Any] | None:
@@ -466,7 +447,7 @@ def export_chain(out: Path, parts: dict[str, Path], profile: dict[str, Any], dec
         shutil.rmtree(tmp / "parts")
         chain.rmdir()
 
-    return _atomic_folder(out, write)
+    return atomic_folder(out, write)
 
 
 def _export_onnx(parts: dict[str, Path], head_dir: Path, opset: int) -> dict[str, Any]:

@@ -144,6 +144,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve.run(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Spec-Bench-style benchmark of a chain: ar, dual, chain, hf and hf-assisted interleaved on the same prompts;
+    tokens/s, speedup over ar, mean accepted tokens per level, mismatches against ar at temperature 0."""
+    from polyspec.decode import bench
+
+    return bench.run(args)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from a chain folder (validated first) in ar, dual or chain mode; exactly the target's distribution."""
     from polyspec.decode.sampling import check_sampling
@@ -227,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     from polyspec.export import serve as _serve  # light: no fastapi/torch at import
 
     _serve.configure_parser(verb("serve", cmd_serve))
+
+    from polyspec.decode import bench as _bench  # light: no torch at import
+
+    _bench.configure_parser(verb("bench", cmd_bench))
 
     p = verb("generate", cmd_generate)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")

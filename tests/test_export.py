@@ -22,17 +22,8 @@ def _one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def parts(tiny_llama_dir, tmp_path_factory):
-    from polyspec.decode.head import EagleHead, save_head
-    from polyspec.decode.int4 import save_int4_checkpoint
-    from polyspec.decode.model import Transformer
-
-    root = tmp_path_factory.mktemp("export_parts")
-    int4 = save_int4_checkpoint(tiny_llama_dir, root / "int4", group_size=128)
-    target = Transformer.from_pretrained(tiny_llama_dir)
-    torch.manual_seed(5)
-    save_head(EagleHead(target.args, target.embed_tokens, target.lm_head), root / "head", target_info={"t": "tiny"})
-    return {"target": Path(tiny_llama_dir), "int4": Path(int4), "head": root / "head"}
+def parts(tiny_parts):
+    return tiny_parts
 
 
 @pytest.fixture(scope="module")

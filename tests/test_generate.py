@@ -6,27 +6,8 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from polyspec.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny_chain(tiny_llama_dir, tmp_path_factory):
-    from polyspec.decode.head import EagleHead, save_head
-    from polyspec.decode.int4 import save_int4_checkpoint
-    from polyspec.decode.model import Transformer
-    from polyspec.manifest import assemble_chain
-
-    root = tmp_path_factory.mktemp("chain_parts")
-    int4 = save_int4_checkpoint(tiny_llama_dir, root / "int4", group_size=128)
-    target = Transformer.from_pretrained(tiny_llama_dir)
-    torch.manual_seed(1)
-    head = EagleHead(target.args, target.embed_tokens, target.lm_head)
-    save_head(head, root / "head", target_info={"source": "tiny"})
-    out = root / "chain"
-    assemble_chain(out, tiny_llama_dir, [int4], root / "head")
-    return out
 
 
 def _gen(capsys, chain, *extra):

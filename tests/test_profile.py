@@ -25,20 +25,6 @@ def _one_torch_thread():
     torch.set_num_threads(old)
 
 
-@pytest.fixture(scope="module")
-def tiny_parts(tiny_llama_dir, tmp_path_factory):
-    from polyspec.decode.head import EagleHead, save_head
-    from polyspec.decode.int4 import save_int4_checkpoint
-    from polyspec.decode.model import Transformer
-
-    root = tmp_path_factory.mktemp("profile_parts")
-    int4 = save_int4_checkpoint(tiny_llama_dir, root / "int4", group_size=128)
-    target = Transformer.from_pretrained(tiny_llama_dir)
-    torch.manual_seed(3)
-    save_head(EagleHead(target.args, target.embed_tokens, target.lm_head), root / "head", target_info={"t": "tiny"})
-    return {"target": Path(tiny_llama_dir), "int4": Path(int4), "head": root / "head"}
-
-
 def _prompts(n: int = 2) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(3, 500, (10 + 6 * i,), generator=g).tolist() for i in range(n)]

@@ -16,7 +16,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -28,24 +27,6 @@ from polyspec.export import serve  # noqa: E402
 from polyspec.export.serve_api import make_answer, token_pieces  # noqa: E402
 
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def tiny_chain(tiny_llama_dir, tmp_path_factory):
-    from polyspec.decode.head import EagleHead, save_head
-    from polyspec.decode.int4 import save_int4_checkpoint
-    from polyspec.decode.model import Transformer
-    from polyspec.manifest import assemble_chain
-
-    root = tmp_path_factory.mktemp("serve_chain")
-    int4 = save_int4_checkpoint(tiny_llama_dir, root / "int4", group_size=128)
-    target = Transformer.from_pretrained(tiny_llama_dir)
-    torch.manual_seed(1)
-    head = EagleHead(target.args, target.embed_tokens, target.lm_head)
-    save_head(head, root / "head", target_info={"source": "tiny"})
-    out = root / "chain"
-    assemble_chain(out, tiny_llama_dir, [int4], root / "head")
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,584 @@
+"""``polyspec bench``: AR, dual EAGLE, the polybasic chain and transformers side by side, on the same prompts.
+
+    polyspec bench CHAIN --prompts FILE|builtin [--modes ar,dual,chain,hf,hf-assisted] [--max-new-tokens N]
+                   [--temperature T] [--repeats R] [--limit N] [--categories C ...] [--json OUT] [--plot OUT.png]
+                   [--forward-times]
+
+How it measures (so that ratios are fair even on a busy machine):
+
+- every model is loaded once; modes run interleaved in one process: for each turn of each question every mode
+  generates in turn, the order rotated from one turn to the next, so no mode systematically gets a warmer machine;
+- a warm-up generation per mode (untimed) runs before anything is timed (int4 weight packing, allocator, HF caches);
+- each generation is timed around the decode call alone (prompt tokenised beforehand);
+- multi-turn questions are answered turn by turn through the chat template with the previous answer in the history;
+  every mode gets the same history (the reference mode's answer: ``ar`` when it runs), so all modes decode the same
+  prompts;
+- tokens/s of a set of generations = total new tokens / total seconds; speedup = that over ``ar``'s on the same set;
+  mean accepted per level = tokens a level emitted / its forward passes (the target's value is the paper's mu);
+- at temperature 0 every mode's tokens are compared with ``ar``'s and each difference is listed (``hf`` runs another
+  implementation in float32, so rare float-noise differences there are reported, not hidden).
+
+``hf`` is transformers' ``AutoModelForCausalLM.generate`` on the chain's target folder; ``hf-assisted`` is
+transformers' assisted generation with the chain's first intermediate level as the assistant, when transformers can
+load and run it; otherwise the report carries a "not applicable" entry with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polyspec.errors import PolyspecError
+
+MODES = ("ar", "dual", "chain", "hf", "hf-assisted")
+ENGINE_MODES = ("ar", "dual", "chain")
+_SLACK = 64  # cache room beyond prompt + max_new_tokens (as polyspec generate allows)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Runners: one per mode, all with generate(prompt_ids, ...) -> Generation
+
+
+@dataclass
+class Generation:
+    """One timed generation: the new tokens, seconds around the decode call, per-level counters (engine modes)."""
+
+    token_ids: list[int]
+    seconds: float
+    levels: list[dict[str, Any]] = field(default_factory=list)  # [{name, forward_passes, tokens_emitted}]
+    accept_lengths: dict[str, list[int]] = field(default_factory=dict)  # verifier level -> tokens per verification
+
+
+class NotApplicable(Exception):
+    """A mode that cannot run on this chain / machine; the message says why (it goes into the report)."""
+
+
+class EngineRunner:
+    """ar / dual / chain through polyspec's ChainDecoder; the loaded models are shared by all engine modes."""
+
+    def __init__(self, chain: Any, mode: str, *, draft_k: int | None = None, mu: list[int] | None = None):
+        try:
+            chain.levels_for(mode)
+        except PolyspecError as exc:
+            raise NotApplicable(str(exc)) from None
+        self.chain, self.mode, self.draft_k, self.mu = chain, mode, draft_k, mu
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
+                 eos: set[int]) -> Generation:
+        from polyspec.decode.generate import build_decoder
+
+        size = min(self.chain.context, len(prompt_ids) + max_new_tokens) + _SLACK
+        dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu)
+        t0 = time.perf_counter()
+        res = dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos)
+        seconds = time.perf_counter() - t0
+        levels = [{"name": s.name, "forward_passes": s.forward_passes, "tokens_emitted": s.tokens_emitted}
+                  for s in res.level_stats]
+        accept = {s.name: list(s.accept_lengths) for s in res.level_stats if s.accept_lengths and self.mode != "ar"}
+        return Generation(list(res.token_ids), seconds, levels, accept)
+
+
+class HFRunner:
+    """transformers ``generate`` on the target folder (optionally with an assistant model: assisted generation)."""
+
+    def __init__(self, model: Any, assistant: Any = None):
+        self.model, self.assistant = model, assistant
+
+    @staticmethod
+    def load(folder: Path, device: str, dtype: Any) -> Any:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        model.generation_config = GenerationConfig()  # no sampling defaults from the folder: only what we pass
+        return model
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
+                 eos: set[int]) -> Generation:
+        import torch
+        from transformers import GenerationConfig
+
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T]
+        eos_list = sorted(eos) or None
+        kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_list,
+                              "pad_token_id": eos_list[0] if eos_list else 0}
+        if sampling.temperature > 0:
+            kw.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        else:
+            kw.update(do_sample=False)
+        config = GenerationConfig(**kw)
+        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **extra)
+            seconds = time.perf_counter() - t0
+        new = [int(t) for t in out[0, len(prompt_ids):].tolist()]
+        for j, t in enumerate(new):  # keep up to and including the first EOS (as the engine does)
+            if t in eos:
+                new = new[:j + 1]
+                break
+        return Generation(new, seconds)
+
+
+def _assistant_folder(chain_dir: Path) -> Path:
+    from polyspec.manifest import read_manifest
+
+    manifest = read_manifest(chain_dir)
+    middle = [lv for lv in manifest.levels[1:] if lv.kind in ("int4", "model")]
+    if not middle:
+        raise NotApplicable("the chain has no intermediate model level to use as the assistant (its draft is an "
+                            "EAGLE head, which transformers cannot run)")
+    return chain_dir / middle[0].path
+
+
+def load_hf_assistant(chain_dir: Path, device: str, tokenizer: Any) -> Any:
+    """The chain's first intermediate loaded with transformers and smoke-tested on two tokens, or NotApplicable."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = _assistant_folder(chain_dir)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device).eval()
+        ids = tokenizer("hello", return_tensors="pt")["input_ids"].to(device)
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+    except Exception as exc:  # any failure of a third-party loader/kernel means "cannot run here", with its reason
+        msg = " ".join(str(exc).split())[:300]
+        raise NotApplicable(f"transformers cannot run the intermediate {folder.name} as an assistant here: "
+                            f"{type(exc).__name__}: {msg}") from None
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prompts -> token ids (chat template, history)
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]], *, chat: bool = True) -> list[int]:
+    """A conversation as prompt token ids through the tokenizer's chat template (generation prompt added)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    text = "\n\n".join(m["content"] for m in messages)
+    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
+
+
+def summarize(records: list[dict[str, Any]], modes: list[str]) -> dict[str, dict[str, Any]]:
+    """records (one per generation: mode, new_tokens, seconds, levels) -> {mode: {tokens_per_second, speedup_vs_ar,
+    mean_accepted {level: emitted / forwards}, new_tokens, seconds, generations}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        rs = [r for r in records if r["mode"] == mode]
+        tokens = sum(r["new_tokens"] for r in rs)
+        seconds = sum(r["seconds"] for r in rs)
+        passes: dict[str, int] = {}
+        emitted: dict[str, int] = {}
+        for r in rs:
+            for lv in r.get("levels") or []:
+                passes[lv["name"]] = passes.get(lv["name"], 0) + lv["forward_passes"]
+                emitted[lv["name"]] = emitted.get(lv["name"], 0) + lv["tokens_emitted"]
+        out[mode] = {
+            "tokens_per_second": _rate(tokens, seconds),
+            "speedup_vs_ar": None,
+            "mean_accepted": {n: emitted[n] / passes[n] for n in passes if passes[n]},
+            "new_tokens": tokens,
+            "seconds": seconds,
+            "generations": len(rs),
+        }
+    ar = out.get("ar", {}).get("tokens_per_second")
+    for stats in out.values():
+        if ar and stats["tokens_per_second"] is not None:
+            stats["speedup_vs_ar"] = stats["tokens_per_second"] / ar
+    return out
+
+
+def find_mismatches(records: list[dict[str, Any]], reference: str = "ar") -> list[dict[str, Any]]:
+    """Each generation whose tokens differ from the reference mode's on the same turn and repeat: where they first
+    differ and both lengths."""
+    ref = {(r["question_id"], r["turn"], r["repeat"]): r["token_ids"] for r in records if r["mode"] == reference}
+    out = []
+    for r in records:
+        if r["mode"] == reference:
+            continue
+        want = ref.get((r["question_id"], r["turn"], r["repeat"]))
+        if want is None or r["token_ids"] == want:
+            continue
+        got = r["token_ids"]
+        first = next((j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
+        out.append({"mode": r["mode"], "question_id": r["question_id"], "category": r["category"], "turn": r["turn"],
+                    "repeat": r["repeat"], "first_difference_at": first, "reference_tokens": len(want),
+                    "mode_tokens": len(r["token_ids"])})
+    return out
+
+
+def accept_histograms(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, int]]]:
+    """{mode: {level: {tokens emitted per verification: count}}} over all generations."""
+    out: dict[str, dict[str, dict[int, int]]] = {}
+    for r in records:
+        for level, lengths in (r.get("accept_lengths") or {}).items():
+            hist = out.setdefault(r["mode"], {}).setdefault(level, {})
+            for n in lengths:
+                hist[n] = hist.get(n, 0) + 1
+    return {m: {lv: dict(sorted(h.items())) for lv, h in d.items()} for m, d in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+@dataclass
+class BenchSettings:
+    modes: list[str]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repeats: int = 1
+    seed: int = 0
+    warmup: int = 1
+    draft_k: int | None = None
+    mu: list[int] | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    chat: bool = True
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise PolyspecError(f"--modes {text!r}: unknown mode(s) {bad}; choose from {', '.join(MODES)} "
+                            "(comma-separated)")
+    if len(set(modes)) != len(modes):
+        raise PolyspecError(f"--modes {text!r} names a mode twice")
+    return modes
+
+
+def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[dict[str, Any], dict[str, str]]:
+    runners: dict[str, Any] = {}
+    not_applicable: dict[str, str] = {}
+    hf_model = None
+    for mode in s.modes:
+        try:
+            if mode in ENGINE_MODES:
+                runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu)
+                continue
+            if hf_model is None:
+                import torch
+
+                from polyspec.decode.generate import DTYPES, resolve_device
+
+                dev = resolve_device(s.device)
+                dtype = DTYPES[s.dtype] if s.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+                t0 = time.perf_counter()
+                hf_model = HFRunner.load(_target_folder(chain_dir), str(dev), dtype)
+                log(f"loaded the target with transformers in {time.perf_counter() - t0:.1f} s")
+            if mode == "hf":
+                runners[mode] = HFRunner(hf_model)
+            else:
+                dev = str(next(hf_model.parameters()).device)
+                runners[mode] = HFRunner(hf_model, load_hf_assistant(chain_dir, dev, chain.tokenizer))
+        except NotApplicable as exc:
+            not_applicable[mode] = str(exc)
+            log(f"{mode}: not applicable — {exc}")
+    return runners, not_applicable
+
+
+def _target_folder(chain_dir: Path) -> Path:
+    from polyspec.manifest import read_manifest
+
+    return chain_dir / read_manifest(chain_dir).levels[0].path
+
+
+def run_benchmark(chain_dir: Path, questions: list[Any], settings: BenchSettings, *, chain: Any = None,
+                  log=None) -> dict[str, Any]:
+    """Run every question (each turn, each repeat) through every mode, interleaved; return the report dict
+    (overall, by_category, mismatches, not_applicable, acceptance histograms, per-generation records)."""
+    from polyspec.decode.chain import SamplingParams
+    from polyspec.decode.generate import eos_ids, load_chain
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
+    sampling.check()
+    chain_dir = Path(chain_dir)
+    t_load = time.perf_counter()
+    chain = chain if chain is not None else load_chain(chain_dir, device=settings.device, dtype=settings.dtype)
+    runners, not_applicable = _load_runners(chain_dir, chain, settings, log)
+    load_seconds = time.perf_counter() - t_load
+    order = [m for m in settings.modes if m in runners]
+    if not order:
+        raise PolyspecError("no requested mode can run: " + "; ".join(f"{m}: {r}" for m, r in not_applicable.items()))
+    reference = "ar" if "ar" in order else order[0]
+    tok, eos = chain.tokenizer, eos_ids(chain.tokenizer)
+
+    first = encode_messages(tok, [{"role": "user", "content": questions[0].turns[0]}], chat=settings.chat)
+    for mode in order:  # warm-up, untimed
+        for _ in range(settings.warmup):
+            runners[mode].generate(first, min(8, settings.max_new_tokens), sampling, settings.seed, eos)
+
+    records: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    step = 0
+    t_run = time.perf_counter()
+    for qi, q in enumerate(questions):
+        for rep in range(settings.repeats):
+            history: list[dict[str, str]] = []
+            for turn, text in enumerate(q.turns):
+                history.append({"role": "user", "content": text})
+                ids = encode_messages(tok, history, chat=settings.chat)
+                if len(ids) + settings.max_new_tokens > chain.context:
+                    skipped.append({"question_id": q.question_id, "turn": turn, "prompt_tokens": len(ids),
+                                    "reason": f"prompt + max_new_tokens exceed the context ({chain.context})"})
+                    break
+                rot = step % len(order)
+                step += 1
+                answers: dict[str, list[int]] = {}
+                for mode in order[rot:] + order[:rot]:
+                    g = runners[mode].generate(ids, settings.max_new_tokens, sampling, settings.seed + rep, eos)
+                    answers[mode] = g.token_ids
+                    records.append({"mode": mode, "question_id": q.question_id, "category": q.category,
+                                    "turn": turn, "repeat": rep, "prompt_tokens": len(ids),
+                                    "new_tokens": len(g.token_ids), "seconds": g.seconds, "token_ids": g.token_ids,
+                                    "levels": g.levels, "accept_lengths": g.accept_lengths})
+                history.append({"role": "assistant",
+                                "content": tok.decode(answers[reference], skip_special_tokens=True)})
+        done = sum(r["new_tokens"] for r in records if r["mode"] == reference)
+        log(f"[{qi + 1}/{len(questions)}] {q.category} {q.question_id}: {done} {reference} tokens so far, "
+            f"{time.perf_counter() - t_run:.0f} s")
+    wall = time.perf_counter() - t_run
+
+    categories = sorted({r["category"] for r in records})
+    report: dict[str, Any] = {
+        "overall": summarize(records, order),
+        "by_category": {c: summarize([r for r in records if r["category"] == c], order) for c in categories},
+        "mismatches": find_mismatches(records, reference) if settings.temperature == 0 else [],
+        "mismatch_check": ("greedy: every mode compared with " + reference) if settings.temperature == 0
+        else "not checked (temperature > 0: outputs are samples)",
+        "not_applicable": not_applicable,
+        "reference_mode": reference,
+        "acceptance_histograms": accept_histograms(records),
+        "skipped": skipped,
+        "wall_seconds": wall,
+        "load_seconds": load_seconds,
+        "prompts": {c: len({r["question_id"] for r in records if r["category"] == c}) for c in categories},
+        "generations": [{k: v for k, v in r.items() if k not in ("token_ids", "accept_lengths")} for r in records],
+    }
+    for mode, why in not_applicable.items():
+        report["overall"][mode] = {"tokens_per_second": None, "speedup_vs_ar": None, "mean_accepted": {},
+                                   "not_applicable": why}
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Forward times of each level (the T_i of Lemma 3.1)
+
+
+def _timed_forward(model: Any, kind: str, prefix: int, ids: Any, feats: Any) -> float:
+    """Seconds of one forward of ids [T] after a cache holding ``prefix`` positions (truncated back first)."""
+    import torch
+
+    model.truncate(prefix)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        if kind == "head":
+            model.forward(ids, feats)
+        else:
+            model.forward(ids)
+    return time.perf_counter() - t0
+
+
+def forward_times(chain: Any, *, widths: list[int], prefix: int = 128, repeats: int = 20,
+                  warmup: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Median milliseconds of one forward of every level over ``widths`` new tokens (T = 1 is a decode step, T = k + 1
+    a verification of k tokens) after a ``prefix``-token cache; levels and widths are interleaved within each repeat.
+    Ratios are relative to the target at the same width."""
+    import torch
+
+    if prefix < 1 or repeats < 1 or not widths or min(widths) < 1:
+        raise PolyspecError("forward_times needs prefix >= 1, repeats >= 1 and widths >= 1")
+    gen = torch.Generator().manual_seed(seed)
+    top = chain.models[chain.order[0]]
+    vocab, hidden = top.args.vocab_size, top.args.hidden_size
+    size = prefix + max(widths) + 1
+    ids = torch.randint(0, vocab, (size,), generator=gen)  # [size]
+    feats = torch.randn(size, hidden, generator=gen)  # [size, H]: the head's feature inputs (values do not matter)
+    names = list(chain.order)
+    inputs: dict[str, tuple[Any, Any]] = {}  # level -> (ids, features) on its device and dtype
+    for n in names:
+        m, kind = chain.models[n], chain.kinds[n]
+        m.setup_cache(size)
+        p = next(m.parameters())
+        inputs[n] = (ids.to(p.device), feats.to(device=p.device, dtype=p.dtype))
+        with torch.inference_mode():  # fill the cache with the prefix
+            x, f = inputs[n]
+            (m.forward(x[:prefix], f[:prefix]) if kind == "head" else m.forward(x[:prefix]))
+    times: dict[str, dict[int, list[float]]] = {n: {w: [] for w in widths} for n in names}
+    for r in range(warmup + repeats):
+        for w in widths:
+            for n in names:
+                x, f = inputs[n]
+                dt = _timed_forward(chain.models[n], chain.kinds[n], prefix, x[prefix:prefix + w], f[prefix:prefix + w])
+                if r >= warmup:
+                    times[n][w].append(dt)
+    ms = {n: {w: 1000 * statistics.median(v) for w, v in d.items()} for n, d in times.items()}
+    return {
+        "prefix": prefix, "widths": list(widths), "repeats": repeats,
+        "levels": {n: {"kind": chain.kinds[n], "ms": {str(w): ms[n][w] for w in widths}} for n in names},
+        "ratio_to_target": {n: {str(w): ms[n][w] / ms[names[0]][w] for w in widths} for n in names},
+        "threads": torch.get_num_threads(),
+    }
+
+
+def default_widths(chain: Any, draft_k: int | None, mu: list[int] | None) -> list[int]:
+    """T = 1 (a decode step), draft_k + 1 (verifying a draft block) and mu[0] + 1 (the target verifying a block)."""
+    k = draft_k or chain.draft_k
+    m = (mu or list(chain.mu) or [8])[0]
+    return sorted({1, k + 1, m + 1})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``polyspec bench``."""
+    p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
+    p.add_argument("--prompts", help="a Spec-Bench question.jsonl (question_id, category, turns) or 'builtin' "
+                   "(MT-bench, HumanEval, Python FAQ, Python-doc summarisation, held-out ShareGPT)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then outputs are checked vs ar)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="generations per turn and mode (seed + repeat)")
+    p.add_argument("--limit", type=int, default=None, help="at most N questions per category")
+    p.add_argument("--categories", nargs="+", default=None, help="only these categories (space or comma separated)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode (default 1)")
+    p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
+    p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU)")
+    p.add_argument("--recipe", type=Path, default=None,
+                   help="recipe whose data section defines the held-out ShareGPT split (default: DataConfig defaults)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", type=Path, default=None, help="write the full report as JSON here")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="speedup-by-category PNG here, acceptance-length histograms next to it (*_accept.png)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--forward-times", action="store_true",
+                   help="also time one forward of every level at T = 1, draft_k + 1 and mu + 1 tokens")
+    p.add_argument("--forward-prefix", type=int, default=128, help="cached tokens before the timed forward")
+    p.add_argument("--forward-repeats", type=int, default=20)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from polyspec.decode.sampling import check_sampling
+
+    check_sampling(args.temperature, args.top_p, args.top_k)
+    for name in ("max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise PolyspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        raise PolyspecError(f"--threads must be >= 1, got {args.threads}")
+    if args.warmup < 0:
+        raise PolyspecError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.prompts is None and not args.forward_times:
+        raise PolyspecError("give --prompts FILE|builtin (or --forward-times alone for level timings)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Benchmark ar, dual, chain, hf and hf-assisted on the same prompts, interleaved; JSON, table and plots."""
+    from polyspec.decode.bench_prompts import load_prompts
+    from polyspec.decode.bench_report import print_report, write_json, write_plots
+    from polyspec.stamp import command_line, hardware_stamp, software_stamp
+
+    _check_args(args)
+    modes = parse_modes(args.modes)
+    notes: list[str] = []
+    questions: list[Any] = []
+    if args.prompts is not None:
+        data_cfg = None
+        if args.recipe is not None:
+            from polyspec.config import load_recipe
+
+            data_cfg = load_recipe(args.recipe).data
+        cats = [c for item in (args.categories or []) for c in item.split(",") if c]
+        questions = load_prompts(args.prompts, categories=cats or None, limit=args.limit, data_cfg=data_cfg,
+                                 notes=notes)
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+    from polyspec.decode.generate import load_chain
+
+    settings = BenchSettings(modes=modes, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k, repeats=args.repeats, seed=args.seed,
+                             warmup=args.warmup, draft_k=args.draft_k, mu=args.mu, device=args.device,
+                             dtype=args.dtype, chat=not args.raw)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    chain = load_chain(args.chain, device=args.device, dtype=args.dtype)
+    report: dict[str, Any] = {}
+    if questions:
+        report = run_benchmark(args.chain, questions, settings, chain=chain)
+    if args.forward_times:
+        report["forward_times"] = forward_times(chain, widths=default_widths(chain, args.draft_k, args.mu),
+                                                prefix=args.forward_prefix, repeats=args.forward_repeats)
+    import torch
+
+    report.update({
+        "command": getattr(args, "command", None) or command_line(),
+        "settings": {**settings.__dict__, "prompts": args.prompts, "limit": args.limit,
+                     "categories": args.categories, "chain": str(args.chain), "draft_k": args.draft_k or chain.draft_k,
+                     "mu": args.mu or list(chain.mu), "levels": list(chain.order), "torch_threads":
+                     torch.get_num_threads()},
+        "notes": notes,
+        "load_average": {"before": load_before, "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "stamp": {"hardware": hardware_stamp(), "software": software_stamp()},
+    })
+    print_report(report)
+    if args.json is not None:
+        write_json(report, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot is not None and questions:
+        for path in write_plots(report, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="polyspec bench", description=(run.__doc__ or "").strip())
+    configure_parser(parser)
+    args = parser.parse_args(argv)
+    if argv is not None:
+        args.command = shlex.join(["polyspec", "bench", *argv])
+    elif Path(sys.argv[0]).name == "bench.py":  # python -m polyspec.decode.bench ...
+        args.command = shlex.join(["python", "-m", "polyspec.decode.bench", *sys.argv[1:]])
+    try:
+        return run(args)
+    except PolyspecError as exc:
+        print(f"polyspec bench: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""Atomic folder writes: build under a temporary name next to the target, then swap it into place, so a killed
+process never leaves a half-written artifact under the real name."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def swap_into_place(tmp: Path, out: Path) -> Path:
+    """Rename the finished folder ``tmp`` to ``out``, replacing an existing ``out`` (moved aside, then removed)."""
+    tmp, out = Path(tmp), Path(out)
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
+def atomic_folder(out: str | Path, write: Callable[[Path], object]) -> Path:
+    """Call ``write(tmp)`` on a fresh temporary folder beside ``out``, then swap it into place; on any exception
+    (KeyboardInterrupt included) the temporary folder is removed and ``out`` is left as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        return swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

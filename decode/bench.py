@@ -37,8 +37,8 @@ from typing import Any
 
 from polyspec.errors import PolyspecError
 
-MODES = ("ar", "dual", "chain", "hf", "hf-assisted")
-ENGINE_MODES = ("ar", "dual", "chain")
+MODES = ("ar", "dual", "chain", "dual-tree", "chain-tree", "hf", "hf-assisted")
+ENGINE_MODES = ("ar", "dual", "chain", "dual-tree", "chain-tree")  # *-tree: the EAGLE-2 draft tree at the bottom
 _SLACK = 64  # cache room beyond prompt + max_new_tokens (as polyspec generate allows)
 
 
@@ -63,19 +63,23 @@ class NotApplicable(Exception):
 class EngineRunner:
     """ar / dual / chain through polyspec's ChainDecoder; the loaded models are shared by all engine modes."""
 
-    def __init__(self, chain: Any, mode: str, *, draft_k: int | None = None, mu: list[int] | None = None):
+    def __init__(self, chain: Any, mode: str, *, draft_k: int | None = None, mu: list[int] | None = None,
+                 tree: Any = None):
+        base = mode.removesuffix("-tree")
         try:
-            chain.levels_for(mode)
+            chain.levels_for(base)
         except PolyspecError as exc:
             raise NotApplicable(str(exc)) from None
-        self.chain, self.mode, self.draft_k, self.mu = chain, mode, draft_k, mu
+        self.chain, self.mode, self.draft_k, self.mu = chain, base, draft_k, mu
+        self.tree = (tree if tree is not None else True) if mode.endswith("-tree") else False
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
                  eos: set[int]) -> Generation:
         from polyspec.decode.generate import build_decoder
 
         size = min(self.chain.context, len(prompt_ids) + max_new_tokens) + _SLACK
-        dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu)
+        dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu,
+                            tree=self.tree)
         t0 = time.perf_counter()
         res = dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos)
         seconds = time.perf_counter() - t0
@@ -255,6 +259,7 @@ class BenchSettings:
     warmup: int = 1
     draft_k: int | None = None
     mu: list[int] | None = None
+    tree: dict[str, int] | None = None  # shape overrides for the *-tree modes (on the manifest's tree or defaults)
     device: str = "auto"
     dtype: str | None = None
     chat: bool = True
@@ -278,7 +283,10 @@ def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[d
     for mode in s.modes:
         try:
             if mode in ENGINE_MODES:
-                runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu)
+                from polyspec.decode.generate import resolve_tree
+
+                tree = resolve_tree(s.tree or True, chain.tree) if mode.endswith("-tree") else False
+                runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu, tree=tree)
                 continue
             if hf_model is None:
                 import torch
@@ -474,6 +482,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode (default 1)")
     p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
     p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
+    p.add_argument("--tree-top-k", type=int, default=None, help="*-tree modes: children per expanded node "
+                   "(default: the manifest's decode.tree, else 8)")
+    p.add_argument("--tree-depth", type=int, default=None, help="*-tree modes: draft forwards per tree")
+    p.add_argument("--tree-tokens", type=int, default=None, help="*-tree modes: most draft tokens per tree")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU)")
     p.add_argument("--recipe", type=Path, default=None,
@@ -504,6 +516,16 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PolyspecError("give --prompts FILE|builtin (or --forward-times alone for level timings)")
 
 
+def tree_shape(args: argparse.Namespace) -> dict[str, int] | None:
+    """The --tree-top-k / --tree-depth / --tree-tokens given (None if none), checked."""
+    shape = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
+                                ("total_tokens", args.tree_tokens)) if v is not None}
+    bad = [f"{k}={v}" for k, v in shape.items() if v < 1]
+    if bad:
+        raise PolyspecError(f"tree shape values must be integers >= 1, got {', '.join(bad)}")
+    return shape or None
+
+
 def run(args: argparse.Namespace) -> int:
     """Benchmark ar, dual, chain, hf and hf-assisted on the same prompts, interleaved; JSON, table and plots."""
     from polyspec.decode.bench_prompts import load_prompts
@@ -529,7 +551,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = BenchSettings(modes=modes, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, repeats=args.repeats, seed=args.seed,
-                             warmup=args.warmup, draft_k=args.draft_k, mu=args.mu, device=args.device,
+                             warmup=args.warmup, draft_k=args.draft_k, mu=args.mu, tree=tree_shape(args),
+                             device=args.device,
                              dtype=args.dtype, chat=not args.raw)
     if args.threads is not None:
         import torch

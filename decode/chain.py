@@ -47,7 +47,14 @@ from typing import Any
 import torch
 
 from polyspec.decode.levels import Level
-from polyspec.decode.sampling import check_sampling, sample, verify_block, warp
+from polyspec.decode.sampling import (
+    check_sampling,
+    sample,
+    sample_without_replacement,
+    verify_block,
+    verify_candidates,
+    warp,
+)
 from polyspec.errors import PolyspecError
 
 MODES = {1: "ar", 2: "dual"}  # three or more levels: "chain"
@@ -63,6 +70,35 @@ class SamplingParams:
 
     def check(self) -> None:
         check_sampling(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class TreeParams:
+    """EAGLE-2 dynamic draft tree at the bottom level (see :meth:`_Run._draft_tree`).
+
+    top_k: children per expanded node, and nodes expanded per depth; depth: draft forwards per tree (the longest
+    path); total_tokens: most draft tokens in one tree (the root, the last committed token, not counted)."""
+
+    top_k: int = 8
+    depth: int = 5
+    total_tokens: int = 32
+
+    def check(self) -> None:
+        for name, lo in (("top_k", 1), ("depth", 1), ("total_tokens", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise PolyspecError(f"tree.{name} must be an integer >= {lo}, got {v!r}")
+
+
+@dataclass
+class _Tree:
+    """A draft tree in topological order (parents before children). Node -1 is the root: the last context token."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]  # 1 for the root's children
+    children: dict[int, list[int]]  # node -> children in the order they were drawn
+    proposals: dict[int, torch.Tensor]  # node -> the draft distribution [V] its children were drawn from
 
 
 @dataclass
@@ -110,7 +146,7 @@ class ChainDecoder:
     """
 
     def __init__(self, levels: list[Level], *, draft_k: int = 4, mu: list[int] | None = None,
-                 max_seq_len: int = 2048):
+                 max_seq_len: int = 2048, tree: TreeParams | None = None):
         levels = list(levels)
         if not levels:
             raise PolyspecError("ChainDecoder needs at least one level (the target)")
@@ -140,13 +176,24 @@ class ChainDecoder:
             raise PolyspecError(f"mu entries must be integers >= 1, got {mu}")
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise PolyspecError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
+        if tree is not None:
+            tree.check()
+            if len(levels) < 2:
+                raise PolyspecError("a draft tree needs a draft: use it with dual or chain, not ar")
+            lacking = [lv.name for lv in levels[-2:] if not hasattr(lv, "forward_tree")]
+            if lacking:
+                raise PolyspecError(f"tree decoding needs forward_tree() on the draft and the level verifying it; "
+                                    f"{lacking} lack it (ModelLevel, HeadLevel and TableLevel have it)")
         self.levels = levels
         self.draft_k = draft_k
         self.mu = mu
+        self.tree = tree
         self.max_seq_len = max_seq_len
         self.mode = MODES.get(len(levels), "chain")
+        # A tree sits in the draft's and its verifier's caches beyond the committed context before it is pruned.
+        slack = max(tree.total_tokens, tree.top_k * tree.depth) + 1 if tree is not None else 0
         for lv in levels:
-            lv.setup(max_seq_len)
+            lv.setup(max_seq_len + slack)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                  seed: int = 0, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> GenerationResult:
@@ -187,6 +234,7 @@ class ChainDecoder:
             "beta": run.beta(),
             "draft_k": self.draft_k,
             "mu": list(self.mu),
+            "tree": asdict(self.tree) if self.tree is not None else None,
             "sampling": asdict(sampling),
         }
         return GenerationResult(token_ids=new, stats=stats, level_stats=level_stats)
@@ -201,6 +249,7 @@ class _Run:
         self.n = len(dec.levels)
         self.draft_k = dec.draft_k
         self.mu = dec.mu
+        self.tree = dec.tree
         self.sampling = sampling
         self.gen = generator
         self.eos = eos
@@ -241,6 +290,8 @@ class _Run:
     def _verify_round(self, i: int, ctx: list[int]) -> tuple[list[int], torch.Tensor]:
         """The level below proposes a block; level i verifies it in one forward. Returns the tokens level i emits
         (accepted prefix + correction or bonus, cut at the budget and after an EOS) and p_i at their positions."""
+        if self.tree is not None and i == self.n - 2:
+            return self._verify_tree_round(i, ctx)
         room = self.limit - len(ctx)
         block, q = self._produce(i + 1, ctx, self._block_size(i)) if i + 1 < self.n else ([], None)
         logits = self._forward(i, ctx + block, first_row=len(ctx) - 1)  # [len(block) + 1, V]
@@ -276,6 +327,189 @@ class _Run:
             full.append(x)
         self.stats[i].tokens_emitted += len(tokens)
         return tokens, torch.stack(probs)
+
+    # -- the EAGLE-2 draft tree ------------------------------------------------------------------------------------
+
+    def _proposal(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft distribution a tree node's children are drawn from: the warped draft at T > 0 (what the
+        verification's acceptance ratios need); at T = 0 the plain softmax, whose top-k are the candidates (argmax
+        matching is lossless for any candidate set)."""
+        if self.sampling.temperature == 0:
+            return torch.softmax(logits.float(), dim=-1)
+        return warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+
+    def _children(self, q: torch.Tensor, k: int) -> list[int]:
+        """Up to k candidate tokens from q [V]: the top k at T = 0, else an ordered sample without replacement."""
+        if self.sampling.temperature == 0:
+            return [int(x) for x in torch.topk(q, min(k, q.shape[-1])).indices]
+        return sample_without_replacement(q, k, self.gen)
+
+    def _draft_tree(self, ctx: list[int], room: int) -> _Tree | None:
+        """EAGLE-2's dynamic tree from the bottom level, one draft forward per depth.
+
+        The root's children are the top_k candidates of the draft after ctx; at each further depth the top_k nodes of
+        the newest depth with the highest cumulative draft log-probability are run through the draft in one forward
+        (each sees its ancestors through a tree mask) and each gets top_k children. At T = 0 the best total_tokens
+        nodes of everything drawn are kept (EAGLE-2's re-ranking; the set is ancestor-closed because a child's score
+        never exceeds its parent's). At T > 0 nothing is re-ranked: whether a node joins the tree must not depend on
+        its own token, or the verification would no longer be exact, so every drawn child is kept and the budget
+        caps how many children are drawn (fixed before drawing). The draft's cache is rolled back to ctx after."""
+        i = self.n - 1
+        level = self.levels[i]
+        tp = self.tree
+        if room < 1 or (level.needs_features and len(ctx) < 2):
+            return None
+        greedy = self.sampling.temperature == 0
+        logits = self._forward(i, ctx, first_row=len(ctx) - 1)  # [1, V]
+        self._check_vocab(logits.shape[-1], i)
+        root_feature = None
+        if level.needs_features:
+            shared = [common_prefix(self.seen[j], ctx) for j in range(i)]
+            root_feature = self._feature_at(i, len(ctx) - 1, shared)
+            if root_feature is None:
+                root_feature = self.hidden[i][len(ctx) - 1]  # the head's own prediction of f_{len(ctx)-1}
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        scores: list[float] = []
+        proposals: dict[int, torch.Tensor] = {}
+        budget = tp.total_tokens if not greedy else 10 ** 9  # T = 0: draw freely, re-rank below
+
+        def expand(node: int, row: torch.Tensor, depth: int, score: float) -> list[int]:
+            q = self._proposal(row)  # [V]
+            k = min(tp.top_k, budget - len(tokens))
+            xs = self._children(q, k) if k > 0 else []
+            if xs:
+                proposals[node] = q
+            new = []
+            logq = torch.log(q.double())
+            for x in xs:
+                new.append(len(tokens))
+                tokens.append(x)
+                parents.append(node)
+                depths.append(depth)
+                scores.append(score + float(logq[x]))
+            return new
+
+        newest = expand(-1, logits[-1], 1, 0.0)
+        in_cache: list[int] = []  # tree nodes appended to the draft's cache, in cache order
+        hidden_of: dict[int, torch.Tensor] = {}
+        base_len = level.cache_len
+        for depth in range(2, min(tp.depth, room) + 1):
+            frontier = sorted((n for n in newest if tokens[n] not in self.eos),
+                              key=lambda n: -scores[n])[:tp.top_k]
+            if not frontier or len(tokens) >= budget:
+                break
+            col = {n: c for c, n in enumerate(in_cache + frontier)}
+            mask = torch.zeros(len(frontier), len(in_cache) + len(frontier), dtype=torch.bool)
+            for r, n in enumerate(frontier):
+                a = n
+                while a != -1:  # the node itself and its ancestors (all of them already in the cache)
+                    mask[r, col[a]] = True
+                    a = parents[a]
+            feats = None
+            if level.needs_features:
+                feats = torch.stack([root_feature.to(logits.device) if parents[n] == -1 else hidden_of[parents[n]]
+                                     for n in frontier])
+            out, hid = level.forward_tree([tokens[n] for n in frontier], [len(ctx) - 1 + depths[n] for n in frontier],
+                                          mask, feats)
+            self.stats[i].forward_passes += 1
+            in_cache += frontier
+            newest = []
+            for r, n in enumerate(frontier):
+                if hid is not None:
+                    hidden_of[n] = hid[r]
+                newest += expand(n, out[r], depth, scores[n])
+        if level.cache_len != base_len:
+            level.truncate(base_len)  # drop the tree entries: the draft holds ctx only again
+
+        keep = list(range(len(tokens)))
+        if greedy and len(tokens) > tp.total_tokens:
+            keep = sorted(sorted(keep, key=lambda n: (-scores[n], depths[n], n))[:tp.total_tokens])
+        new_id = {old: j for j, old in enumerate(keep)}
+        new_id[-1] = -1
+        children: dict[int, list[int]] = {}
+        for old in keep:  # creation order keeps each node's children in their drawing order
+            children.setdefault(new_id[parents[old]], []).append(new_id[old])
+        tree = _Tree(tokens=[tokens[o] for o in keep], parents=[new_id[parents[o]] for o in keep],
+                     depths=[depths[o] for o in keep], children=children,
+                     proposals={new_id[o]: q for o, q in proposals.items() if o in new_id})
+        self.stats[i].tokens_emitted += len(tree.tokens)
+        return tree
+
+    def _verify_tree_round(self, i: int, ctx: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The draft proposes a tree; level i (the one directly above the draft) runs ONE forward over its unprocessed
+        context plus every tree node and walks the tree from the root: at each node the children are verified with
+        :func:`~polyspec.decode.sampling.verify_candidates` (exact, so what level i emits is a sample of p_i); the
+        walk goes down the accepted child, and ends with the correction token or, at a leaf, a bonus token from p_i.
+        Level i's cache keeps the accepted path (compacted into place)."""
+        room = self.limit - len(ctx)
+        level = self.levels[i]
+        tree = self._draft_tree(ctx, room)
+        if tree is None or not tree.tokens:
+            logits = self._forward(i, ctx, first_row=len(ctx) - 1)  # nothing proposed: level i samples itself
+            p = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)  # [1, V]
+            self._check_vocab(p.shape[-1], i)
+            out = self._cut([sample(p[0], self.gen)], room)
+            self.stats[i].accept_lengths.append(len(out))
+            return out, p[:1]
+        # One forward: the unprocessed context (causal) and the tree (each node sees the context and its ancestors).
+        start = min(common_prefix(self.seen[i], ctx), len(ctx) - 1)
+        self._truncate(i, start)
+        if level.cache_len > start:
+            level.truncate(start)
+        lin = ctx[start:]
+        n_lin, n_tree = len(lin), len(tree.tokens)
+        mask = torch.zeros(n_lin + n_tree, n_lin + n_tree, dtype=torch.bool)
+        mask[:n_lin, :n_lin] = torch.ones(n_lin, n_lin, dtype=torch.bool).tril()
+        mask[n_lin:, :n_lin] = True
+        for j in range(n_tree):
+            a = j
+            while a != -1:
+                mask[n_lin + j, n_lin + a] = True
+                a = tree.parents[a]
+        positions = list(range(start, len(ctx))) + [len(ctx) - 1 + d for d in tree.depths]
+        logits, hidden = level.forward_tree(lin + tree.tokens, positions, mask)
+        self.stats[i].forward_passes += 1
+        self.seen[i] = list(ctx)
+        self.has_hidden[i] += [False] * n_lin
+        if hidden is not None and self._feeds(i):
+            self._store_hidden(i, start, hidden[:n_lin])
+        p = warp(logits[n_lin - 1:], self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        self._check_vocab(p.shape[-1], i)  # p row 0: the root (last context token); row 1 + j: tree node j
+
+        out: list[int] = []
+        rows: list[torch.Tensor] = []
+        path: list[int] = []
+        node = -1
+        while True:
+            row = p[node + 1]
+            rows.append(row)
+            kids = tree.children.get(node, [])
+            if not kids:
+                out.append(sample(row, self.gen))  # a leaf (or nothing drawn): the bonus token
+                break
+            j, x = verify_candidates(row, tree.proposals[node], [tree.tokens[c] for c in kids], self.gen)
+            out.append(x)
+            if j is None or x in self.eos:
+                break
+            node = kids[j]
+            path.append(node)
+        out = self._cut(out, room)
+        # Keep the accepted path in level i's cache, right after ctx.
+        path = path[:len(out)]
+        if path and hasattr(level, "compact"):
+            level.compact([len(ctx) + a for a in path], len(ctx))
+            self.seen[i] = list(ctx) + [tree.tokens[a] for a in path]
+            self.has_hidden[i] += [False] * len(path)
+            if hidden is not None and self._feeds(i):
+                self._store_hidden(i, len(ctx), hidden[[n_lin + a for a in path]])
+        else:
+            level.truncate(len(ctx))
+        for j in range(i + 1, self.n):
+            self._truncate(j, common_prefix(self.seen[j], ctx + out))
+        self.stats[i].accept_lengths.append(len(out))
+        return out, torch.stack(rows[:len(out)])
 
     # -- caches, features, bookkeeping -----------------------------------------------------------------------------
 

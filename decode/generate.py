@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from polyspec.decode.chain import ChainDecoder, SamplingParams
+from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
 from polyspec.decode.levels import HeadLevel, ModelLevel
 from polyspec.errors import PolyspecError
 
@@ -33,6 +33,7 @@ class LoadedChain:
     draft_k: int = 4
     mu: tuple[int, ...] = (8,)
     mode: str = "ar"  # the manifest's chosen decode mode
+    tree: TreeParams | None = None  # the manifest's EAGLE-2 tree (None: linear drafts)
 
     def levels_for(self, mode: str) -> list[str]:
         """ar = the target; dual = target + the bottom level; chain = all levels."""
@@ -94,7 +95,18 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
         models=models, order=[lv.name for lv in manifest.levels], kinds={lv.name: lv.kind for lv in manifest.levels},
         tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
         draft_k=manifest.decode.draft_k, mu=tuple(manifest.decode.mu), mode=manifest.decode.mode,
+        tree=tree_params(manifest.decode.tree) if manifest.decode.tree.enabled else None,
     )
+
+
+def tree_params(cfg: Any = None, *, top_k: int | None = None, depth: int | None = None,
+                total_tokens: int | None = None) -> TreeParams:
+    """TreeParams from a recipe/manifest ``decode.tree`` section (or the defaults), with explicit overrides."""
+    base = TreeParams() if cfg is None else TreeParams(top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens)
+    tp = TreeParams(top_k=base.top_k if top_k is None else top_k, depth=base.depth if depth is None else depth,
+                    total_tokens=base.total_tokens if total_tokens is None else total_tokens)
+    tp.check()
+    return tp
 
 
 def load_model_folder(model_dir: Path, *, device: str = "auto", dtype: str | None = None) -> LoadedChain:
@@ -132,20 +144,38 @@ def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = True) -> list[int
     return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 
+def resolve_tree(choice: bool | dict[str, int] | None, base: TreeParams | None) -> TreeParams | bool | None:
+    """A CLI choice (see ``polyspec.cli.tree_choice``) against the manifest's tree: shape overrides apply on top of
+    the manifest's shape (or the defaults)."""
+    if isinstance(choice, dict):
+        return tree_params(base, **choice)
+    return choice
+
+
 def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: int | None = None,
-                  mu: list[int] | None = None) -> ChainDecoder:
+                  mu: list[int] | None = None, tree: TreeParams | bool | None = None) -> ChainDecoder:
+    """tree: None = the manifest's choice, False = linear drafts, True = a tree (the manifest's shape, else the
+    defaults), or explicit TreeParams. ar mode never uses one."""
     names = chain.levels_for(mode)
     levels = [HeadLevel(chain.models[n], n) if chain.kinds[n] == "head" else ModelLevel(chain.models[n], n)
               for n in names]
     n_mu = max(len(levels) - 2, 0)
     mu = list(mu if mu is not None else chain.mu)
     mu = (mu + [mu[-1] if mu else 8] * n_mu)[:n_mu]  # one entry per verifier below the target
-    return ChainDecoder(levels, draft_k=draft_k or chain.draft_k, mu=mu, max_seq_len=max_seq_len)
+    if tree is None:
+        tree = chain.tree
+    elif tree is True:
+        tree = chain.tree or TreeParams()
+    elif tree is False:
+        tree = None
+    return ChainDecoder(levels, draft_k=draft_k or chain.draft_k, mu=mu, max_seq_len=max_seq_len,
+                        tree=tree if len(levels) > 1 else None)
 
 
 def generate_text(chain: LoadedChain, prompt: str, *, mode: str | None = None, max_new_tokens: int = 128,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = True,
-                  draft_k: int | None = None, mu: list[int] | None = None) -> dict[str, Any]:
+                  draft_k: int | None = None, mu: list[int] | None = None,
+                  tree: TreeParams | bool | None = None) -> dict[str, Any]:
     """One generation: {"text", "token_ids" (new tokens), "stats"} — stats as :class:`ChainDecoder` reports them.
     ``mode`` None = the manifest's chosen mode."""
     mode = mode or chain.mode
@@ -157,7 +187,7 @@ def generate_text(chain: LoadedChain, prompt: str, *, mode: str | None = None, m
                             f"the target's context of {chain.context} tokens: shorten the prompt or lower "
                             "--max-new-tokens")
     dec = build_decoder(chain, mode, max_seq_len=min(chain.context, len(ids) + max_new_tokens) + _SLACK,
-                        draft_k=draft_k, mu=mu)
+                        draft_k=draft_k, mu=mu, tree=tree)
     res = dec.generate(ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos_ids(chain.tokenizer))
     text = chain.tokenizer.decode(res.token_ids, skip_special_tokens=True)
     return {"text": text, "token_ids": list(res.token_ids), "stats": res.stats}

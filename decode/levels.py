@@ -10,6 +10,13 @@ start_pos + j - 1, i.e. the hidden state of a level above at the token *before* 
 with feature f_t). Such a level is never asked for position 0 (there is no feature before it): its first input is
 x_1 paired with f_0, so its cache holds one entry fewer than the sequence positions it has processed.
 
+Tree decoding (EAGLE-2) needs two optional methods. ``forward_tree(tokens, positions, mask, features=None)`` appends
+``tokens`` [T] after everything cached (no rollback) at absolute sequence ``positions`` [T], where ``mask`` bool
+[T, K + T] says which of the last K cached entries and which block tokens each token sees (all entries before those
+are visible): the draft uses it to expand a tree one depth per forward, the level above it to verify a whole tree in
+one forward. ``compact(src_positions, dst_start)`` keeps the cache entries at sequence positions ``src_positions``
+(the accepted path of a verified tree) at ``dst_start ..``; a level without it is truncated and recomputes instead.
+
 Adapters: :class:`ModelLevel` over ``polyspec.decode.model.Transformer`` (target, int4 copy, or any plain draft),
 :class:`HeadLevel` over ``polyspec.decode.head.EagleHead``. :class:`TableLevel` is a tiny deterministic n-gram level for
 tests and demos (exact distributions are computable by hand).
@@ -107,6 +114,16 @@ class ModelLevel:
             return self.model.forward(ids, last_only=last_only)
         return self.model.forward(ids)
 
+    @torch.inference_mode()
+    def forward_tree(self, tokens: list[int], positions: list[int], mask: torch.Tensor,
+                     features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+        offsets = torch.tensor(positions, dtype=torch.long) - self.model.cache_len  # [T]
+        return self.model.forward(ids, tree_mask=mask, position_offsets=offsets)
+
+    def compact(self, src_positions: list[int], dst_start: int) -> None:
+        self.model.compact(torch.tensor(src_positions, dtype=torch.long), dst_start)
+
 
 class HeadLevel:
     """A ``polyspec.decode.head.EagleHead`` as a chain level: head cache position t holds (x_{t+1}, f_t), so sequence
@@ -160,6 +177,19 @@ class HeadLevel:
             return self.head.forward(ids, feats, last_only=last_only)
         return self.head.forward(ids, feats)
 
+    @torch.inference_mode()
+    def forward_tree(self, tokens: list[int], positions: list[int], mask: torch.Tensor,
+                     features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if features is None or features.shape[0] != len(tokens):
+            got = None if features is None else list(features.shape)
+            raise PolyspecError(f"HeadLevel {self.name!r}: needs one feature row per token ({len(tokens)}), got {got}")
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+        w = next(self.head.parameters())
+        # Head position of the input at sequence position p is p - 1 (see the class docstring).
+        offsets = torch.tensor(positions, dtype=torch.long) - 1 - self.head.cache_len  # [T]
+        return self.head.forward(ids, features.to(device=w.device, dtype=w.dtype), tree_mask=mask,
+                                 position_offsets=offsets)
+
 
 class TableLevel:
     """A deterministic n-gram level: the next-token logits after position p are ``table[index]`` where index encodes
@@ -207,6 +237,29 @@ class TableLevel:
         for t in ([0] * self.order + list(context))[-self.order:]:
             idx = idx * self.vocab_size + int(t)
         return self.table[idx]
+
+    def forward_tree(self, tokens: list[int], positions: list[int], mask: torch.Tensor,
+                     features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = len(tokens)
+        k = mask.shape[1] - t  # mask columns: the last k cached entries, then the block
+        if mask.shape[0] != t or not 0 <= k <= len(self.tokens):
+            raise PolyspecError(f"TableLevel {self.name!r}: mask {list(mask.shape)} does not fit {t} tokens over a "
+                                f"cache of {len(self.tokens)}")
+        if len(self.tokens) + t > self.max_seq_len:
+            raise PolyspecError(f"TableLevel {self.name!r}: {len(self.tokens) + t} positions exceed "
+                                f"max_seq_len {self.max_seq_len}")
+        self.forward_calls += 1
+        base = len(self.tokens) - k
+        keys = self.tokens[base:] + [int(x) for x in tokens]  # what the mask columns refer to
+        rows = [self.next_logits(self.tokens[:base] + [keys[c] for c in range(k + t) if bool(mask[j, c])])
+                for j in range(t)]
+        self.tokens += [int(x) for x in tokens]
+        logits = torch.stack(rows)  # [T, V]
+        return logits, logits.clone()
+
+    def compact(self, src_positions: list[int], dst_start: int) -> None:
+        kept = [self.tokens[int(p)] for p in src_positions]
+        self.tokens = self.tokens[:dst_start] + kept
 
     def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

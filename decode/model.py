@@ -297,13 +297,15 @@ class DecoderLayer(nn.Module):
 def block_mask(start: int, t: int, tree_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """Bool attention mask [T, start + T]: all of the prefix, then causal (or ``tree_mask``) within the block.
 
+    ``tree_mask`` is [T, T], or [T, K + T] when its first K columns cover the last K cached positions (tree nodes a
+    draft appended in earlier forwards); every cached position before those is visible to every query.
     Returns None when every query may see every key (one token, no tree), so SDPA takes its fastest path.
     """
     if tree_mask is None and t == 1:
         return None
     inner = tree_mask.to(device=device, dtype=torch.bool) if tree_mask is not None else \
-        torch.ones(t, t, dtype=torch.bool, device=device).tril()  # [T, T]
-    prefix = torch.ones(t, start, dtype=torch.bool, device=device)  # [T, start]
+        torch.ones(t, t, dtype=torch.bool, device=device).tril()  # [T, K + T]
+    prefix = torch.ones(t, start + t - inner.shape[1], dtype=torch.bool, device=device)  # [T, start - K]
     return torch.cat((prefix, inner), dim=1)
 
 
@@ -405,9 +407,10 @@ class CachedDecoder(nn.Module):
             if b != cache.batch_size:
                 raise PolyspecError(f"batch of {b} rows but the cache was set up for batch_size {cache.batch_size}")
         if tree_mask is not None:
-            if tuple(tree_mask.shape) != (t, t):
-                raise PolyspecError(f"tree_mask must be [T, T] = [{t}, {t}], got {list(tree_mask.shape)}")
-            if not bool(tree_mask.to(torch.bool).diagonal().all()):
+            if tree_mask.dim() != 2 or tree_mask.shape[0] != t or not t <= tree_mask.shape[1] <= start + t:
+                raise PolyspecError(f"tree_mask must be [T, K + T] with T = {t} and 0 <= K <= cache_len ({start}), "
+                                    f"got {list(tree_mask.shape)}")
+            if not bool(tree_mask[:, tree_mask.shape[1] - t:].to(torch.bool).diagonal().all()):
                 raise PolyspecError("tree_mask must let every token see itself (its diagonal must be all True)")
         positions = self._positions(t, start, position_offsets, x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
@@ -449,7 +452,8 @@ class Transformer(CachedDecoder):
         i.e. exactly lm_head's input (the feature an EAGLE head reads).
 
         input_ids: [T] or [B, T] (B must equal the cache's batch size; B > 1 gives [B, T, ...] outputs).
-        tree_mask: bool [T, T]; token j sees block token i iff tree_mask[j, i] (plus the whole cached prefix).
+        tree_mask: bool [T, T]; token j sees block token i iff tree_mask[j, i] (plus the whole cached prefix); or
+            [T, K + T], whose first K columns say which of the last K cached positions token j sees.
         position_offsets: [T] RoPE positions relative to cache_len (default 0..T-1).
         last_only: return only the last row of each output ([1, V], [1, H]).
         """

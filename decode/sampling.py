@@ -112,3 +112,47 @@ def verify_block(p: torch.Tensor, q: torch.Tensor, tokens: list[int] | torch.Ten
     else:
         nxt = sample(p[m], generator)
     return n_acc, nxt
+
+
+# -- multi-candidate verification (the EAGLE-2 draft tree) ------------------------------------------------------------
+
+
+def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
+    """An ordered sample of ``min(k, support)`` distinct tokens from probs [V] without replacement: token 1 ~ probs,
+    token j ~ probs restricted to the tokens not drawn yet (renormalised). Gumbel-top-k: the k largest of
+    log(probs) + Gumbel noise, in decreasing order, are exactly such a sequential sample (Kool et al., 2019)."""
+    p = probs.detach().double().cpu()  # [V]
+    k = min(int(k), int((p > 0).sum()))
+    if k < 1:
+        return []
+    u = uniform(generator, p.shape[0]).clamp_(min=1e-300)  # [V]
+    keys = torch.log(p) - torch.log(-torch.log(u))  # [V]; -inf where p == 0
+    return [int(x) for x in torch.topk(keys, k).indices]
+
+
+def verify_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int],
+                      generator: torch.Generator) -> tuple[int | None, int]:
+    """Recursive rejection sampling over distinct candidates drawn from q without replacement (in draw order).
+
+    p [V]: the verifier's distribution at this tree node; q [V]: the draft's distribution the candidates were drawn
+    from (by :func:`sample_without_replacement`). Candidate j is tried against the current residual target r_j with
+    proposal q_j = q without candidates 1..j-1, renormalised (the law it was drawn from given the earlier draws): it is
+    kept with probability min(1, r_j(x)/q_j(x)); after a rejection r_{j+1} = normalise(max(0, r_j - q_j)) — exactly
+    one step of :func:`verify_block` per candidate, so the returned token is an exact sample of p whatever the
+    candidates were. If none is kept, the token is drawn from the last residual.
+
+    Returns (index of the accepted candidate or None, the token). With a one-hot p (temperature 0) this is argmax
+    matching: the candidate equal to argmax(p) is kept whenever it is present, else argmax(p) is returned.
+    """
+    r = p.detach().double().cpu()  # [V]
+    qq = q.detach().double().cpu().clone()  # [V]
+    for j, x in enumerate(candidates):
+        if float(uniform(generator)) * float(qq[x]) < float(r[x]):
+            return j, int(x)
+        r = residual(r, qq)
+        qq[x] = 0.0
+        total = float(qq.sum())
+        if total <= 0:
+            break
+        qq /= total
+    return None, sample(r, generator)

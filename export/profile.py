@@ -184,6 +184,24 @@ class RecordingLevel:
         self._fresh = False
         return out
 
+    def __getattr__(self, name: str) -> Any:
+        # The tree methods exist only when the wrapped level has them (ChainDecoder checks with hasattr).
+        if name == "forward_tree" and hasattr(self.inner, "forward_tree"):
+            return self._forward_tree
+        if name == "compact" and hasattr(self.inner, "compact"):
+            return self.inner.compact
+        raise AttributeError(name)
+
+    def _forward_tree(self, tokens: list[int], positions: list[int], mask: torch.Tensor,
+                      features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.inner.forward_tree(tokens, positions, mask, features)
+        _sync(self.device)
+        self.calls.append((len(tokens), time.perf_counter() - t0, self._fresh))
+        self._fresh = False
+        return out
+
 
 @dataclass
 class LevelRecord:

@@ -152,19 +152,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def add_tree_arguments(p: argparse.ArgumentParser) -> None:
+    """--tree / --no-tree and the tree's shape (generate and bench)."""
+    p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
+                   help="EAGLE-2 dynamic draft tree at the bottom level (default: the manifest's decode.tree)")
+    p.add_argument("--tree-top-k", type=int, default=None, help="children per expanded node (implies --tree)")
+    p.add_argument("--tree-depth", type=int, default=None, help="draft forwards per tree (implies --tree)")
+    p.add_argument("--tree-tokens", type=int, default=None, help="most draft tokens per tree (implies --tree)")
+
+
+def tree_choice(args: argparse.Namespace) -> bool | dict[str, int] | None:
+    """From --tree / --no-tree and the shape flags: None (the manifest's choice), False (linear drafts), True (a
+    tree of the manifest's or the default shape) or a dict of shape overrides (see generate.resolve_tree)."""
+    from polyspec.decode.bench import tree_shape  # light: no torch at import
+
+    shape = tree_shape(args) or {}
+    if args.tree is False:
+        if shape:
+            raise PolyspecError("--no-tree cannot be combined with --tree-top-k / --tree-depth / --tree-tokens")
+        return False
+    return shape or args.tree
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from a chain folder (validated first) in ar, dual or chain mode; exactly the target's distribution."""
     from polyspec.decode.sampling import check_sampling
 
     check_sampling(args.temperature, args.top_p, args.top_k)  # fail before loading any weights
+    tree_choice(args)
     if args.max_new_tokens < 1:
         raise PolyspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    from polyspec.decode.generate import generate_text, load_chain
+    from polyspec.decode.generate import generate_text, load_chain, resolve_tree
 
     chain = load_chain(args.chain, device=args.device)
     out = generate_text(chain, args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                        chat=not args.raw, draft_k=args.draft_k, mu=args.mu)
+                        chat=not args.raw, draft_k=args.draft_k, mu=args.mu,
+                        tree=resolve_tree(tree_choice(args), chain.tree))
     if args.json:
         print(json.dumps(out))
     else:
@@ -252,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
     p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
+    add_tree_arguments(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object: text, token_ids, stats")

@@ -172,6 +172,21 @@ def test_bad_prompts_file_is_one_clear_error(tiny_chain, tmp_path, capsys, conte
     assert needle in cap.err and str(path) in cap.err and "Traceback" not in cap.err
 
 
+def test_tree_modes_run_beside_linear_ones_and_agree_with_ar(tiny_chain, prompts_file, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,dual,dual-tree,chain-tree",
+                       "--max-new-tokens", "10", "--device", "cpu", "--json", out, "--tree-top-k", "3",
+                       "--tree-depth", "3", "--tree-tokens", "8")
+    assert code == 0, cap.err
+    rep = json.loads(out.read_text())
+    assert set(rep["overall"]) == {"ar", "dual", "dual-tree", "chain-tree"}
+    assert rep["mismatches"] == []
+    assert list(rep["overall"]["chain-tree"]["mean_accepted"]) == ["target", "intermediate", "draft"]
+    assert rep["settings"]["tree"] == {"top_k": 3, "depth": 3, "total_tokens": 8}
+    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "dual-tree", "--tree-depth", "0")
+    assert code == 2 and "depth=0" in cap.err
+
+
 def test_bad_modes_and_arguments(tiny_chain, prompts_file, capsys):
     with pytest.raises(PolyspecError, match="unknown mode"):
         bench.parse_modes("ar,fast")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from polyspec.decode import sampling
-from polyspec.decode.chain import ChainDecoder, SamplingParams, common_prefix
+from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams, common_prefix
 from polyspec.decode.levels import TableLevel
 from polyspec.decode.sampling import warp
 from polyspec.errors import PolyspecError
@@ -334,6 +334,135 @@ def test_wrong_residual_fails_the_same_check(monkeypatch, n_levels, mu):
     assert stat > crit, (stat, crit)
 
 
+# -- the EAGLE-2 draft tree ----------------------------------------------------------------------------------------
+
+TREES = [TreeParams(top_k=3, depth=4, total_tokens=10), TreeParams(top_k=1, depth=1, total_tokens=1),
+         TreeParams(top_k=4, depth=6, total_tokens=8), TreeParams(top_k=2, depth=3, total_tokens=40)]
+
+
+@pytest.mark.parametrize("tp", TREES, ids=lambda t: f"k{t.top_k}-d{t.depth}-n{t.total_tokens}")
+@pytest.mark.parametrize("v, prompt, n", [(16, [3, 1, 4], 40), (5, [2], 25)])
+def test_tree_greedy_equals_ar_and_caches_hold_the_sequence(tp, v, prompt, n):
+    target, mid, draft = tables(v, seed=v)
+    ar = _greedy_ar(target, prompt, n, v)
+    for levels, kw in [([TableLevel(target, "t", 2), TableLevel(draft, "d")], {}),
+                       ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"mu": [4]})]:
+        r = ChainDecoder(levels, max_seq_len=64, tree=tp, **kw).generate(prompt, n)
+        assert r.token_ids == ar, (tp, r.stats)
+        for lv in levels:  # tree entries are pruned: every cache holds a prefix of the committed sequence
+            assert lv.tokens == (prompt + ar)[:lv.cache_len], lv.name
+        assert r.stats["tree"] == {"top_k": tp.top_k, "depth": tp.depth, "total_tokens": tp.total_tokens}
+        verifier = r.level_stats[-2]
+        assert verifier.forward_passes >= len(verifier.accept_lengths)
+        assert max(verifier.accept_lengths) <= tp.depth + 1
+
+
+def test_tree_accepts_more_than_a_linear_draft_of_the_same_depth():
+    """A draft whose top-1 is often wrong but whose top-3 holds the target's token: the tree keeps the right branch."""
+    v = 16
+    target, _, _ = tables(v, seed=21)
+    g = torch.Generator().manual_seed(22)
+    draft = target.reshape(v, v, v).mean(0) + torch.randn(v, v, generator=g) * 1.5
+    prompt = [3, 1, 4]
+
+    def mean_acc(tree):
+        dec = ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_k=4, max_seq_len=128, tree=tree)
+        return dec.generate(prompt, 60).level_stats[0].mean_accepted
+
+    assert mean_acc(TreeParams(top_k=4, depth=4, total_tokens=24)) > mean_acc(None) + 0.2
+
+
+@pytest.mark.parametrize("n_levels, sp, mu, tp", [
+    (2, SamplingParams(temperature=1.0), None, TreeParams(top_k=2, depth=3, total_tokens=6)),
+    (2, SamplingParams(temperature=0.7, top_k=3), None, TreeParams(top_k=3, depth=2, total_tokens=12)),
+    (3, SamplingParams(temperature=1.0), [2], TreeParams(top_k=3, depth=3, total_tokens=8)),
+    (3, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [3], TreeParams(top_k=3, depth=2, total_tokens=5)),
+])
+def test_tree_output_distribution_is_the_warped_target(n_levels, sp, mu, tp):
+    t, levels = dist_levels(n_levels)
+    dec = ChainDecoder(levels, mu=mu, max_seq_len=16, tree=tp)
+    stat, crit = chi2_against(dec, t, [1], sp, n=1000)
+    assert stat < crit, (stat, crit)
+
+
+def _verify_without_renormalising(p, q, candidates, generator):
+    """Broken on purpose: tries every candidate against the unchanged q (as if drawn with replacement)."""
+    r = p.double()
+    for j, x in enumerate(candidates):
+        if float(sampling.uniform(generator)) * float(q[x]) < float(r[x]):
+            return j, x
+        r = sampling.residual(r, q.double())
+    return None, sampling.sample(r, generator)
+
+
+@pytest.mark.parametrize("n_levels, mu", [(2, None), (3, [2])])
+@pytest.mark.parametrize("broken", ["candidates-q-unchanged", "top-k-candidates"])
+def test_broken_tree_verification_fails_the_same_check(monkeypatch, n_levels, mu, broken):
+    """The distribution test has power against the two classic mistakes of multi-candidate verification: keeping q
+    after a rejected candidate, and deterministic top-k candidates at T > 0 (not a sample of q)."""
+    import polyspec.decode.chain as chain_mod
+
+    if broken == "candidates-q-unchanged":
+        monkeypatch.setattr(chain_mod, "verify_candidates", _verify_without_renormalising)
+    else:
+        monkeypatch.setattr(chain_mod._Run, "_children",
+                            lambda self, q, k: [int(x) for x in torch.topk(q, min(k, int((q > 0).sum()))).indices])
+    t, levels = dist_levels(n_levels)
+    dec = ChainDecoder(levels, mu=mu, max_seq_len=16, tree=TreeParams(top_k=3, depth=3, total_tokens=8))
+    stat, crit = chi2_against(dec, t, [1], SamplingParams(temperature=1.0), n=1000)
+    assert stat > crit, (stat, crit)
+
+
+def test_sample_without_replacement_is_sequential_sampling():
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    pairs = torch.zeros(5, 5)
+    for _ in range(n):
+        a, b = sampling.sample_without_replacement(p, 2, g)
+        pairs[a, b] += 1
+    expected = torch.zeros(5, 5)
+    for a in range(5):
+        for b in range(5):
+            if a != b and p[a] > 0:
+                expected[a, b] = p[a] * p[b] / (1 - p[a]) * n
+    assert pairs[4].sum() == 0 and pairs[:, 4].sum() == 0  # never a zero-probability token
+    keep = expected > 0
+    stat = float(((pairs[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert stat < chi2_critical(int(keep.sum()) - 1, 1e-3), stat
+    assert sampling.sample_without_replacement(p, 10, g).__len__() == 4  # the support bounds k
+
+
+def test_verify_candidates_returns_an_exact_sample_of_p():
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1])
+    q = torch.tensor([0.5, 0.1, 0.1, 0.2, 0.1])
+    n = 20000
+    counts = torch.zeros(5)
+    for _ in range(n):
+        cands = sampling.sample_without_replacement(q, 3, g)
+        j, x = sampling.verify_candidates(p, q, cands, g)
+        assert j is None or cands[j] == x
+        counts[x] += 1
+    stat = float(((counts - p * n) ** 2 / (p * n)).sum())
+    assert stat < chi2_critical(4, 1e-3), (counts / n, stat)
+    one_hot = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])
+    assert sampling.verify_candidates(one_hot, q, [0, 2, 3], g) == (1, 2)  # greedy: argmax matching
+    assert sampling.verify_candidates(one_hot, q, [0, 3], g) == (None, 2)
+
+
+def test_tree_bad_input():
+    v = 8
+    target, _, draft = tables(v)
+    for bad in (TreeParams(top_k=0), TreeParams(depth=0), TreeParams(total_tokens=0), TreeParams(top_k=True)):
+        with pytest.raises(PolyspecError, match="tree"):
+            ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], tree=bad)
+    with pytest.raises(PolyspecError, match="draft"):
+        ChainDecoder([TableLevel(target, "t", 2)], tree=TreeParams())
+    with pytest.raises(PolyspecError, match="forward_tree"):
+        ChainDecoder([TableLevel(target, "t", 2), ScriptLevel(shift_fn(1), "d")], tree=TreeParams())
+
+
 # -- features for an EAGLE-style draft ---------------------------------------------------------------------------
 
 
@@ -526,6 +655,46 @@ def test_engine_chain_with_int4_and_eagle_head_equals_ar(tiny_models):
     # the int4 copy mostly agrees with its target: blocks do get accepted
     r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4")], draft_k=4, max_seq_len=64).generate(prompt, 20)
     assert r.token_ids == ar and max(r.level_stats[0].accept_lengths) > 1
+
+
+@needs_model
+@needs_int4
+@needs_head
+@pytest.mark.parametrize("tp", [TreeParams(top_k=3, depth=4, total_tokens=10), TreeParams(top_k=4, depth=3,
+                                                                                         total_tokens=40)],
+                         ids=["budget-10", "budget-40"])
+def test_engine_tree_with_eagle_head_equals_ar(tiny_models, tp):
+    """The tree through the engine: EagleHead expands depth by depth over its own tree-masked cache, the target (dual)
+    or the int4 copy (chain) verifies the tree in one forward and compacts the accepted path into place."""
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t, q, h = (tiny_models[k] for k in ("target", "int4", "head"))
+    twin = copy.deepcopy(t)
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 20).token_ids
+    for levels, kw in [
+        ([ModelLevel(t, "t"), HeadLevel(h, "head")], {}),
+        ([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], {"mu": [4]}),
+        ([ModelLevel(t, "t"), ModelLevel(twin, "twin")], {}),  # a perfect draft: whole paths accepted
+    ]:
+        r = ChainDecoder(levels, max_seq_len=64, tree=tp, **kw).generate(prompt, 20)
+        assert r.token_ids == ar, r.stats
+        seq = prompt + r.token_ids
+        for lv in levels[:-1]:
+            _kv_matches_fresh(lv.model, seq)
+        if levels[-1].name == "twin":
+            lens = r.level_stats[0].accept_lengths
+            if tp.total_tokens >= tp.top_k + (tp.depth - 1) * tp.top_k ** 2:  # nothing re-ranked away
+                assert max(lens) == tp.depth + 1
+            else:  # flat random-model distributions: re-ranking may drop the deep end of the argmax path
+                assert max(lens) > 1
+        else:
+            assert h.cache_len <= len(seq) - 1
+    sp = SamplingParams(temperature=0.9, top_p=0.95)
+    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], mu=[3], max_seq_len=64,
+                       tree=tp)
+    a, b = dec.generate(prompt, 16, sp, seed=4), dec.generate(prompt, 16, sp, seed=4)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 16
 
 
 @needs_model

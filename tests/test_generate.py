@@ -72,3 +72,40 @@ def test_chain_mode_needs_three_levels(tiny_llama_dir, tmp_path, capsys):
     assert code == 2 and "use --mode dual or ar" in cap.err
     code, cap = _gen(capsys, tmp_path / "c", "--mode", "ar")
     assert code == 0 and len(json.loads(cap.out)["token_ids"]) == 24
+
+
+def test_tree_flags_keep_greedy_output_and_report_the_tree(tiny_chain, capsys):
+    code, cap = _gen(capsys, tiny_chain, "--mode", "ar")
+    ar = json.loads(cap.out)["token_ids"]
+    for mode in ("dual", "chain"):
+        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--tree", "--tree-top-k", "3", "--tree-depth", "4",
+                         "--tree-tokens", "12")
+        assert code == 0, cap.err
+        out = json.loads(cap.out)
+        assert out["token_ids"] == ar
+        assert out["stats"]["tree"] == {"top_k": 3, "depth": 4, "total_tokens": 12}
+    code, cap = _gen(capsys, tiny_chain, "--mode", "dual", "--no-tree")
+    assert code == 0 and json.loads(cap.out)["stats"]["tree"] is None
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--no-tree", "--tree-depth", "3"], "--no-tree"),
+    (["--tree-top-k", "0"], "top_k=0"),
+])
+def test_bad_tree_flags_are_one_clear_error(tiny_chain, capsys, args, needle):
+    code, cap = _gen(capsys, tiny_chain, *args)
+    assert code == 2 and needle in cap.err and "Traceback" not in cap.err
+
+
+def test_manifest_tree_is_the_default(tiny_chain, tmp_path, capsys):
+    """A chain whose manifest enables decode.tree decodes with it unless --no-tree says otherwise."""
+    chain = tmp_path / "chain"
+    shutil.copytree(tiny_chain, chain)
+    manifest = json.loads((chain / "manifest.json").read_text())
+    manifest["decode"]["tree"] = {"enabled": True, "top_k": 2, "depth": 3, "total_tokens": 6}
+    (chain / "manifest.json").write_text(json.dumps(manifest))
+    code, cap = _gen(capsys, chain, "--mode", "dual")
+    assert code == 0, cap.err
+    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}
+    code, cap = _gen(capsys, chain, "--mode", "dual", "--tree-tokens", "9")
+    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 9}

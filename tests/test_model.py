@@ -182,6 +182,34 @@ def test_tree_mask_matches_per_branch_causal_forwards(llama):
             assert torch.allclose(tree_hidden[row], branch_hidden[-1], atol=1e-5), row
 
 
+def test_tree_expanded_depth_by_depth_matches_per_branch_forwards(llama):
+    """How the draft grows a tree: one forward per depth, each node seeing its ancestors among the cached tree
+    entries through the first K columns of a [T, K + T] mask (the rest of the cache is all visible)."""
+    prefix = _ids(6, 7)
+    with torch.no_grad():
+        llama.setup_cache(32)
+        llama(prefix)
+        depth1, _ = llama(torch.tensor([11, 12]), tree_mask=torch.eye(2, dtype=torch.bool),
+                          position_offsets=torch.tensor([0, 0]))  # a, b: both children of the last prefix token
+        # depth 2: c under a, d under b, e under b; cached tree entries are [a, b]
+        mask = torch.tensor([[1, 0, 1, 0, 0],
+                             [0, 1, 0, 1, 0],
+                             [0, 1, 0, 0, 1]], dtype=torch.bool)
+        depth2, hidden2 = llama(torch.tensor([21, 22, 23]), tree_mask=mask,
+                                position_offsets=torch.tensor([-1, -1, -1]))  # positions 7: two after 6 + 2 cached
+        assert llama.cache_len == 11
+        for logits, path in [(depth1[0], [11]), (depth1[1], [12]), (depth2[0], [11, 21]), (depth2[1], [12, 22]),
+                             (depth2[2], [12, 23])]:
+            llama.setup_cache(32)
+            ref = llama(torch.cat([prefix, torch.tensor(path)]))[0]
+            assert torch.allclose(logits, ref[-1], atol=1e-5), path
+        llama.setup_cache(32)
+        llama(prefix)
+        llama(torch.tensor([11, 12]))
+        with pytest.raises(PolyspecError, match="tree_mask"):
+            llama(torch.tensor([21]), tree_mask=torch.ones(1, 10, dtype=torch.bool))  # K = 9 > cache_len 8
+
+
 def test_compact_keeps_accepted_path(llama):
     prefix = _ids(6, 5)
     tokens, mask, offsets = _tree()

@@ -497,6 +497,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--forward-times", action="store_true",
                    help="also time one forward of every level at T = 1, draft_k + 1 and mu + 1 tokens")
+    p.add_argument("--roofline", action="store_true",
+                   help="also measure the device's copy bandwidth and report the target's batch-1 memory roofline "
+                        "(weight bytes / bandwidth) and the fraction of it ar reaches")
     p.add_argument("--forward-prefix", type=int, default=128, help="cached tokens before the timed forward")
     p.add_argument("--forward-repeats", type=int, default=20)
 
@@ -566,6 +569,13 @@ def run(args: argparse.Namespace) -> int:
     if args.forward_times:
         report["forward_times"] = forward_times(chain, widths=default_widths(chain, args.draft_k, args.mu),
                                                 prefix=args.forward_prefix, repeats=args.forward_repeats)
+    if args.roofline:
+        from polyspec.decode.roofline import measure_bandwidth, roofline
+
+        top = chain.models[chain.order[0]]
+        bw = measure_bandwidth(next(top.parameters()).device)
+        ar = (report.get("overall") or {}).get("ar", {}).get("tokens_per_second")
+        report["roofline"] = roofline(top, bw["median_GBps"], ar) | {"bandwidth": bw}
     import torch
 
     report.update({

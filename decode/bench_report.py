@@ -78,6 +78,15 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
                 cells += [f"{lv['ms'][str(w)]:.2f}", f"{ft['ratio_to_target'][name][str(w)]:.3f}"]
             table.add_row(name, lv["kind"], *cells)
         console.print(table)
+    rl = report.get("roofline")
+    if rl:
+        line = (f"memory roofline of the target: {rl['weight_bytes'] / 1e6:.0f} MB of weights per decode step at "
+                f"{rl['bandwidth_GBps']:.1f} GB/s (copy bandwidth) -> at most {rl['roofline_tokens_per_second']:.1f} "
+                "tokens/s at batch 1")
+        if rl.get("fraction_of_roofline") is not None:
+            line += (f"; ar reaches {rl['measured_tokens_per_second']:.2f} tokens/s = "
+                     f"{100 * rl['fraction_of_roofline']:.0f}% of it")
+        console.print(line)
 
 
 def _atomic_write(path: Path, write) -> Path:

@@ -28,7 +28,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -225,10 +225,13 @@ def histogram(values: list[int]) -> dict[str, int]:
 
 def run_config(levels: list[Any], prompts: list[list[int]], max_new_tokens: int, *, draft_k: int,
                mu: list[int] | None = None, eos_ids: set[int] | frozenset[int] = frozenset(),
-               label: str = "") -> dict[str, Any]:
+               label: str = "", tree: Any = None) -> dict[str, Any]:
     """Greedy generation over ``prompts`` with a chain of ``levels`` (top first); aggregated measurements.
 
-    Returns ``{"label", "mode", "levels": [names], "draft_k", "mu", "prompts", "new_tokens", "seconds",
+    ``tree``: a :class:`~polyspec.decode.chain.TreeParams` for an EAGLE-2 draft tree (then ``draft_k`` is unused and
+    reported as the tree's depth).
+
+    Returns ``{"label", "mode", "levels": [names], "draft_k", "mu", "tree", "prompts", "new_tokens", "seconds",
     "tokens_per_second", "forward_seconds", "beta", "outputs": [token ids per prompt], "per_level": {name: {...}}}``.
     ``seconds`` is the decoders' own generate time (prefill included), summed over prompts.
     """
@@ -239,7 +242,8 @@ def run_config(levels: list[Any], prompts: list[list[int]], max_new_tokens: int,
     wrapped = [RecordingLevel(lv) for lv in levels]
     longest = max(len(p) for p in prompts)
     dec = ChainDecoder(wrapped, draft_k=draft_k, mu=list(mu or []) if len(levels) > 2 else [],
-                       max_seq_len=longest + max_new_tokens + max(draft_k, max(mu or [0])) + 8)
+                       max_seq_len=longest + max_new_tokens + max(draft_k, max(mu or [0])) + 8,
+                       tree=tree if len(levels) > 1 else None)
     records = {lv.name: LevelRecord(lv.name) for lv in wrapped}
     outputs: list[list[int]] = []
     seconds = 0.0
@@ -293,8 +297,9 @@ def run_config(levels: list[Any], prompts: list[list[int]], max_new_tokens: int,
         "label": label or mode,
         "mode": mode,
         "levels": [w.name for w in wrapped],
-        "draft_k": draft_k if len(levels) > 1 else None,
+        "draft_k": (tree.depth if tree is not None else draft_k) if len(levels) > 1 else None,
         "mu": list(dec.mu),
+        "tree": asdict(tree) if tree is not None and len(levels) > 1 else None,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "new_tokens": n,
@@ -412,11 +417,13 @@ def _grid_widths(configs: list[dict[str, Any]], names: list[str], extra: dict[st
 def profile_models(target: Any, int4: Any, head: Any, prompts: list[list[int]], *, max_new_tokens: int,
                    kv_length: int, warmup: int = 2, repeats: int = 10, draft_ks: tuple[int, ...] = (2, 3, 4, 5),
                    mus: tuple[int, ...] = (4, 6, 8, 12), grid_prompts: int | None = None,
-                   eos_ids: set[int] | frozenset[int] = frozenset(), say: Any = None) -> dict[str, Any]:
+                   eos_ids: set[int] | frozenset[int] = frozenset(), say: Any = None,
+                   tree: Any = None) -> dict[str, Any]:
     """Profile the chain target <- int4 <- head (loaded models) and decide its settings.
 
     1. Grid: dual (target <- head) for every draft_k and chain (target <- int4 <- head) for every (draft_k, mu), on
-       the first ``grid_prompts`` prompts (default all).
+       the first ``grid_prompts`` prompts (default all); with ``tree`` (TreeParams) also dual and chain (every mu)
+       with that EAGLE-2 draft tree, so the decision weighs linear drafts against the tree.
     2. Costs: T(width) of each level at every forward width the grid used, over ``kv_length`` cached positions.
     3. Prediction: Lemma 3.1 time per token for every grid point; the chosen chain / dual configuration minimises
        it; the dual baseline is the best dual.
@@ -437,13 +444,14 @@ def profile_models(target: Any, int4: Any, head: Any, prompts: list[list[int]], 
     grid_set = prompts[: grid_prompts or len(prompts)]
     runs: dict[tuple, dict[str, Any]] = {}
 
-    def run(levels: list[Any], k: int, mu: int | None, ps: list[list[int]], tag: str) -> dict[str, Any]:
+    def run(levels: list[Any], k: int, mu: int | None, ps: list[list[int]], tag: str,
+            tr: Any = None) -> dict[str, Any]:
         key = (tuple(lv.name for lv in levels), k if len(levels) > 1 else None, mu if len(levels) > 2 else None,
-               len(ps))
+               len(ps), tuple(asdict(tr).values()) if tr is not None else None)
         if key not in runs:
             t0 = time.perf_counter()
             runs[key] = run_config(levels, ps, max_new_tokens, draft_k=k, mu=[mu] if len(levels) > 2 else None,
-                                   eos_ids=eos_ids, label=tag)
+                                   eos_ids=eos_ids, label=tag, tree=tr)
             say(f"profile: {tag:<28} L={_fmt_l(runs[key])} {runs[key]['tokens_per_second']:.1f} tok/s "
                 f"({time.perf_counter() - t0:.1f} s)")
         return runs[key]
@@ -453,6 +461,11 @@ def profile_models(target: Any, int4: Any, head: Any, prompts: list[list[int]], 
         grid_runs.append(run([lv_t, lv_h], k, None, grid_set, f"grid dual k={k}"))
         for mu in mus:
             grid_runs.append(run([lv_t, lv_q, lv_h], k, mu, grid_set, f"grid chain k={k} mu={mu}"))
+    if tree is not None:
+        shape = f"tree {tree.top_k}x{tree.depth}/{tree.total_tokens}"
+        grid_runs.append(run([lv_t, lv_h], tree.depth, None, grid_set, f"grid dual {shape}", tree))
+        for mu in mus:
+            grid_runs.append(run([lv_t, lv_q, lv_h], tree.depth, mu, grid_set, f"grid chain {shape} mu={mu}", tree))
     grid_runs.append(run([lv_t], 1, None, grid_set, "grid ar"))
 
     names = ["target", "intermediate", "draft"]
@@ -470,13 +483,17 @@ def profile_models(target: Any, int4: Any, head: Any, prompts: list[list[int]], 
     k_star = chosen["draft_k"]
     mu_star = best_chain["mu"][0] if chosen["mode"] == "dual" else chosen["mu"][0]
     k_chain = best_chain["draft_k"] if chosen["mode"] == "dual" else k_star
+    # A row's tree (a dict) back to the TreeParams the runs are keyed by.
+    t_dual, t_chain = (tree if r.get("tree") else None for r in (best_dual, best_chain))
+    tag_dual = f"tree {tree.top_k}x{tree.depth}/{tree.total_tokens}" if t_dual else f"k={best_dual['draft_k']}"
+    tag_chain = f"tree {tree.top_k}x{tree.depth}/{tree.total_tokens}" if t_chain else f"k={k_chain}"
 
     final = {
         "ar": run([lv_t], 1, None, prompts, "ar"),
-        "dual": run([lv_t, lv_h], best_dual["draft_k"], None, prompts, f"dual k={best_dual['draft_k']}"),
-        "chain": run([lv_t, lv_q, lv_h], k_chain, mu_star, prompts, f"chain k={k_chain} mu={mu_star}"),
-        "dual_at_chain_k": run([lv_t, lv_h], k_chain, None, prompts, f"dual k={k_chain}"),
-        "int4_over_head": run([lv_q, lv_h], k_chain, None, prompts, f"int4<-head k={k_chain}"),
+        "dual": run([lv_t, lv_h], best_dual["draft_k"], None, prompts, f"dual {tag_dual}", t_dual),
+        "chain": run([lv_t, lv_q, lv_h], k_chain, mu_star, prompts, f"chain {tag_chain} mu={mu_star}", t_chain),
+        "dual_at_chain_k": run([lv_t, lv_h], k_chain, None, prompts, f"dual {tag_chain}", t_chain),
+        "int4_over_head": run([lv_q, lv_h], k_chain, None, prompts, f"int4<-head {tag_chain}", t_chain),
     }
     ref = final["ar"]["outputs"]
     lossless = all(c["outputs"] == ref for c in final.values() if c["levels"][0] == "target")
@@ -518,11 +535,13 @@ def profile_models(target: Any, int4: Any, head: Any, prompts: list[list[int]], 
         "mode": chosen_mode,
         "draft_k": k_star,
         "mu": [mu_star],
+        "tree": chosen.get("tree"),
         "predicted_time_per_token_s": chosen["predicted_time_per_token_s"],
-        "grid": {"draft_k": list(draft_ks), "mu": list(mus), "prompts": len(grid_set)},
+        "grid": {"draft_k": list(draft_ks), "mu": list(mus), "prompts": len(grid_set),
+                 "tree": asdict(tree) if tree is not None else None},
         "ar_predicted_faster": predicted["ar"] < min(predicted["dual"], predicted["chain"]),
         "rule": "min over the grid of the Lemma 3.1 time per token (measured T at the run's own forward widths, "
-                "measured L_eff and beta), modes chain and dual",
+                "measured L_eff and beta), modes chain and dual, linear drafts and (when given) the draft tree",
     }
     return {
         "prompts": {"count": len(prompts), "grid_count": len(grid_set), "max_new_tokens": max_new_tokens,
@@ -571,6 +590,7 @@ def _row(config: dict[str, Any], costs: dict[str, list[dict[str, float]]]) -> di
     pred = predicted_time_per_token(config, costs)
     return {
         "label": config["label"], "mode": config["mode"], "draft_k": config["draft_k"], "mu": config["mu"],
+        "tree": config.get("tree"),
         "L": {nm: v["L"] for nm, v in config["per_level"].items() if "L" in v},
         "L_eff": {nm: v["L_eff"] for nm, v in config["per_level"].items() if "L_eff" in v},
         "beta": config["beta"], "T_s": dict(zip(config["levels"], pred["T"], strict=True)),
@@ -587,8 +607,10 @@ def _grid_candidate(chain: dict[str, Any], grid_runs: list[dict[str, Any]],
     from polyspec.export.verdict import insertion_verdict
 
     k, mu = chain["draft_k"], chain["mu"][0]
-    dual = next(c for c in grid_runs if c["mode"] == "dual" and c["draft_k"] == k)
+    dual = next(c for c in grid_runs
+                if c["mode"] == "dual" and c["draft_k"] == k and c.get("tree") == chain.get("tree"))
     t = {nm: mean_cost(costs[nm], steady_widths(chain, nm)) for nm in chain["levels"]}
     return insertion_verdict(t["target"], t["intermediate"], t["draft"], dual["per_level"]["target"]["L"],
                              chain["per_level"]["intermediate"]["L_eff"], chain["per_level"]["target"]["L"],
-                             dual["beta"] or float(k), label=f"k={k},mu={mu}", draft_k=k, mu=mu)
+                             dual["beta"] or float(k), label=f"{'tree' if chain.get('tree') else 'k'}={k},mu={mu}",
+                             draft_k=k, mu=mu)

@@ -154,11 +154,12 @@ def profile_folders(parts: dict[str, Path], out_dir: Path, *, prompts: int, max_
                     draft_ks: tuple[int, ...] = DRAFT_KS, mus: tuple[int, ...] = MUS, grid_prompts: int | None = None,
                     data: dict[str, Any] | None = None, prompt_ids: list[list[int]] | None = None,
                     notes: dict[str, Any] | None = None, key: str | None = None, threads: int | None = None,
-                    say: Any = _say) -> dict[str, Any]:
+                    tree: Any = None, say: Any = _say) -> dict[str, Any]:
     """Profile the chain made of ``parts`` and write ``out_dir`` atomically (see the module docstring).
 
     ``prompt_ids``: calibration prompts as token ids (tests); default: :func:`calibration_prompts` from MT-bench and
     the held-out side of ``data`` ({"source", "max_conversations", "heldout_fraction", "seed"}).
+    ``tree``: TreeParams of an EAGLE-2 draft tree to weigh against linear drafts (None: linear drafts only).
     ``threads``: torch intra-op threads while profiling (None: leave as is). On a CPU shared with other work, 1 gives
     far steadier timings than oversubscribed threads; the number used is recorded.
     """
@@ -174,7 +175,7 @@ def profile_folders(parts: dict[str, Path], out_dir: Path, *, prompts: int, max_
         return _profile_folders(parts, out_dir, t0, stamp_before, prompts=prompts, max_new_tokens=max_new_tokens,
                                 kv_length=kv_length, warmup=warmup, repeats=repeats, device=device, dtype=dtype,
                                 draft_ks=draft_ks, mus=mus, grid_prompts=grid_prompts, data=data,
-                                prompt_ids=prompt_ids, notes=notes, key=key, say=say)
+                                prompt_ids=prompt_ids, notes=notes, key=key, tree=tree, say=say)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -183,7 +184,7 @@ def _profile_folders(parts: dict[str, Path], out_dir: Path, t0: float, stamp_bef
                      prompts: int, max_new_tokens: int, kv_length: int, warmup: int, repeats: int, device: str,
                      dtype: str | None, draft_ks: tuple[int, ...], mus: tuple[int, ...], grid_prompts: int | None,
                      data: dict[str, Any] | None, prompt_ids: list[list[int]] | None, notes: dict[str, Any] | None,
-                     key: str | None, say: Any) -> dict[str, Any]:
+                     key: str | None, say: Any, tree: Any = None) -> dict[str, Any]:
     import torch
 
     from polyspec.decode.generate import eos_ids
@@ -204,7 +205,8 @@ def _profile_folders(parts: dict[str, Path], out_dir: Path, t0: float, stamp_bef
     with torch.inference_mode():
         result = profile_models(lv["target"], lv["int4"], lv["head"], prompt_ids, max_new_tokens=max_new_tokens,
                                 kv_length=kv_length, warmup=warmup, repeats=repeats, draft_ks=tuple(draft_ks),
-                                mus=tuple(mus), grid_prompts=grid_prompts, eos_ids=eos_ids(lv["tokenizer"]), say=say)
+                                mus=tuple(mus), grid_prompts=grid_prompts, eos_ids=eos_ids(lv["tokenizer"]), say=say,
+                                tree=tree)
     st = stamps()
     st["load_average_before"] = stamp_before["load_average"]
     profile = {
@@ -250,7 +252,9 @@ def verdict_markdown(profile: dict[str, Any]) -> str:
         f"| valid regime L_i_new > L_new > L_i | {v['valid_regime']} |",
         f"| Lemma 3.1 ms/token before -> after | {v['time_before'] * 1e3:.2f} -> {v['time_after'] * 1e3:.2f} "
         f"(pays: {v['pays']}) |",
-        f"| chosen | {dec['mode']}, draft_k={dec['draft_k']}, mu={dec['mu']} "
+        f"| chosen | {dec['mode']}, "
+        + (f"tree {dec['tree']['top_k']}x{dec['tree']['depth']}/{dec['tree']['total_tokens']}" if dec.get("tree")
+           else f"draft_k={dec['draft_k']}") + f", mu={dec['mu']} "
         f"(AR predicted faster: {dec['ar_predicted_faster']}) |",
     ]
     for name, row in sp["wall"]["configs"].items():
@@ -335,8 +339,14 @@ def profile_stage(recipe: Any, tracker: Any = None, *, parts: dict[str, Path] | 
     mus = tuple(mus or p.mu_grid)
     threads = threads or p.threads
     grid_prompts = grid_prompts or p.grid_prompts or max(1, p.prompts // 4)
+    tree = None
+    if recipe.decode.tree.enabled:
+        from polyspec.decode.generate import tree_params
+
+        tree = tree_params(recipe.decode.tree)
     settings = {"profile": p.model_dump(mode="json"), "device": device, "dtype": recipe.target.dtype,
                 "draft_ks": list(draft_ks), "mus": list(mus), "grid_prompts": grid_prompts,
+                "tree": recipe.decode.tree.model_dump(mode="json") if tree is not None else None,
                 "data": recipe.data.model_dump(mode="json"), "threads": threads}
     key = profile_key(parts, settings)
     out_dir = Path(recipe.workdir) / "profile" / key[:16]
@@ -349,7 +359,7 @@ def profile_stage(recipe: Any, tracker: Any = None, *, parts: dict[str, Path] | 
     profile = profile_folders(
         parts, out_dir, prompts=p.prompts, max_new_tokens=p.max_new_tokens, kv_length=p.kv_length,
         warmup=p.warmup, repeats=p.repeats, device=device, dtype=recipe.target.dtype, draft_ks=draft_ks, mus=mus,
-        grid_prompts=grid_prompts, notes=notes, key=key, threads=threads,
+        grid_prompts=grid_prompts, notes=notes, key=key, threads=threads, tree=tree,
         data={"source": recipe.data.source, "max_conversations": recipe.data.max_conversations,
               "heldout_fraction": recipe.data.heldout_fraction, "seed": recipe.data.seed}, say=say)
     _log_profile(tracker, profile, out_dir, cached=False)
@@ -417,15 +427,18 @@ def export_chain(out: Path, parts: dict[str, Path], profile: dict[str, Any], dec
     """Write the chain folder ``out`` atomically: target, int4 and head levels (the head with ``head.onnx``), and a
     manifest with the profile's measurements; the result is validated before it replaces ``out``.
 
-    ``decode``: the DecodeConfig whose mode / draft_k / mu are replaced by the profile's decision.
+    ``decode``: the DecodeConfig whose mode / draft_k / mu (and whether the tree is on) are replaced by the profile's
+    decision.
     """
     from polyspec.manifest import assemble_chain, read_manifest, validate_chain, write_manifest
     from polyspec.stamp import hardware_stamp, software_stamp
 
     out = Path(out)
     dec = profile["decision"]
+    # The tree stays on only when the profile chose it (a recipe's tree is a candidate, not an order).
+    tree_cfg = decode.tree.model_copy(update={"enabled": bool(dec.get("tree"))})
     decode_cfg = decode.model_copy(update={"mode": dec["mode"], "draft_k": int(dec["draft_k"]),
-                                           "mu": [int(m) for m in dec["mu"]]})
+                                           "mu": [int(m) for m in dec["mu"]], "tree": tree_cfg})
 
     def write(tmp: Path) -> None:
         head_dir = tmp / "parts" / "head"

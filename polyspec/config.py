@@ -135,12 +135,13 @@ class QuantizeConfig(Section):
 
 
 class TreeConfig(Section):
-    """EAGLE-2 dynamic draft tree at the bottom level."""
+    """EAGLE-2 dynamic draft tree at the bottom level (docs/DECODE.md). In a recipe it is a candidate that profiling
+    weighs against linear drafts; in a chain's manifest, whether decoding uses it."""
 
     enabled: bool = False
-    top_k: int = Field(8, ge=1)
-    depth: int = Field(5, ge=1)
-    total_tokens: int = Field(32, ge=2)
+    top_k: int = Field(8, ge=1, description="children per expanded node, and nodes expanded per depth")
+    depth: int = Field(5, ge=1, description="draft forwards per tree (the longest path)")
+    total_tokens: int = Field(32, ge=1, description="most draft tokens in one tree (the root not counted)")
 
 
 class DecodeConfig(Section):

@@ -176,9 +176,15 @@ def test_tree_modes_run_beside_linear_ones_and_agree_with_ar(tiny_chain, prompts
     out = tmp_path / "r.json"
     code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,dual,dual-tree,chain-tree",
                        "--max-new-tokens", "10", "--device", "cpu", "--json", out, "--tree-top-k", "3",
-                       "--tree-depth", "3", "--tree-tokens", "8")
+                       "--tree-depth", "3", "--tree-tokens", "8", "--roofline")
     assert code == 0, cap.err
     rep = json.loads(out.read_text())
+    rl = rep["roofline"]  # the target's batch-1 memory bound, and the share of it ar reached
+    assert rl["bandwidth_GBps"] > 0 and rl["weight_bytes"] > 0
+    assert rl["measured_tokens_per_second"] == rep["overall"]["ar"]["tokens_per_second"]
+    assert rl["fraction_of_roofline"] == pytest.approx(rl["measured_tokens_per_second"]
+                                                       / rl["roofline_tokens_per_second"])
+    assert "memory roofline" in cap.out
     assert set(rep["overall"]) == {"ar", "dual", "dual-tree", "chain-tree"}
     assert rep["mismatches"] == []
     assert list(rep["overall"]["chain-tree"]["mean_accepted"]) == ["target", "intermediate", "draft"]

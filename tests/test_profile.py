@@ -210,3 +210,33 @@ def test_region_boundaries_agree_with_theory():
             above = insertion(10.0, x * 10.0, 1.0, 2.0, y3 * 1.001, 5.0, 4.0)
             below = insertion(10.0, x * 10.0, 1.0, 2.0, y3 * 0.999, 5.0, 4.0)
             assert above.pays and not below.pays
+
+
+def test_tree_joins_the_grid_and_the_decision(tiny_parts, tmp_path):
+    """With a draft tree the grid also holds dual and chain with the tree; the decision is the minimum over all of
+    them, and an exported chain keeps the tree on only when it was chosen."""
+    from polyspec.decode.chain import TreeParams
+    from polyspec.export.stage import profile_folders
+
+    tp = TreeParams(top_k=2, depth=3, total_tokens=6)
+    prof = profile_folders(tiny_parts, tmp_path / "p", prompts=2, max_new_tokens=10, kv_length=32, warmup=1,
+                           repeats=2, device="cpu", draft_ks=(2,), mus=(4,), prompt_ids=_prompts(), threads=1,
+                           tree=tp, say=lambda _m: None)
+    rows = prof["grid"]
+    tree_rows = [r for r in rows if r["tree"]]
+    assert {r["mode"] for r in tree_rows} == {"dual", "chain"} and len(rows) == 1 + 1 + 2 + 1
+    assert all(r["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6} and r["draft_k"] == 3 for r in tree_rows)
+    best = min((r for r in rows if r["mode"] in ("chain", "dual")), key=lambda r: r["predicted_time_per_token_s"])
+    dec = prof["decision"]
+    assert (dec["mode"], dec["tree"]) == (best["mode"], best["tree"])
+    assert prof["decision"]["grid"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}
+    assert prof["lossless_greedy"]
+    from polyspec.config import DecodeConfig
+    from polyspec.export.stage import export_chain
+    from polyspec.manifest import read_manifest
+
+    decode = DecodeConfig.model_validate({"tree": {"enabled": True, "top_k": 2, "depth": 3, "total_tokens": 6}})
+    for chosen_tree in (None, dec["tree"] or tree_rows[0]["tree"]):
+        prof["decision"]["tree"] = chosen_tree
+        out = export_chain(tmp_path / f"chain-{bool(chosen_tree)}", tiny_parts, prof, decode, onnx=False)
+        assert read_manifest(out).decode.tree.enabled is bool(chosen_tree)

@@ -1,6 +1,6 @@
 """Slow tier: on the real SmolLM2, greedy dual and chain output equal AR output token for token (fp32, CPU) for
 10 MT-bench prompts x 128 new tokens, with an RTN int4 intermediate and a random-init head (losslessness never
-depends on draft quality)."""
+depends on draft quality), with linear drafts and with the EAGLE-2 draft tree."""
 
 import pytest
 import torch
@@ -27,12 +27,15 @@ def smollm2_chain(smollm2_dir, tmp_path_factory):
 
 def test_greedy_chain_and_dual_equal_ar_on_smollm2(smollm2_chain):
     from polyspec.data.prompts import mtbench_questions
+    from polyspec.decode.chain import TreeParams
     from polyspec.decode.generate import generate_text
+
+    tree_shape = TreeParams(top_k=4, depth=4, total_tokens=12)
 
     prompts = [q.turns[0] for q in mtbench_questions()[::8]][:10]
     assert len(prompts) == 10
     for prompt in prompts:
         ar = generate_text(smollm2_chain, prompt, mode="ar", max_new_tokens=128)
-        for mode in ("dual", "chain"):
-            out = generate_text(smollm2_chain, prompt, mode=mode, max_new_tokens=128)
-            assert out["token_ids"] == ar["token_ids"], (mode, prompt[:60])
+        for mode, tree in (("dual", False), ("chain", False), ("dual", tree_shape), ("chain", tree_shape)):
+            out = generate_text(smollm2_chain, prompt, mode=mode, max_new_tokens=128, tree=tree)
+            assert out["token_ids"] == ar["token_ids"], (mode, tree, prompt[:60])

@@ -1,0 +1,65 @@
+"""The memory roofline of batch-1 decoding: how fast a decode step could possibly be on this device.
+
+At batch 1 every decode step reads every weight once (the tied embedding / lm_head matrix once: the embedding lookup
+reads one row), so tokens/s <= bandwidth / weight bytes. :func:`measure_bandwidth` times a large device-to-device
+copy (bytes read + bytes written per second, median of repeats), the same measure gpt-fast and vLLM compare to.
+``polyspec bench --roofline`` reports the target's roofline and the fraction of it that ``ar`` reaches.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of every distinct parameter and buffer storage of ``model`` (shared tensors, e.g. a tied lm_head,
+    counted once; int4 packed weights at their packed size)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def measure_bandwidth(device: Any = "cpu", *, mbytes: int = 512, repeats: int = 7) -> dict[str, float]:
+    """Copy bandwidth of ``device`` in GB/s (1e9 bytes): a ``mbytes`` MB float32 tensor copied into another,
+    counting bytes read + written; returns the median and the best of ``repeats`` timed copies (one warm-up)."""
+    import torch
+
+    dev = torch.device(device)
+    n = mbytes * 1_000_000 // 4
+    src = torch.ones(n, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    rates = []
+    for r in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        dt = time.perf_counter() - t0
+        if r:
+            rates.append(2 * n * 4 / dt / 1e9)
+    return {"median_GBps": statistics.median(rates), "best_GBps": max(rates), "mbytes": mbytes,
+            "threads": torch.get_num_threads()}
+
+
+def roofline(model: Any, bandwidth_GBps: float, measured_tokens_per_second: float | None = None) -> dict[str, Any]:
+    """Upper bound on batch-1 decode tokens/s from the weights alone, and the fraction a measurement reaches."""
+    b = weight_bytes(model)
+    bound = bandwidth_GBps * 1e9 / b if b else float("inf")
+    out: dict[str, Any] = {"weight_bytes": b, "bandwidth_GBps": bandwidth_GBps, "roofline_tokens_per_second": bound}
+    if measured_tokens_per_second is not None:
+        out["measured_tokens_per_second"] = measured_tokens_per_second
+        out["fraction_of_roofline"] = measured_tokens_per_second / bound if bound else None
+    return out

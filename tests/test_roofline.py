@@ -1,0 +1,27 @@
+"""The batch-1 memory roofline: weight bytes count shared (tied) tensors once; bandwidth and bounds are sane."""
+
+import pytest
+import torch
+
+from polyspec.decode.roofline import measure_bandwidth, roofline, weight_bytes
+
+
+def test_weight_bytes_counts_tied_tensors_once():
+    emb = torch.nn.Embedding(100, 16)
+    head = torch.nn.Linear(16, 100, bias=False)
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    assert weight_bytes(model) == 2 * 100 * 16 * 4
+    head.weight = emb.weight  # tied: one storage
+    assert weight_bytes(model) == 100 * 16 * 4
+    model.half()
+    assert weight_bytes(model) == 100 * 16 * 2
+
+
+def test_bandwidth_and_roofline_are_consistent():
+    bw = measure_bandwidth("cpu", mbytes=16, repeats=3)
+    assert bw["best_GBps"] >= bw["median_GBps"] > 0
+    model = torch.nn.Linear(1000, 1000, bias=False)  # 4 MB
+    r = roofline(model, 8.0, measured_tokens_per_second=1000.0)
+    assert r["weight_bytes"] == 4_000_000
+    assert r["roofline_tokens_per_second"] == pytest.approx(2000.0)
+    assert r["fraction_of_roofline"] == pytest.approx(0.5)

@@ -41,6 +41,7 @@ proposes nothing for a one-token context (the level above then samples from its 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -196,9 +197,13 @@ class ChainDecoder:
             lv.setup(max_seq_len + slack)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-                 seed: int = 0, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> GenerationResult:
+                 seed: int = 0, eos_token_ids: set[int] | frozenset[int] = frozenset(),
+                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
         """Up to ``max_new_tokens`` new tokens after ``prompt_ids``, stopping after the first EOS id; the output is an
-        exact sample of the warped target (greedy: the target's greedy decoding). Deterministic given ``seed``."""
+        exact sample of the warped target (greedy: the target's greedy decoding). Deterministic given ``seed``.
+
+        on_tokens: called with the tokens each target verification commits, as soon as they are final (streaming);
+        a true return value stops generation there (e.g. a stop string appeared, or the client went away)."""
         sampling = sampling if sampling is not None else SamplingParams()
         sampling.check()
         prompt = [int(t) for t in prompt_ids]
@@ -218,6 +223,7 @@ class ChainDecoder:
             lv.reset()
         run = _Run(self, sampling, torch.Generator().manual_seed(int(seed)), frozenset(int(e) for e in eos_token_ids),
                    limit=len(prompt) + max_new_tokens)
+        run.on_tokens = on_tokens
         t0 = time.perf_counter()
         seq = run.decode(prompt)
         seconds = time.perf_counter() - t0
@@ -262,6 +268,7 @@ class _Run:
         self.hidden: list[torch.Tensor | None] = [None] * self.n  # [limit, H] per level that keeps hidden states
         self.uses_features = self.levels[-1].needs_features
         self.stats = [LevelStats(lv.name) for lv in self.levels]
+        self.on_tokens: Callable[[list[int]], bool | None] | None = None
 
     # -- the algorithm ---------------------------------------------------------------------------------------------
 
@@ -271,6 +278,8 @@ class _Run:
         while len(seq) < self.limit and not (len(seq) > len(prompt) and seq[-1] in self.eos):
             out, _ = self._verify_round(0, seq)
             seq += out
+            if self.on_tokens is not None and self.on_tokens(list(out)):
+                break
         return seq
 
     def _produce(self, i: int, ctx: list[int], need: int) -> tuple[list[int], torch.Tensor | None]:

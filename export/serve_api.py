@@ -182,23 +182,47 @@ def _value_at(exc: ValidationError, path: list[str]) -> object:
 # the text of an answer
 
 
+class PieceDecoder:
+    """Token ids to text pieces as they arrive: one piece per token ("" while a multi-byte character is incomplete,
+    and for special tokens); the pieces (plus :meth:`tail`) concatenate to the decoded text. Decodes a short window
+    per token (O(n)), never the whole prefix."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix, self.read = 0, 0  # window start, and the end of what has been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_ids: list[int]) -> list[str]:
+        pieces = []
+        for t in token_ids:
+            self.ids.append(int(t))
+            before = self._decode(self.ids[self.prefix:self.read])
+            now = self._decode(self.ids[self.prefix:])
+            if len(now) > len(before) and not now.endswith("\ufffd"):
+                pieces.append(now[len(before):])
+                self.prefix, self.read = self.read, len(self.ids)
+            else:
+                pieces.append("")
+        return pieces
+
+    def tail(self) -> str:
+        """What the tokenizer makes of an incomplete character at the very end ("" if none); it belongs to the last
+        token's piece."""
+        if self.read >= len(self.ids):
+            return ""
+        before = self._decode(self.ids[self.prefix:self.read])
+        return self._decode(self.ids[self.prefix:])[len(before):]
+
+
 def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:
-    """One text piece per generated token ("" while a multi-byte character is incomplete, and for special tokens);
-    the pieces concatenate to the decoded text. Decodes a short window per token (O(n)), never the whole prefix."""
-    pieces: list[str] = []
-    prefix, read = 0, 0  # window start, and the end of what has been emitted
-    for i in range(len(token_ids)):
-        before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True)
-        now = tokenizer.decode(token_ids[prefix:i + 1], skip_special_tokens=True)
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            pieces.append(now[len(before):])
-            prefix, read = read, i + 1
-        else:
-            pieces.append("")
-    if read < len(token_ids):  # an incomplete character at the very end: emit what the tokenizer makes of it
-        tail = tokenizer.decode(token_ids[prefix:], skip_special_tokens=True)
-        before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True)
-        pieces[-1] += tail[len(before):]
+    """One text piece per generated token (see :class:`PieceDecoder`); they concatenate to the decoded text."""
+    dec = PieceDecoder(tokenizer)
+    pieces = dec.push(list(token_ids))
+    if pieces:
+        pieces[-1] += dec.tail()
     return pieces
 
 
@@ -215,31 +239,71 @@ class Answer:
         return "".join(self.pieces)
 
 
-def make_answer(pieces: list[str], token_ids: list[int], eos: set[int], stops: list[str], max_tokens: int) -> Answer:
-    """finish_reason "stop" for an EOS token or a stop string (the text ends before it), "length" for a full budget.
-    completion_tokens counts the tokens up to and including the one that completed the stop string."""
-    if stops:
-        text, cut = "", None
-        for i, piece in enumerate(pieces):
-            start = max(0, len(text) - max(len(s) for s in stops))  # a stop may straddle pieces
-            text += piece
-            hits = [text.find(s, start) for s in stops]
-            hits = [h for h in hits if h >= 0]
-            if hits:
-                cut = (i, min(hits))
+class AnswerStream:
+    """The answer's text while tokens arrive: :meth:`push` takes each token's piece and returns the text that can be
+    sent now, holding back the last (longest stop - 1) characters that a stop string could still begin in, and
+    reports a stop string as soon as one appears (:attr:`stopped`); :meth:`finish` returns the rest and the final
+    :class:`Answer`. Fed all pieces at once it is :func:`make_answer`, so streamed and whole answers agree."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [x for x in stops if x]
+        self.longest = max((len(x) for x in self.stops), default=0)
+        self.text = ""
+        self.pieces: list[str] = []
+        self.sent = 0  # characters of text already returned
+        self.stopped: tuple[int, int] | None = None  # (piece index that completed a stop string, where it starts)
+        self._last_start = 0
+
+    def _scan(self, start: int) -> None:
+        hits = [h for h in (self.text.find(x, start) for x in self.stops) if h >= 0]
+        if hits:
+            self.stopped = (len(self.pieces) - 1, min(hits))
+
+    def push(self, pieces: list[str], *, tail: str = "") -> str:
+        """Add pieces (one per token, in order) and ``tail`` (the end of the last piece, known only at the end);
+        returns the newly sendable text."""
+        for piece in pieces:
+            if self.stopped is not None:
                 break
-        if cut is not None:
-            i, pos = cut
-            kept = text[:pos]
+            self._last_start = max(0, len(self.text) - self.longest)  # a stop may straddle pieces
+            self.text += piece
+            self.pieces.append(piece)
+            self._scan(self._last_start)
+        if tail and self.stopped is None and self.pieces:
+            self.text += tail
+            self.pieces[-1] += tail
+            self._scan(self._last_start)
+        limit = self.stopped[1] if self.stopped is not None else len(self.text) - max(self.longest - 1, 0)
+        delta = self.text[self.sent:limit] if limit > self.sent else ""
+        self.sent = max(self.sent, limit)
+        return delta
+
+    def finish(self, token_ids: list[int], eos: set[int], max_tokens: int) -> tuple[str, Answer]:
+        """(the text not sent yet, the final Answer): finish_reason "stop" for an EOS token or a stop string (the text
+        ends before it), "length" for a full budget; completion_tokens counts the tokens up to and including the one
+        that completed the stop string."""
+        if self.stopped is not None:
+            i, pos = self.stopped
             out, used = [], 0
-            for piece in pieces[:i + 1]:
-                take = piece[:max(0, len(kept) - used)]
+            for piece in self.pieces[:i + 1]:
+                take = piece[:max(0, pos - used)]
                 out.append(take)
                 used += len(take)
-            return Answer(out, "stop", i + 1)
-    ended = bool(token_ids) and token_ids[-1] in eos
-    reason: Literal["stop", "length"] = "stop" if ended or len(token_ids) < max_tokens else "length"
-    return Answer(list(pieces), reason, len(token_ids))
+            answer = Answer(out, "stop", i + 1)
+        else:
+            ended = bool(token_ids) and token_ids[-1] in eos
+            reason: Literal["stop", "length"] = "stop" if ended or len(token_ids) < max_tokens else "length"
+            answer = Answer(list(self.pieces), reason, len(token_ids))
+        rest = answer.text[self.sent:]
+        self.sent = len(answer.text)
+        return rest, answer
+
+
+def make_answer(pieces: list[str], token_ids: list[int], eos: set[int], stops: list[str], max_tokens: int) -> Answer:
+    """The whole answer from every token's piece (see :class:`AnswerStream`)."""
+    stream = AnswerStream(stops)
+    stream.push(pieces)
+    return stream.finish(token_ids, eos, max_tokens)[1]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -271,30 +335,26 @@ def completion_object(kind: Literal["chat", "text"], rid: str, model: str, answe
     return obj
 
 
-def stream_chunks(kind: Literal["chat", "text"], rid: str, model: str, answer: Answer, prompt_tokens: int,
-                  include_usage: bool = False) -> list[dict[str, Any]]:
-    """The chunk objects of a streamed answer in OpenAI's order: (chat: a role chunk), one chunk per non-empty token
-    piece, a last chunk carrying finish_reason, (include_usage: a chunk with empty choices and the usage)."""
-    created = int(time.time())
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+class ChunkMaker:
+    """The chunk objects of a streamed answer, in OpenAI's order: (chat: a role chunk), content chunks, a last chunk
+    carrying finish_reason, (include_usage: a chunk with empty choices and the usage)."""
 
-    def chunk(delta: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
-        if kind == "chat":
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-        c = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-        if include_usage:
+    def __init__(self, kind: Literal["chat", "text"], rid: str, model: str, include_usage: bool = False):
+        self.kind, self.rid, self.model, self.include_usage = kind, rid, model, include_usage
+        self.created = int(time.time())
+        self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def delta(self, delta: dict[str, Any] | str, finish: str | None = None) -> dict[str, Any]:
+        key = "delta" if self.kind == "chat" else "text"
+        choice = {"index": 0, key: delta, "logprobs": None, "finish_reason": finish}
+        c = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [choice]}
+        if self.include_usage:
             c["usage"] = None
         return c
 
-    out = [chunk({"role": "assistant", "content": ""}, None)] if kind == "chat" else []
-    out += [chunk({"content": p} if kind == "chat" else p, None) for p in answer.pieces if p]
-    out.append(chunk({} if kind == "chat" else "", answer.finish_reason))
-    if include_usage:
-        out.append({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                    "usage": usage(prompt_tokens, answer.completion_tokens)})
-    return out
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -29,9 +29,12 @@ from polyspec.decode.generate import LoadedChain, build_decoder, eos_ids
 from polyspec.errors import PolyspecError
 from polyspec.export.serve_api import (
     SSE_DONE,
+    AnswerStream,
     ApiError,
     ChatCompletionRequest,
+    ChunkMaker,
     CompletionRequest,
+    PieceDecoder,
     completion_object,
     error_body,
     finite,
@@ -39,7 +42,6 @@ from polyspec.export.serve_api import (
     new_id,
     parse_request,
     sse,
-    stream_chunks,
     token_pieces,
 )
 from polyspec.export.serve_metrics import CONTENT_TYPE, Metrics
@@ -92,27 +94,31 @@ class Engine:
         with self._lock:
             return self._pending - self._running, self._running
 
-    def generate(self, job: Job) -> GenerationResult:
-        """Runs on the worker thread: a decoder sized for this request, then one generation."""
+    def generate(self, job: Job, on_tokens: Any = None) -> GenerationResult:
+        """Runs on the worker thread: a decoder sized for this request, then one generation (``on_tokens``: see
+        :meth:`ChainDecoder.generate`)."""
         dec = build_decoder(self.chain, self.mode,
                             max_seq_len=min(self.chain.context, len(job.prompt_ids) + job.max_new_tokens) + SLACK)
         sampling = SamplingParams(temperature=job.temperature, top_p=job.top_p)
-        return dec.generate(job.prompt_ids, job.max_new_tokens, sampling, seed=job.seed, eos_token_ids=self.eos)
+        return dec.generate(job.prompt_ids, job.max_new_tokens, sampling, seed=job.seed, eos_token_ids=self.eos,
+                            on_tokens=on_tokens)
 
-    def _work(self, job: Job) -> GenerationResult:
+    def _work(self, job: Job, on_tokens: Any = None) -> GenerationResult:
         with self._lock:
             self._running += 1
         try:
-            return self.generate(job)
+            return self.generate(job, on_tokens)
         finally:
             with self._lock:
                 self._running -= 1
 
-    async def submit(self, job: Job) -> GenerationResult:
+    async def submit(self, job: Job, on_tokens: Any = None) -> GenerationResult:
+        """Queue ``job``; ``on_tokens`` (called on the worker thread with each round's committed tokens; a true
+        return stops the generation) streams it."""
         with self._lock:
             self._pending += 1
         try:  # a cancelled await (client gone) also cancels the job if it has not started
-            return await asyncio.wrap_future(self._executor.submit(self._work, job))
+            return await asyncio.wrap_future(self._executor.submit(self._work, job, on_tokens))
         finally:
             with self._lock:
                 self._pending -= 1
@@ -269,6 +275,8 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
                       temperature=defaults.temperature if req.temperature is None else float(req.temperature),
                       top_p=defaults.top_p if req.top_p is None else float(req.top_p),
                       seed=secrets.randbits(63) if req.seed is None else int(req.seed))
+            if req.stream:
+                return stream_response(kind, req, job, ids, max_new)
             result = await engine.submit(job)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -281,22 +289,63 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
         pieces = token_pieces(chain.tokenizer, result.token_ids)
         answer = make_answer(pieces, result.token_ids, engine.eos, req.stop_list(), max_new)
         rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = stream_chunks(kind, rid, model_name, answer, len(ids), include_usage)
-
-            async def events():  # noqa: ANN202
-                for c in chunks:
-                    yield sse(c)
-                yield SSE_DONE
-
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         stats = result.stats
         extra = {"polyspec": {"mode": stats.get("mode"), "seconds": finite(stats.get("seconds", 0.0)),
                               "tokens_per_second": finite(stats.get("tokens_per_second", 0.0)),
                               "mean_accepted": {lv["name"]: lv["mean_accepted"] for lv in stats.get("levels", [])}}}
         return JSONResponse(completion_object(kind, rid, model_name, answer, len(ids), extra))
+
+    def stream_response(kind: Literal["chat", "text"], req: Any, job: Job, ids: list[int],
+                        max_new: int) -> StreamingResponse:
+        """Server-sent events as the target commits tokens: each verification round's text goes out at once (minus
+        the few characters a stop string could still begin in); a stop string ends the generation early."""
+        rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        chunks = ChunkMaker(kind, rid, model_name, bool(req.stream_options and req.stream_options.include_usage))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        halt = threading.Event()  # set when a stop string appeared or the client went away
+
+        def on_tokens(tokens: list[int]) -> bool:  # the worker thread
+            loop.call_soon_threadsafe(queue.put_nowait, tokens)
+            return halt.is_set()
+
+        task = asyncio.ensure_future(engine.submit(job, on_tokens))
+        task.add_done_callback(lambda _t: queue.put_nowait(None))
+
+        async def events():  # noqa: ANN202
+            pieces, answer_stream, generated = PieceDecoder(chain.tokenizer), AnswerStream(req.stop_list()), []
+            try:
+                if kind == "chat":
+                    yield sse(chunks.delta({"role": "assistant", "content": ""}))
+                while (tokens := await queue.get()) is not None:
+                    generated += tokens
+                    text = answer_stream.push(pieces.push(tokens))
+                    if answer_stream.stopped is not None:
+                        halt.set()
+                    if text:
+                        yield sse(chunks.delta({"content": text} if kind == "chat" else text))
+                try:
+                    result = task.result()
+                except Exception as exc:  # the headers are out: report in the stream, keep serving
+                    log.exception("generation failed")
+                    yield sse(error_body(f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
+                    yield SSE_DONE
+                    return
+                metrics.observe_generation(len(ids), result.stats)
+                text = answer_stream.push([], tail=pieces.tail())
+                rest, answer = answer_stream.finish(generated, engine.eos, max_new)
+                rest = text + rest
+                if rest:
+                    yield sse(chunks.delta({"content": rest} if kind == "chat" else rest))
+                yield sse(chunks.delta({} if kind == "chat" else "", answer.finish_reason))
+                if chunks.include_usage:
+                    yield sse(chunks.usage(len(ids), answer.completion_tokens))
+                yield SSE_DONE
+            finally:
+                halt.set()  # the client is gone (or we are done): stop generating at the next round
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:

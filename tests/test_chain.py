@@ -248,6 +248,24 @@ def test_greedy_stops_at_the_first_eos_including_it():
         assert r.stats["new_tokens"] == len(cut)
 
 
+def test_on_tokens_streams_every_round_and_can_stop_early():
+    v = 16
+    target, mid, draft = tables(v, seed=16)
+    dec = ChainDecoder([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], mu=[3])
+    rounds: list[list[int]] = []
+    r = dec.generate([3, 1, 4], 30, on_tokens=lambda toks: rounds.append(toks))
+    assert [t for rd in rounds for t in rd] == r.token_ids
+    assert [len(rd) for rd in rounds] == r.level_stats[0].accept_lengths  # one call per target verification
+    seen: list[int] = []
+
+    def stop_after_ten(toks):
+        seen.extend(toks)
+        return len(seen) >= 10
+
+    cut = dec.generate([3, 1, 4], 30, on_tokens=stop_after_ten)
+    assert 10 <= len(cut.token_ids) < 10 + max(len(rd) for rd in rounds) and cut.token_ids == r.token_ids[:len(seen)]
+
+
 def test_sampling_is_deterministic_given_the_seed():
     v = 8
     target, mid, draft = tables(v)

@@ -197,6 +197,57 @@ def test_answer_text_pieces_and_stops():
     assert (answer.text, answer.finish_reason, answer.completion_tokens) == ("abcd", "length", 2)
 
 
+@pytest.mark.parametrize("stops", [[], ["cd"], ["e", "zzz"], ["bcdefg"], ["xyz"]])
+def test_answer_stream_sends_early_and_agrees_with_the_whole_answer(stops):
+    """Fed piece by piece (any split), the streamed text equals make_answer's, no text that a stop string could still
+    begin in is ever sent, and a stop string is reported on the piece that completes it."""
+    from polyspec.export.serve_api import AnswerStream
+
+    pieces = ["ab", "", "cd", "e", "fg", "h", "ij"]
+    ids = list(range(len(pieces)))
+    whole = make_answer(pieces, ids, eos=set(), stops=stops, max_tokens=len(pieces))
+    for split in (1, 2, 3):
+        stream, sent = AnswerStream(stops), ""
+        for k in range(0, len(pieces), split):
+            sent += stream.push(pieces[k:k + split])
+            longest = max((len(x) for x in stops), default=1)
+            assert len(sent) <= max(len(stream.text) - (longest - 1), 0) or stream.stopped is not None
+            if stream.stopped is not None:
+                break
+        rest, answer = stream.finish(ids[:len(stream.pieces)], set(), len(pieces))
+        assert sent + rest == whole.text
+        assert (answer.finish_reason, answer.completion_tokens) == (whole.finish_reason, whole.completion_tokens)
+    if not stops or stops == ["xyz"]:
+        first = AnswerStream(stops).push(pieces[:3])
+        assert first == ("abcd" if not stops else "ab")  # sent at once; "xyz" holds back 2 characters
+
+
+def test_streaming_stops_generating_at_a_stop_string(client):
+    """The stop string ends the generation itself: the engine does not decode the rest of max_tokens."""
+    req = {"prompt": "hello there", "max_tokens": 40, "temperature": 0}
+    text = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    stop = text[4:6]
+    engine = client.app.state.engine
+    calls: list[int] = []
+    original = engine.generate
+
+    def counting(job, on_tokens=None):
+        result = original(job, on_tokens)
+        calls.append(len(result.token_ids))
+        return result
+
+    engine.generate = counting
+    try:
+        r = client.post("/v1/completions", json={**req, "stop": [stop], "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+    finally:
+        engine.generate = original
+    chunks = [json.loads(e) for e in _sse_events(r.text)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == text[:text.find(stop)]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert calls and calls[0] < 40 and chunks[-1]["usage"]["completion_tokens"] <= calls[0]
+
+
 def test_token_pieces_concatenate_to_the_decoded_text(loaded):
     tok = loaded.tokenizer
     ids = tok("héllo wörld, 你好 — ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -254,11 +305,16 @@ def test_unknown_route_and_method(client):
 def test_a_crash_in_generation_is_a_500_and_the_server_lives_on(client, monkeypatch):
     engine = client.app.state.engine
 
-    def boom(job):
+    def boom(job, on_tokens=None):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(engine, "generate", boom)
     _assert_error(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}), 500, "kernel exploded")
+    # streamed: the 200 headers are out before the crash, so the error arrives as an event, then [DONE]
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True})
+    events = _sse_events(r.text)
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert "kernel exploded" in json.loads(events[-2])["error"]["message"]
     monkeypatch.undo()
     assert client.get("/health").json()["status"] == "ok"
     assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200

@@ -252,10 +252,10 @@ def verdict_markdown(profile: dict[str, Any]) -> str:
         f"| valid regime L_i_new > L_new > L_i | {v['valid_regime']} |",
         f"| Lemma 3.1 ms/token before -> after | {v['time_before'] * 1e3:.2f} -> {v['time_after'] * 1e3:.2f} "
         f"(pays: {v['pays']}) |",
-        f"| chosen | {dec['mode']}, "
+        f"| chosen | {dec['mode']}" + (" (plain decoding is predicted faster here); best speculative: "
+                                        f"{dec.get('speculative_mode')}" if dec["mode"] == "ar" else "") + ", "
         + (f"tree {dec['tree']['top_k']}x{dec['tree']['depth']}/{dec['tree']['total_tokens']}" if dec.get("tree")
-           else f"draft_k={dec['draft_k']}") + f", mu={dec['mu']} "
-        f"(AR predicted faster: {dec['ar_predicted_faster']}) |",
+           else f"draft_k={dec['draft_k']}") + f", mu={dec['mu']} |",
     ]
     for name, row in sp["wall"]["configs"].items():
         steady = sp["steady"]["configs"].get(name, {})

@@ -98,7 +98,12 @@ def test_decision_minimises_predicted_time(profile):
             assert r["predicted_time_per_token_s"] == pytest.approx(expect)
     dec = profile["decision"]
     best = min((r for r in rows if r["mode"] in ("chain", "dual")), key=lambda r: r["predicted_time_per_token_s"])
-    assert (dec["mode"], dec["draft_k"]) == (best["mode"], best["draft_k"])
+    assert (dec["speculative_mode"], dec["draft_k"]) == (best["mode"], best["draft_k"])
+    final = profile["final"]
+    ar_faster = final["ar"]["predicted"]["time_per_token_s"] < min(
+        final[n]["predicted"]["time_per_token_s"] for n in ("dual", "chain"))
+    assert dec["ar_predicted_faster"] is ar_faster
+    assert dec["mode"] == ("ar" if ar_faster else best["mode"])  # the fastest predicted way to decode this chain
     assert dec["predicted_time_per_token_s"] == best["predicted_time_per_token_s"]
     sp = profile["speedup"]["wall"]["configs"]
     assert sp["dual"]["predicted"] == pytest.approx(1.0) and sp["dual"]["measured"] == pytest.approx(1.0)
@@ -228,7 +233,7 @@ def test_tree_joins_the_grid_and_the_decision(tiny_parts, tmp_path):
     assert all(r["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6} and r["draft_k"] == 3 for r in tree_rows)
     best = min((r for r in rows if r["mode"] in ("chain", "dual")), key=lambda r: r["predicted_time_per_token_s"])
     dec = prof["decision"]
-    assert (dec["mode"], dec["tree"]) == (best["mode"], best["tree"])
+    assert (dec["speculative_mode"], dec["tree"]) == (best["mode"], best["tree"])
     assert prof["decision"]["grid"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}
     assert prof["lossless_greedy"]
     from polyspec.config import DecodeConfig

@@ -405,8 +405,10 @@ class _Run:
         hidden_of: dict[int, torch.Tensor] = {}
         base_len = level.cache_len
         for depth in range(2, min(tp.depth, room) + 1):
+            # At T > 0 expand only as many nodes as the budget can still give children (the rest would be wasted).
+            width = min(tp.top_k, -(-(budget - len(tokens)) // tp.top_k)) if not greedy else tp.top_k
             frontier = sorted((n for n in newest if tokens[n] not in self.eos),
-                              key=lambda n: -scores[n])[:tp.top_k]
+                              key=lambda n: -scores[n])[:width]
             if not frontier or len(tokens) >= budget:
                 break
             col = {n: c for c, n in enumerate(in_cache + frontier)}

@@ -498,7 +498,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--forward-times", action="store_true",
                    help="also time one forward of every level at T = 1, draft_k + 1 and mu + 1 tokens")
     p.add_argument("--roofline", action="store_true",
-                   help="also measure the device's copy bandwidth and report the target's batch-1 memory roofline "
+                   help="also measure the device's read bandwidth and report the target's batch-1 memory roofline "
                         "(weight bytes / bandwidth) and the fraction of it ar reaches")
     p.add_argument("--forward-prefix", type=int, default=128, help="cached tokens before the timed forward")
     p.add_argument("--forward-repeats", type=int, default=20)

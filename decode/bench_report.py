@@ -81,7 +81,7 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     rl = report.get("roofline")
     if rl:
         line = (f"memory roofline of the target: {rl['weight_bytes'] / 1e6:.0f} MB of weights per decode step at "
-                f"{rl['bandwidth_GBps']:.1f} GB/s (copy bandwidth) -> at most {rl['roofline_tokens_per_second']:.1f} "
+                f"{rl['bandwidth_GBps']:.1f} GB/s (read bandwidth) -> at most {rl['roofline_tokens_per_second']:.1f} "
                 "tokens/s at batch 1")
         if rl.get("fraction_of_roofline") is not None:
             line += (f"; ar reaches {rl['measured_tokens_per_second']:.2f} tokens/s = "

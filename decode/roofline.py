@@ -1,8 +1,8 @@
 """The memory roofline of batch-1 decoding: how fast a decode step could possibly be on this device.
 
 At batch 1 every decode step reads every weight once (the tied embedding / lm_head matrix once: the embedding lookup
-reads one row), so tokens/s <= bandwidth / weight bytes. :func:`measure_bandwidth` times a large device-to-device
-copy (bytes read + bytes written per second, median of repeats), the same measure gpt-fast and vLLM compare to.
+reads one row), so tokens/s <= read bandwidth / weight bytes. :func:`measure_bandwidth` times a reduction over a
+large tensor (bytes read per second, median of repeats) and, for reference, a copy (bytes read + written).
 ``polyspec bench --roofline`` reports the target's roofline and the fraction of it that ``ar`` reaches.
 """
 
@@ -28,8 +28,10 @@ def weight_bytes(model: Any) -> int:
 
 
 def measure_bandwidth(device: Any = "cpu", *, mbytes: int = 512, repeats: int = 7) -> dict[str, float]:
-    """Copy bandwidth of ``device`` in GB/s (1e9 bytes): a ``mbytes`` MB float32 tensor copied into another,
-    counting bytes read + written; returns the median and the best of ``repeats`` timed copies (one warm-up)."""
+    """Memory bandwidth of ``device`` in GB/s (1e9 bytes) over a ``mbytes`` MB float32 tensor, median and best of
+    ``repeats`` timed passes (one warm-up): ``median_GBps`` / ``best_GBps`` = **read** bandwidth (a sum over the
+    tensor: what streaming weights through a GEMV needs), ``copy_median_GBps`` = a copy into a second tensor, bytes
+    read + written (the figure usually quoted for HBM)."""
     import torch
 
     dev = torch.device(device)
@@ -41,17 +43,22 @@ def measure_bandwidth(device: Any = "cpu", *, mbytes: int = 512, repeats: int = 
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    rates = []
-    for r in range(repeats + 1):
-        sync()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        dt = time.perf_counter() - t0
-        if r:
-            rates.append(2 * n * 4 / dt / 1e9)
-    return {"median_GBps": statistics.median(rates), "best_GBps": max(rates), "mbytes": mbytes,
-            "threads": torch.get_num_threads()}
+    def rates(fn, bytes_moved: int) -> list[float]:
+        out = []
+        for r in range(repeats + 1):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            dt = time.perf_counter() - t0
+            if r:
+                out.append(bytes_moved / dt / 1e9)
+        return out
+
+    read = rates(lambda: src.sum(), n * 4)
+    copy = rates(lambda: dst.copy_(src), 2 * n * 4)
+    return {"median_GBps": statistics.median(read), "best_GBps": max(read),
+            "copy_median_GBps": statistics.median(copy), "mbytes": mbytes, "threads": torch.get_num_threads()}
 
 
 def roofline(model: Any, bandwidth_GBps: float, measured_tokens_per_second: float | None = None) -> dict[str, Any]:

@@ -40,6 +40,7 @@ proposes nothing for a one-token context (the level above then samples from its 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -391,13 +392,12 @@ class _Run:
             if xs:
                 proposals[node] = q
             new = []
-            logq = torch.log(q.double())
             for x in xs:
                 new.append(len(tokens))
                 tokens.append(x)
                 parents.append(node)
                 depths.append(depth)
-                scores.append(score + float(logq[x]))
+                scores.append(score + math.log(max(float(q[x]), 1e-300)))  # cumulative draft log-probability
             return new
 
         newest = expand(-1, logits[-1], 1, 0.0)

@@ -285,7 +285,7 @@ def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[d
             if mode in ENGINE_MODES:
                 from polyspec.decode.generate import resolve_tree
 
-                tree = resolve_tree(s.tree or True, chain.tree) if mode.endswith("-tree") else False
+                tree = resolve_tree(s.tree or True, chain.tree_shape) if mode.endswith("-tree") else False
                 runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu, tree=tree)
                 continue
             if hf_model is None:

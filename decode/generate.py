@@ -33,7 +33,8 @@ class LoadedChain:
     draft_k: int = 4
     mu: tuple[int, ...] = (8,)
     mode: str = "ar"  # the manifest's chosen decode mode
-    tree: TreeParams | None = None  # the manifest's EAGLE-2 tree (None: linear drafts)
+    tree: TreeParams | None = None  # the manifest's EAGLE-2 tree when it is on (None: linear drafts)
+    tree_shape: TreeParams | None = None  # the manifest's tree shape, on or off (what --tree uses)
 
     def levels_for(self, mode: str) -> list[str]:
         """ar = the target; dual = target + the bottom level; chain = all levels."""
@@ -96,6 +97,7 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
         tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
         draft_k=manifest.decode.draft_k, mu=tuple(manifest.decode.mu), mode=manifest.decode.mode,
         tree=tree_params(manifest.decode.tree) if manifest.decode.tree.enabled else None,
+        tree_shape=tree_params(manifest.decode.tree),
     )
 
 
@@ -165,7 +167,7 @@ def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: i
     if tree is None:
         tree = chain.tree
     elif tree is True:
-        tree = chain.tree or TreeParams()
+        tree = chain.tree or chain.tree_shape or TreeParams()
     elif tree is False:
         tree = None
     return ChainDecoder(levels, draft_k=draft_k or chain.draft_k, mu=mu, max_seq_len=max_seq_len,

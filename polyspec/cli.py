@@ -188,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = generate_text(chain, args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                         chat=not args.raw, draft_k=args.draft_k, mu=args.mu,
-                        tree=resolve_tree(tree_choice(args), chain.tree))
+                        tree=resolve_tree(tree_choice(args), chain.tree_shape))
     if args.json:
         print(json.dumps(out))
     else:

@@ -109,3 +109,10 @@ def test_manifest_tree_is_the_default(tiny_chain, tmp_path, capsys):
     assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}
     code, cap = _gen(capsys, chain, "--mode", "dual", "--tree-tokens", "9")
     assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 9}
+    # a manifest whose tree is off still gives --tree its shape (the profile's candidate)
+    manifest["decode"]["tree"]["enabled"] = False
+    (chain / "manifest.json").write_text(json.dumps(manifest))
+    code, cap = _gen(capsys, chain, "--mode", "dual")
+    assert json.loads(cap.out)["stats"]["tree"] is None
+    code, cap = _gen(capsys, chain, "--mode", "dual", "--tree")
+    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}

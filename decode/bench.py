@@ -64,14 +64,15 @@ class EngineRunner:
     """ar / dual / chain through polyspec's ChainDecoder; the loaded models are shared by all engine modes."""
 
     def __init__(self, chain: Any, mode: str, *, draft_k: int | None = None, mu: list[int] | None = None,
-                 tree: Any = None):
+                 tree: Any = False):
+        """mode: ar, dual, chain, or dual-tree / chain-tree with ``tree`` (TreeParams, or True for the manifest's
+        shape)."""
         base = mode.removesuffix("-tree")
         try:
             chain.levels_for(base)
         except PolyspecError as exc:
             raise NotApplicable(str(exc)) from None
-        self.chain, self.mode, self.draft_k, self.mu = chain, base, draft_k, mu
-        self.tree = (tree if tree is not None else True) if mode.endswith("-tree") else False
+        self.chain, self.mode, self.draft_k, self.mu, self.tree = chain, base, draft_k, mu, tree
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
                  eos: set[int]) -> Generation:

@@ -103,6 +103,13 @@ class _Tree:
     proposals: dict[int, torch.Tensor]  # node -> the draft distribution [V] its children were drawn from
 
 
+def _ancestor_rows(mask: torch.Tensor, row: int, node: int, parents: list[int], col: dict[int, int]) -> None:
+    """Let mask[row] see ``node`` and every ancestor of it (column col[a] for tree node a; -1 is the root)."""
+    while node != -1:
+        mask[row, col[node]] = True
+        node = parents[node]
+
+
 @dataclass
 class LevelStats:
     """Per level. Verifiers: accept_lengths holds the tokens emitted per verification (accepted + correction/bonus);
@@ -413,11 +420,8 @@ class _Run:
                 break
             col = {n: c for c, n in enumerate(in_cache + frontier)}
             mask = torch.zeros(len(frontier), len(in_cache) + len(frontier), dtype=torch.bool)
-            for r, n in enumerate(frontier):
-                a = n
-                while a != -1:  # the node itself and its ancestors (all of them already in the cache)
-                    mask[r, col[a]] = True
-                    a = parents[a]
+            for r, n in enumerate(frontier):  # its ancestors are all in the cache already
+                _ancestor_rows(mask, r, n, parents, col)
             feats = None
             if level.needs_features:
                 feats = torch.stack([root_feature.to(logits.device) if parents[n] == -1 else hidden_of[parents[n]]
@@ -474,11 +478,9 @@ class _Run:
         mask = torch.zeros(n_lin + n_tree, n_lin + n_tree, dtype=torch.bool)
         mask[:n_lin, :n_lin] = torch.ones(n_lin, n_lin, dtype=torch.bool).tril()
         mask[n_lin:, :n_lin] = True
+        cols = {j: n_lin + j for j in range(n_tree)}
         for j in range(n_tree):
-            a = j
-            while a != -1:
-                mask[n_lin + j, n_lin + a] = True
-                a = tree.parents[a]
+            _ancestor_rows(mask, n_lin + j, j, tree.parents, cols)
         positions = list(range(start, len(ctx))) + [len(ctx) - 1 + d for d in tree.depths]
         logits, hidden = level.forward_tree(lin + tree.tokens, positions, mask)
         self.stats[i].forward_passes += 1
@@ -486,15 +488,15 @@ class _Run:
         self.has_hidden[i] += [False] * n_lin
         if hidden is not None and self._feeds(i):
             self._store_hidden(i, start, hidden[:n_lin])
-        p = warp(logits[n_lin - 1:], self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
-        self._check_vocab(p.shape[-1], i)  # p row 0: the root (last context token); row 1 + j: tree node j
-
+        self._check_vocab(logits.shape[-1], i)
+        # logits row n_lin - 1: the root (last context token); row n_lin + j: tree node j. Only the rows the walk
+        # visits are warped.
         out: list[int] = []
         rows: list[torch.Tensor] = []
         path: list[int] = []
         node = -1
         while True:
-            row = p[node + 1]
+            row = warp(logits[n_lin + node], self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
             rows.append(row)
             kids = tree.children.get(node, [])
             if not kids:

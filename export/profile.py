@@ -461,8 +461,8 @@ def profile_models(target: Any, int4: Any, head: Any, prompts: list[list[int]], 
         grid_runs.append(run([lv_t, lv_h], k, None, grid_set, f"grid dual k={k}"))
         for mu in mus:
             grid_runs.append(run([lv_t, lv_q, lv_h], k, mu, grid_set, f"grid chain k={k} mu={mu}"))
+    shape = f"tree {tree.top_k}x{tree.depth}/{tree.total_tokens}" if tree is not None else ""
     if tree is not None:
-        shape = f"tree {tree.top_k}x{tree.depth}/{tree.total_tokens}"
         grid_runs.append(run([lv_t, lv_h], tree.depth, None, grid_set, f"grid dual {shape}", tree))
         for mu in mus:
             grid_runs.append(run([lv_t, lv_q, lv_h], tree.depth, mu, grid_set, f"grid chain {shape} mu={mu}", tree))
@@ -485,8 +485,8 @@ def profile_models(target: Any, int4: Any, head: Any, prompts: list[list[int]], 
     k_chain = best_chain["draft_k"] if chosen["mode"] == "dual" else k_star
     # A row's tree (a dict) back to the TreeParams the runs are keyed by.
     t_dual, t_chain = (tree if r.get("tree") else None for r in (best_dual, best_chain))
-    tag_dual = f"tree {tree.top_k}x{tree.depth}/{tree.total_tokens}" if t_dual else f"k={best_dual['draft_k']}"
-    tag_chain = f"tree {tree.top_k}x{tree.depth}/{tree.total_tokens}" if t_chain else f"k={k_chain}"
+    tag_dual = shape if t_dual else f"k={best_dual['draft_k']}"
+    tag_chain = shape if t_chain else f"k={k_chain}"
 
     final = {
         "ar": run([lv_t], 1, None, prompts, "ar"),

@@ -191,6 +191,7 @@ class PieceDecoder:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix, self.read = 0, 0  # window start, and the end of what has been emitted
+        self.before = ""  # the window's text up to read (changes only when a piece is emitted)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -199,11 +200,11 @@ class PieceDecoder:
         pieces = []
         for t in token_ids:
             self.ids.append(int(t))
-            before = self._decode(self.ids[self.prefix:self.read])
             now = self._decode(self.ids[self.prefix:])
-            if len(now) > len(before) and not now.endswith("\ufffd"):
-                pieces.append(now[len(before):])
+            if len(now) > len(self.before) and not now.endswith("\ufffd"):
+                pieces.append(now[len(self.before):])
                 self.prefix, self.read = self.read, len(self.ids)
+                self.before = self._decode(self.ids[self.prefix:self.read])
             else:
                 pieces.append("")
         return pieces
@@ -213,8 +214,7 @@ class PieceDecoder:
         token's piece."""
         if self.read >= len(self.ids):
             return ""
-        before = self._decode(self.ids[self.prefix:self.read])
-        return self._decode(self.ids[self.prefix:])[len(before):]
+        return self._decode(self.ids[self.prefix:])[len(self.before):]
 
 
 def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[str]:

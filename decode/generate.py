@@ -6,7 +6,7 @@ Only chains that validate (schema and every sha256) are loaded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +101,11 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
     )
 
 
-def tree_params(cfg: Any = None, *, top_k: int | None = None, depth: int | None = None,
-                total_tokens: int | None = None) -> TreeParams:
-    """TreeParams from a recipe/manifest ``decode.tree`` section (or the defaults), with explicit overrides."""
-    base = TreeParams() if cfg is None else TreeParams(top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens)
-    tp = TreeParams(top_k=base.top_k if top_k is None else top_k, depth=base.depth if depth is None else depth,
-                    total_tokens=base.total_tokens if total_tokens is None else total_tokens)
+def tree_params(cfg: Any = None, **overrides: int | None) -> TreeParams:
+    """TreeParams from a recipe/manifest ``decode.tree`` section or a TreeParams (None: the defaults), with the
+    given top_k / depth / total_tokens overrides."""
+    tp = TreeParams() if cfg is None else TreeParams(top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens)
+    tp = replace(tp, **{k: v for k, v in overrides.items() if v is not None})
     tp.check()
     return tp
 

@@ -145,7 +145,7 @@ def verify_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int],
     matching: the candidate equal to argmax(p) is kept whenever it is present, else argmax(p) is returned.
     """
     r = p.detach().double().cpu()  # [V]
-    qq = q.detach().double().cpu().clone()  # [V]
+    qq = q.detach().to(device="cpu", dtype=torch.float64, copy=True)  # [V], modified below
     for j, x in enumerate(candidates):
         if float(uniform(generator)) * float(qq[x]) < float(r[x]):
             return j, int(x)

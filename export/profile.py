@@ -174,15 +174,19 @@ class RecordingLevel:
     def truncate(self, n: int) -> None:
         self.inner.truncate(n)
 
-    def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _timed(self, width: int, call: Any) -> Any:
+        """Run ``call()`` (one forward of ``width`` tokens) and record (width, seconds, prefill)."""
         _sync(self.device)
         t0 = time.perf_counter()
-        out = self.inner.forward(tokens, start_pos, features, last_only=last_only)
+        out = call()
         _sync(self.device)
-        self.calls.append((len(tokens), time.perf_counter() - t0, self._fresh))
+        self.calls.append((width, time.perf_counter() - t0, self._fresh))
         self._fresh = False
         return out
+
+    def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._timed(len(tokens), lambda: self.inner.forward(tokens, start_pos, features, last_only=last_only))
 
     def __getattr__(self, name: str) -> Any:
         # The tree methods exist only when the wrapped level has them (ChainDecoder checks with hasattr).
@@ -194,13 +198,7 @@ class RecordingLevel:
 
     def _forward_tree(self, tokens: list[int], positions: list[int], mask: torch.Tensor,
                       features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _sync(self.device)
-        t0 = time.perf_counter()
-        out = self.inner.forward_tree(tokens, positions, mask, features)
-        _sync(self.device)
-        self.calls.append((len(tokens), time.perf_counter() - t0, self._fresh))
-        self._fresh = False
-        return out
+        return self._timed(len(tokens), lambda: self.inner.forward_tree(tokens, positions, mask, features))
 
 
 @dataclass

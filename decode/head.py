@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyspec.decode.model import CachedDecoder, DecoderLayer, ModelArgs, rope_inv_freq
+from polyspec.decode.model import CachedDecoder, DecoderLayer, Linear, ModelArgs, rope_inv_freq
 from polyspec.errors import PolyspecError
 from polyspec.fsutil import atomic_folder
 
@@ -40,7 +40,7 @@ class EagleHead(CachedDecoder):
         if embed_tokens.embedding_dim != h:
             raise PolyspecError(f"the target's embedding width {embed_tokens.embedding_dim} != head hidden size {h}")
         self.args = args
-        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.fc = Linear(2 * h, h, bias=True)
         self.layer = DecoderLayer(args)
         # Shared with the target, frozen: registered so .to()/export see them, never saved with the head.
         self.embed_tokens = embed_tokens.requires_grad_(False)
@@ -138,7 +138,7 @@ def load_head(head_dir: str | Path, target: nn.Module) -> EagleHead:
     ref = target.embed_tokens.weight
     with torch.device("meta"):
         head = EagleHead(args, nn.Embedding(args.vocab_size, args.hidden_size),
-                         nn.Linear(args.hidden_size, args.vocab_size, bias=False))
+                         Linear(args.hidden_size, args.vocab_size, bias=False))
     state = load_file(str(weights_path))
     expected = set(head.trainable_state_dict())
     if set(state) != expected:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyspec.decode import cpu_linear
 from polyspec.errors import PolyspecError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm2")
@@ -207,6 +208,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state-dict names) whose inference forward takes the CPU streaming kernel
+    (:mod:`polyspec.decode.cpu_linear`) at decode/verify widths; everything else is ``F.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(x, self.weight, self.bias)
+
+
+cpu_linear.register_linear_class(Linear)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -238,19 +250,26 @@ class Attention(nn.Module):
         super().__init__()
         h, d = args.hidden_size, args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
-        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.has_o_bias)
+        self.q_proj = Linear(h, args.num_heads * d, bias=args.attention_bias)
+        self.k_proj = Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.v_proj = Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.o_proj = Linear(args.num_heads * d, h, bias=args.has_o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: StaticKVCache | None, layer_idx: int, start: int) -> torch.Tensor:
         """x [B, T, H]; cos/sin [T, D]; mask bool [T, start + T] (None: see everything held) -> [B, T, H]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, D]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = cpu_linear.fused_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # [B, T, (h + 2 kv) D]
+        if qkv is not None:  # one kernel call for q, k, v; one RoPE call for q and k
+            qk = apply_rope(qkv[..., :(h + kv) * d].view(b, t, h + kv, d).transpose(1, 2), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]  # [B, h, T, D], [B, kv, T, D]
+            v = qkv[..., (h + kv) * d:].view(b, t, kv, d).transpose(1, 2)
+        else:
+            q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)  # [B, h, T, D]
+            k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, kv, T, D]
+            v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, kv, T, D]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             end = start + t
             cache.k[layer_idx][:, :, start:end] = k
@@ -265,12 +284,17 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
+        self.gate_proj = Linear(h, i, bias=args.mlp_bias)
+        self.up_proj = Linear(h, i, bias=args.mlp_bias)
+        self.down_proj = Linear(i, h, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = cpu_linear.fused_linears(x, [self.gate_proj, self.up_proj])  # [..., 2 I]: one kernel call
+        if gate_up is not None:
+            gate, up = gate_up.split(self.gate_proj.weight.shape[0], dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -436,7 +460,7 @@ class Transformer(CachedDecoder):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)

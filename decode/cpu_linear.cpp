@@ -1,0 +1,168 @@
+// polyspec CPU fast path: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for the few rows a decode or verify step has.
+//
+// Why: at batch 1 a decoder step is bound by how fast the weights stream from memory. torch's fp32 CPU GEMM runs a
+// single-threaded GEMV at M = 1 (~10 GB/s on our 2-core machine, where a plain reduction reads 30+ GB/s) and a
+// packing GEMM above it, which re-reads the weights. This kernel walks the weight rows in memory order, one
+// contiguous slice of rows per OpenMP thread (the runtime torch itself uses), and takes each row against every input
+// row while it is in L1 (groups of up to 8 input rows in vector registers). Up to three weights can be computed side
+// by side in one call (q/k/v, gate/up).
+//
+// Batch invariance: output (m, n) is the same sequence of fused multiply-adds whatever M is (two 16-lane accumulators
+// over k = 0, 32, ... and k = 16, 48, ..., an odd 16-wide step into the first, their sum, a fixed-order lane sum, the
+// K % 16 tail, then the bias), so a token's logits do not depend on how many tokens share its forward. Built by
+// polyspec/decode/cpu_linear.py with -O3 -march=native; plain C ABI, called through ctypes with torch tensors' data
+// pointers. Weights: fp32, or bf16 (uint16 bits, widened to fp32 by a 16-bit shift). Inputs, biases and outputs are
+// fp32 (the caller widens a bf16 input and rounds the output).
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline v16f load_f32(const float* p) {
+    v16f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline v16f load_bf16(const uint16_t* p) {
+    v16h h;
+    memcpy(&h, p, sizeof(h));
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f v;
+    memcpy(&v, &u, sizeof(v));
+    return v;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+static inline float lane_sum(v16f v) {  // fixed pairwise order: halves, quarters, ...
+    v8f h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    float a = q[0] + q[2], b = q[1] + q[3];
+    return a + b;
+}
+
+template <typename W>
+static inline v16f load_w(const W* p);
+template <>
+inline v16f load_w<float>(const float* p) { return load_f32(p); }
+template <>
+inline v16f load_w<uint16_t>(const uint16_t* p) { return load_bf16(p); }
+
+static inline float w_scalar(const float* p) { return *p; }
+static inline float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
+
+// One weight row against G input rows: two accumulators per input row (k = 0, 32, ... and k = 16, 48, ...), an odd
+// 16-wide step into the first, their sum, a fixed-order lane sum, then the K % 16 tail. out[g] for g < G.
+template <typename W, int G>
+static inline void row_dots(const float* x, const W* row, int64_t K, float* out) {
+    v16f a0[G], a1[G];
+    for (int g = 0; g < G; g++) a0[g] = a1[g] = (v16f){0};
+    const int64_t k32 = K - K % 32, k16 = K - K % 16;
+    for (int64_t k = 0; k < k32; k += 32) {
+        const v16f w0 = load_w<W>(row + k), w1 = load_w<W>(row + k + 16);
+        for (int g = 0; g < G; g++) {
+            a0[g] += w0 * load_f32(x + g * K + k);
+            a1[g] += w1 * load_f32(x + g * K + k + 16);
+        }
+    }
+    if (k16 > k32) {
+        const v16f w0 = load_w<W>(row + k32);
+        for (int g = 0; g < G; g++) a0[g] += w0 * load_f32(x + g * K + k32);
+    }
+    for (int g = 0; g < G; g++) {
+        float s = lane_sum(a0[g] + a1[g]);
+        for (int64_t k = k16; k < K; k++) s += w_scalar(row + k) * x[g * K + k];
+        out[g] = s;
+    }
+}
+
+// Rows n_begin..n_end-1 of w, in memory order, each against all M input rows (groups of up to 8, so the row is read
+// from memory once and from L1 for the later groups).
+template <typename W>
+static void rows(const float* x, const W* w, const float* bias, int64_t M, int64_t K, int64_t N, int64_t n_begin,
+                 int64_t n_end, float* y) {
+    float out[8];
+    for (int64_t n = n_begin; n < n_end; n++) {
+        const W* row = w + n * K;
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const float* xm = x + m0 * K;
+            const int64_t g = M - m0 >= 8 ? 8 : M - m0;
+            switch (g) {
+                case 1: row_dots<W, 1>(xm, row, K, out); break;
+                case 2: row_dots<W, 2>(xm, row, K, out); break;
+                case 3: row_dots<W, 3>(xm, row, K, out); break;
+                case 4: row_dots<W, 4>(xm, row, K, out); break;
+                case 5: row_dots<W, 5>(xm, row, K, out); break;
+                case 6: row_dots<W, 6>(xm, row, K, out); break;
+                case 7: row_dots<W, 7>(xm, row, K, out); break;
+                default: row_dots<W, 8>(xm, row, K, out); break;
+            }
+            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
+        }
+    }
+}
+
+// Up to three weights side by side, y = [x w0^T | x w1^T | x w2^T] (+ biases), [M, n0 + n1 + n2] (q/k/v or gate/up in
+// one call). The concatenated rows are cut into one contiguous slice per thread, at multiples of 16 rows.
+template <typename W>
+static void run3(const float* x, const W* w0, const W* w1, const W* w2, const float* b0, const float* b1,
+                 const float* b2, int64_t n0, int64_t n1, int64_t n2, int64_t M, int64_t K, float* y, int threads) {
+    const int64_t N = n0 + n1 + n2;
+    if (threads < 1) threads = 1;
+    if (N * M < 64 * threads) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int64_t per = ((N + nt - 1) / nt + 15) / 16 * 16;
+        const int64_t b = t * per, e = b + per < N ? b + per : N;
+        const W* ws[3] = {w0, w1, w2};
+        const float* bs[3] = {b0, b1, b2};
+        const int64_t ns[3] = {n0, n1, n2};
+        int64_t off = 0;
+        for (int s = 0; s < 3; s++) {
+            const int64_t lo = b > off ? b - off : 0, hi = (e < off + ns[s] ? e : off + ns[s]) - off;
+            if (lo < hi) rows<W>(x, ws[s], bs[s], M, K, N, lo, hi, y + off);
+            off += ns[s];
+        }
+    }
+}
+
+extern "C" {
+
+int polyspec_linear_abi(void) { return 2; }
+
+// fp32 weights, input, biases (NULL: none) and output.
+void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, const float* w2, const float* b0,
+                          const float* b1, const float* b2, int64_t n0, int64_t n1, int64_t n2, int64_t M, int64_t K,
+                          float* y, int threads) {
+    run3<float>(x, w0, w1, w2, b0, b1, b2, n0, n1, n2, M, K, y, threads);
+}
+
+// bf16 weights (their uint16 bits); fp32 input, biases and output: the caller widens the tiny [M, K] input and
+// rounds y.
+void polyspec_linear3_bf16w(const float* x, const uint16_t* w0, const uint16_t* w1, const uint16_t* w2,
+                            const float* b0, const float* b1, const float* b2, int64_t n0, int64_t n1, int64_t n2,
+                            int64_t M, int64_t K, float* y, int threads) {
+    run3<uint16_t>(x, w0, w1, w2, b0, b1, b2, n0, n1, n2, M, K, y, threads);
+}
+}

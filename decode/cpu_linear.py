@@ -1,0 +1,229 @@
+"""CPU fast path for the decoder's linear layers at decode/verify widths, beside the pure-torch ``F.linear``.
+
+At batch 1 a decode step streams every weight once, so its speed is memory bandwidth. torch's fp32 CPU GEMM runs a
+single-threaded GEMV at one row (~10 GB/s on a 2-core EPYC that reads 30+ GB/s) and a packing GEMM for a few rows
+(re-reading the weights). ``cpu_linear.cpp`` streams each weight row once for all rows of the input, on torch's OpenMP
+threads. The same source handles fp32 weights and bf16 weights (fp32 accumulation; bf16 output rounded by torch).
+
+The kernel is batch-invariant: a row's output is bitwise the same whether it is computed alone or with up to
+:data:`MAX_ROWS` - 1 others, so a verification over k + 1 positions gives each position exactly the logits a decode
+step gives it. That keeps speculative decoding bitwise equal to ``ar`` in bf16 too (with torch's kernels the rounding
+depended on the width of the forward).
+
+Build: the first call compiles ``cpu_linear.cpp`` with the system C++ compiler (``g++ -O3 -march=native -fopenmp``,
+about 2 s) into ``$POLYSPEC_KERNEL_CACHE`` (default ``~/.cache/polyspec/kernels``), keyed by the source, the compiler
+and this CPU's flags, written under a temporary name and renamed. No compiler, a failed build, or
+``POLYSPEC_CPU_KERNELS=0`` -> every call takes ``F.linear`` (one note on stderr for a failed build). The library links
+``libgomp.so.1``, the OpenMP runtime torch's CPU wheel already loaded, so both share one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_ABI = 2
+MAX_ROWS = 16  # wider inputs (prefill) go to torch's GEMM, which is faster there
+_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_failure: str | None = None
+
+
+def _env_enabled() -> bool:
+    return os.environ.get("POLYSPEC_CPU_KERNELS", "1").strip().lower() not in {"0", "false", "off", "no"}
+
+
+_enabled = _env_enabled()
+
+
+def enabled() -> bool:
+    """Whether the fast path is on: ``POLYSPEC_CPU_KERNELS`` (read at import; 0/false/off/no turns it off), or the
+    last :func:`set_enabled`."""
+    return _enabled
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the fast path on or off for this process; returns the previous setting."""
+    global _enabled
+    old, _enabled = _enabled, bool(flag)
+    return old
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("POLYSPEC_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "polyspec" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _compiler_id(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return cxx
+
+
+def library_path() -> Path | None:
+    """Where the compiled library for this source, compiler and CPU lives (None without a compiler)."""
+    cxx = _compiler()
+    if cxx is None:
+        return None
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), _compiler_id(cxx).encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / f"polyspec_linear_{key.hexdigest()[:16]}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel library if it is not cached (atomically); return its path. Raises RuntimeError."""
+    path = library_path()
+    if path is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    if path.exists() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([_compiler(), *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried, _failure
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            lib = ctypes.CDLL(str(build()))
+            if lib.polyspec_linear_abi() != _ABI:
+                raise RuntimeError("the cached library has another ABI version")
+            argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int]
+            for fn in (lib.polyspec_linear3_f32, lib.polyspec_linear3_bf16w):
+                fn.argtypes, fn.restype = argtypes, None
+            _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _failure = str(e)
+            print(f"polyspec: the CPU linear kernel is unavailable, using torch's F.linear ({e})", file=sys.stderr)
+        _tried = True
+    return _lib
+
+
+def available() -> bool:
+    """True when the kernel library is (or can be) built and loaded and the fast path is enabled."""
+    return _enabled and _load() is not None
+
+
+def failure() -> str | None:
+    """Why the last load failed (None if it did not, or was not tried)."""
+    return _failure
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`kernel_linear` takes this call: CPU tensors, both fp32 or both bf16, at most MAX_ROWS input
+    rows, a contiguous 2-D weight, no autograd graph to build, and no tracer or compiler watching."""
+    if not (x.is_cpu and weight.is_cpu) or weight.dim() != 2 or not weight.is_contiguous():
+        return False
+    if x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    k = weight.shape[1]
+    if x.shape[-1] != k or x.numel() == 0 or x.numel() > MAX_ROWS * k:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():  # ONNX export, torch.compile: stay traceable
+        return False
+    return True
+
+
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  *more: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """The kernel's ``F.linear(x, weight, bias)``; with ``more`` (up to two further (weight, bias) pairs of the same
+    in_features and dtype) the outputs side by side, ``torch.cat([F.linear(x, w, b) for ...], -1)``, in one call.
+    The caller checked :func:`supports` (for every weight) and :func:`available`. Output dtype is x's (bf16 weights:
+    fp32 accumulation, rounded to bf16 once)."""
+    pairs = ((weight, bias), *more)
+    if len(pairs) > 3:
+        raise ValueError("kernel_linear takes at most three weights")
+    k = weight.shape[1]
+    fp32 = x.dtype == torch.float32
+    xf = x.contiguous() if fp32 else x.float().contiguous()
+    ws, bs, ns = [0, 0, 0], [None, None, None], [0, 0, 0]
+    keep = []  # converted biases must outlive the call
+    for i, (w, b) in enumerate(pairs):
+        ws[i], ns[i] = w.data_ptr(), w.shape[0]
+        if b is not None:
+            b = b.float().contiguous()
+            keep.append(b)
+            bs[i] = b.data_ptr()
+    y = torch.empty((*x.shape[:-1], ns[0] + ns[1] + ns[2]), dtype=torch.float32)
+    fn = _lib.polyspec_linear3_f32 if fp32 else _lib.polyspec_linear3_bf16w
+    fn(xf.data_ptr(), *ws, *bs, *ns, xf.numel() // k, k, y.data_ptr(), torch.get_num_threads())
+    return y if fp32 else y.to(x.dtype)
+
+
+def fused_linears(x: torch.Tensor, linears: list[torch.nn.Module]) -> torch.Tensor | None:
+    """``torch.cat([lin(x) for lin in linears], -1)`` (two or three model.Linear layers of the same in_features and
+    dtype) from one kernel call, or None when the fast path does not take them (then call the layers)."""
+    if not (_enabled and (_lib is not None or not _tried)):
+        return None
+    for lin in linears:
+        if type(lin).forward is not _linear_forward or not supports(x, lin.weight):
+            return None
+    if _load() is None:
+        return None
+    return kernel_linear(x, linears[0].weight, linears[0].bias, *((lin.weight, lin.bias) for lin in linears[1:]))
+
+
+_linear_forward = None  # model.Linear.forward, registered by model.py (only those layers are known to be plain)
+
+
+def register_linear_class(cls: type) -> None:
+    """Declare ``cls`` (decode.model.Linear) as the layer class :func:`fused_linears` may take over."""
+    global _linear_forward
+    _linear_forward = cls.forward
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with the CPU kernel where it applies (see :func:`supports`)."""
+    if _enabled and (_lib is not None or not _tried) and supports(x, weight) and _load() is not None:
+        return kernel_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyspec.decode import cpu_linear
+from polyspec.decode import cpu_kernels
 from polyspec.errors import PolyspecError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm2")
@@ -210,13 +210,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state-dict names) whose inference forward takes the CPU streaming kernel
-    (:mod:`polyspec.decode.cpu_linear`) at decode/verify widths; everything else is ``F.linear``."""
+    (:mod:`polyspec.decode.cpu_kernels`) at decode/verify widths; everything else is ``F.linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, self.weight, self.bias)
+        return cpu_kernels.linear(x, self.weight, self.bias)
 
 
-cpu_linear.register_linear_class(Linear)
+cpu_kernels.register_linear_class(Linear)
 
 
 class RMSNorm(nn.Module):
@@ -260,7 +260,7 @@ class Attention(nn.Module):
         """x [B, T, H]; cos/sin [T, D]; mask bool [T, start + T] (None: see everything held) -> [B, T, H]."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = cpu_linear.fused_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # [B, T, (h + 2 kv) D]
+        qkv = cpu_kernels.fused_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # [B, T, (h + 2 kv) D]
         if qkv is not None:  # one kernel call for q, k, v; one RoPE call for q and k
             qk = apply_rope(qkv[..., :(h + kv) * d].view(b, t, h + kv, d).transpose(1, 2), cos, sin)
             q, k = qk[:, :h], qk[:, h:]  # [B, h, T, D], [B, kv, T, D]
@@ -289,7 +289,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = cpu_linear.fused_linears(x, [self.gate_proj, self.up_proj])  # [..., 2 I]: one kernel call
+        gate_up = cpu_kernels.fused_linears(x, [self.gate_proj, self.up_proj])  # [..., 2 I]: one kernel call
         if gate_up is not None:
             gate, up = gate_up.split(self.gate_proj.weight.shape[0], dim=-1)
         else:
@@ -311,6 +311,10 @@ class DecoderLayer(nn.Module):
                 cache: StaticKVCache | None, layer_idx: int, start: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer_idx, start)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_cpu_plan", None)  # the CPU kernel's cached weight pointers (cpu_kernels.LayerPlan)
+        return super()._apply(fn, recurse)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -439,8 +443,13 @@ class CachedDecoder(nn.Module):
         positions = self._positions(t, start, position_offsets, x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
         mask = block_mask(start, t, tree_mask, x.device)
+        fast = cpu_kernels.block_supported(x, cos, cache, mask)  # whole layers in one CPU kernel call each
         for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, mask, cache, i, start)
+            plan = cpu_kernels.layer_plan(layer) if fast else None
+            if plan is not None:
+                x = cpu_kernels.decoder_layer(plan, x, cos, sin, mask, cache, i, start)
+            else:
+                x = layer(x, cos, sin, mask, cache, i, start)
         if cache is not None:
             cache.length = start + t
         return x

@@ -15,9 +15,15 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_VOCAB = 512  # the tiny tokenizers in tests/assets/tokenizers/* have exactly this many tokens
 
 
+@pytest.fixture(scope="session")
+def _kernel_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture(autouse=True)
-def _offline_env(monkeypatch, tmp_path):
+def _offline_env(monkeypatch, tmp_path, _kernel_cache):
     """Tests never reach the hub and never write to the user's caches."""
+    monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(_kernel_cache))  # the CPU kernel library, built once a session
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))

@@ -2,7 +2,7 @@
 
 At batch 1 a decode step streams every weight once, so its speed is memory bandwidth. torch's fp32 CPU GEMM runs a
 single-threaded GEMV at one row (~10 GB/s on a 2-core EPYC that reads 30+ GB/s) and a packing GEMM for a few rows
-(re-reading the weights). ``cpu_linear.cpp`` streams each weight row once for all rows of the input, on torch's OpenMP
+(re-reading the weights). ``cpu_kernels.cpp`` streams each weight row once for all rows of the input, on torch's OpenMP
 threads. The same source handles fp32 weights and bf16 weights (fp32 accumulation; bf16 output rounded by torch).
 
 The kernel is batch-invariant: a row's output is bitwise the same whether it is computed alone or with up to
@@ -10,7 +10,7 @@ The kernel is batch-invariant: a row's output is bitwise the same whether it is 
 step gives it. That keeps speculative decoding bitwise equal to ``ar`` in bf16 too (with torch's kernels the rounding
 depended on the width of the forward).
 
-Build: the first call compiles ``cpu_linear.cpp`` with the system C++ compiler (``g++ -O3 -march=native -fopenmp``,
+Build: the first call compiles ``cpu_kernels.cpp`` with the system C++ compiler (``g++ -O3 -march=native -fopenmp``,
 about 2 s) into ``$POLYSPEC_KERNEL_CACHE`` (default ``~/.cache/polyspec/kernels``), keyed by the source, the compiler
 and this CPU's flags, written under a temporary name and renamed. No compiler, a failed build, or
 ``POLYSPEC_CPU_KERNELS=0`` -> every call takes ``F.linear`` (one note on stderr for a failed build). The library links
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_ABI = 2
+_ABI = 3
 MAX_ROWS = 16  # wider inputs (prefill) go to torch's GEMM, which is faster there
-_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 _lock = threading.Lock()
@@ -139,6 +139,10 @@ def _load() -> ctypes.CDLL | None:
             argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int]
             for fn in (lib.polyspec_linear3_f32, lib.polyspec_linear3_bf16w):
                 fn.argtypes, fn.restype = argtypes, None
+            lib.polyspec_layer_f32.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
+                                               + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
+                                               + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
+            lib.polyspec_layer_f32.restype = ctypes.c_int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _failure = str(e)
@@ -227,3 +231,100 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _enabled and (_lib is not None or not _tried) and supports(x, weight) and _load() is not None:
         return kernel_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A whole decoder layer in one call (fp32)
+# ---------------------------------------------------------------------------------------------------------------
+
+_PTRS = ctypes.c_void_p * 16
+
+
+class LayerPlan:
+    """What :func:`decoder_layer` needs of one model.DecoderLayer: the 16 data pointers (7 weights, 7 biases or
+    NULL, 2 norm weights), the sizes, and references to those tensors (so their memory outlives the plan). Built
+    once per layer by :func:`layer_plan`; DecoderLayer drops it whenever ``Module._apply`` runs (``.to()``,
+    ``.float()``, ...). In-place weight updates keep it valid; rebinding a parameter's ``.data`` does not (call
+    :func:`drop_plans` after doing that)."""
+
+    __slots__ = ("ptrs", "eps", "heads", "kv_heads", "head_dim", "intermediate", "tensors")
+
+    def __init__(self, layer: torch.nn.Module):
+        att, mlp = layer.self_attn, layer.mlp
+        lins = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        self.tensors = tuple(t.detach() for t in (*(lin.weight for lin in lins), *norms))
+        biases = tuple(None if lin.bias is None else lin.bias.detach() for lin in lins)
+        self.tensors += tuple(b for b in biases if b is not None)
+        self.ptrs = _PTRS(*(lin.weight.data_ptr() for lin in lins), *(None if b is None else b.data_ptr() for b in biases),
+                          *(w.data_ptr() for w in norms))
+        self.eps = float(layer.input_layernorm.eps)
+        self.heads, self.kv_heads, self.head_dim = att.num_heads, att.num_kv_heads, att.head_dim
+        self.intermediate = mlp.gate_proj.weight.shape[0]
+
+    def __deepcopy__(self, memo):  # a copied layer has copied tensors: it builds its own plan
+        return None
+
+    def __reduce__(self):  # pickled / copied modules carry no plan (and ctypes pointers do not pickle)
+        return (type(None), ())
+
+
+def _plan_ok(layer: torch.nn.Module) -> bool:
+    att, mlp = layer.self_attn, layer.mlp
+    lins = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(type(lin).forward is not _linear_forward for lin in lins) or att.head_dim % 2:
+        return False
+    tensors = [lin.weight for lin in lins] + [lin.bias for lin in lins if lin.bias is not None]
+    tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+        return False
+    return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+
+
+def layer_plan(layer: torch.nn.Module) -> LayerPlan | None:
+    """The layer's cached :class:`LayerPlan`, built on first use; None when the layer is not one the kernel runs
+    (an Int4Linear projection, other dtypes, ...)."""
+    plan = layer.__dict__.get("_cpu_plan")
+    if plan is None:
+        plan = LayerPlan(layer) if _plan_ok(layer) else False
+        layer.__dict__["_cpu_plan"] = plan
+    return plan or None
+
+
+def drop_plans(module: torch.nn.Module) -> None:
+    """Forget every cached LayerPlan under ``module``."""
+    for sub in module.modules():
+        sub.__dict__.pop("_cpu_plan", None)
+
+
+def block_supported(x: torch.Tensor, cos: torch.Tensor, cache, mask: torch.Tensor | None) -> bool:
+    """Whether a block of layers may run through :func:`decoder_layer` (each layer also needs a plan): fp32 input
+    [1, T <= MAX_ROWS, H] on the CPU, fp32 cos/sin, a batch-1 fp32 KV cache, a bool mask or none, no autograd, no
+    tracer or compiler, the library loaded."""
+    if not _enabled or (_tried and _lib is None) or cache is None:
+        return False
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 3 or x.shape[0] != 1 or not 0 < x.shape[1] <= MAX_ROWS:
+        return False
+    if cache.batch_size != 1 or cache.k[0].dtype != torch.float32 or not cache.k[0].is_cpu:
+        return False
+    if cos.dtype != torch.float32 or (mask is not None and mask.dtype != torch.bool):
+        return False
+    if torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return False
+    return _load() is not None
+
+
+def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  mask: torch.Tensor | None, cache, layer_idx: int, start: int) -> torch.Tensor:
+    """model.DecoderLayer.forward in one kernel call (the caller checked :func:`block_supported` and has the layer's
+    plan): returns the new residual stream [1, T, H] and writes the layer's K/V for positions start .. start + T - 1
+    into the cache."""
+    out = x.contiguous().clone()
+    k, v = cache.k[layer_idx], cache.v[layer_idx]
+    rc = _lib.polyspec_layer_f32(out.data_ptr(), plan.ptrs, plan.eps, out.shape[1], out.shape[2], plan.heads,
+                                 plan.kv_heads, plan.head_dim, plan.intermediate, cos.contiguous().data_ptr(),
+                                 sin.contiguous().data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start,
+                                 None if mask is None else mask.contiguous().data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"decoder_layer: the kernel refused the shapes (code {rc})")
+    return out

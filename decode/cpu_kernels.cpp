@@ -10,11 +10,14 @@
 // Batch invariance: output (m, n) is the same sequence of fused multiply-adds whatever M is (two 16-lane accumulators
 // over k = 0, 32, ... and k = 16, 48, ..., an odd 16-wide step into the first, their sum, a fixed-order lane sum, the
 // K % 16 tail, then the bias), so a token's logits do not depend on how many tokens share its forward. Built by
-// polyspec/decode/cpu_linear.py with -O3 -march=native; plain C ABI, called through ctypes with torch tensors' data
+// polyspec/decode/cpu_kernels.py with -O3 -march=native; plain C ABI, called through ctypes with torch tensors' data
 // pointers. Weights: fp32, or bf16 (uint16 bits, widened to fp32 by a 16-bit shift). Inputs, biases and outputs are
 // fp32 (the caller widens a bf16 input and rounds the output).
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -147,9 +150,128 @@ static void run3(const float* x, const W* w0, const W* w1, const W* w2, const fl
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// One whole pre-norm Llama decoder layer for a few positions of one sequence (fp32 activations, weights and cache),
+// so a decode step makes one call per layer instead of ~35 torch ops. The same maths as decode/model.py's
+// DecoderLayer (parity-tested there): x += o(attn(rope(q), rope(k), v)) of rmsnorm(x); x += down(silu(gate) * up)
+// of rmsnorm(x). Every row's arithmetic is independent of T (batch-invariant, like the linears).
+// ---------------------------------------------------------------------------------------------------------------
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+    const int64_t n16 = n - n % 16;
+    v16f acc = (v16f){0};
+    for (int64_t i = 0; i < n16; i += 16) acc += load_f32(a + i) * load_f32(b + i);
+    float s = lane_sum(acc);
+    for (int64_t i = n16; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+// y[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)), the sum of squares in double (fixed order).
+static void rmsnorm(const float* x, const float* w, float eps, int64_t T, int64_t H, float* y) {
+    for (int64_t t = 0; t < T; t++) {
+        const float* xr = x + t * H;
+        double ss = 0.0;
+        for (int64_t h = 0; h < H; h++) ss += (double)xr[h] * xr[h];
+        const float r = 1.0f / sqrtf((float)(ss / (double)H) + eps);
+        for (int64_t h = 0; h < H; h++) y[t * H + h] = w[h] * (xr[h] * r);
+    }
+}
+
+// In place on heads [T, nheads, D] (row stride ld): v * cos + rotate_half(v) * sin, cos/sin [T, D].
+static void rope(float* v, int64_t ld, const float* cos_, const float* sin_, int64_t T, int64_t nheads, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < nheads; h++) {
+            float* p = v + t * ld + h * D;
+            const float* c = cos_ + t * D;
+            const float* s = sin_ + t * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = p[i], b = p[i + half];
+                p[i] = a * c[i] - b * s[i];
+                p[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+}
+
+struct LayerWeights {  // pointers in this order from Python: 7 weights, 7 biases (NULL = none), 2 norm weights
+    const float *wq, *wk, *wv, *wo, *wg, *wu, *wd;
+    const float *bq, *bk, *bv, *bo, *bg, *bu, *bd;
+    const float *in_norm, *post_norm;
+};
+
+extern "C" int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh,
+                                  int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_,
+                                  float* kcache, float* vcache, int64_t S, int64_t start, const uint8_t* mask,
+                                  int threads) {
+    LayerWeights w;
+    memcpy(&w, ptrs, sizeof(w));
+    const int64_t L = start + T, nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk;
+    if (L > S || nh % nkv != 0 || D % 2 != 0) return 1;
+    std::vector<float> xn(T * H), qkv(T * nqkv), att(T * nq), o(T * H), gu(T * 2 * I), act(T * I);
+
+    rmsnorm(x, w.in_norm, eps, T, H, xn.data());
+    run3<float>(xn.data(), w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, nq, nk, nk, T, H, qkv.data(), threads);
+    rope(qkv.data(), nqkv, cos_, sin_, T, nh + nkv, D);  // q heads then k heads, side by side in each row
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < nkv; g++) {
+            memcpy(kcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + g * D, D * sizeof(float));
+            memcpy(vcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + nk + g * D, D * sizeof(float));
+        }
+
+    // Attention: softmax(q k^T / sqrt(D)) v over the visible keys (mask [T, L] bool, NULL = all), per (head, row).
+    const float scale = 1.0f / sqrtf((float)D);
+    const int64_t group = nh / nkv, items = nh * T;
+    const int at = items >= 2 && threads > 1 ? threads : 1;
+#pragma omp parallel num_threads(at) if (at > 1)
+    {
+        std::vector<float> sc(L);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t h = it / T, t = it % T, g = h / group;
+            const float* q = qkv.data() + t * nqkv + h * D;
+            const float* kc = kcache + g * S * D;
+            const float* vc = vcache + g * S * D;
+            const uint8_t* mr = mask ? mask + t * L : nullptr;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < L; j++) {
+                if (mr && !mr[j]) continue;
+                sc[j] = dot(q, kc + j * D, D) * scale;
+                mx = sc[j] > mx ? sc[j] : mx;
+            }
+            float den = 0.0f;
+            for (int64_t j = 0; j < L; j++) {
+                if (mr && !mr[j]) continue;
+                sc[j] = expf(sc[j] - mx);
+                den += sc[j];
+            }
+            float* out = att.data() + t * nq + h * D;
+            for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+            for (int64_t j = 0; j < L; j++) {
+                if (mr && !mr[j]) continue;
+                const float pj = sc[j] / den;
+                const float* vr = vc + j * D;
+                for (int64_t d = 0; d < D; d++) out[d] += pj * vr[d];
+            }
+        }
+    }
+
+    run3<float>(att.data(), w.wo, nullptr, nullptr, w.bo, nullptr, nullptr, H, 0, 0, T, nq, o.data(), threads);
+    for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+    rmsnorm(x, w.post_norm, eps, T, H, xn.data());
+    run3<float>(xn.data(), w.wg, w.wu, nullptr, w.bg, w.bu, nullptr, I, I, 0, T, H, gu.data(), threads);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gu[t * 2 * I + i], u = gu[t * 2 * I + I + i];
+            act[t * I + i] = g / (1.0f + expf(-g)) * u;
+        }
+    run3<float>(act.data(), w.wd, nullptr, nullptr, w.bd, nullptr, nullptr, H, 0, 0, T, I, o.data(), threads);
+    for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+    return 0;
+}
+
 extern "C" {
 
-int polyspec_linear_abi(void) { return 2; }
+int polyspec_linear_abi(void) { return 3; }
 
 // fp32 weights, input, biases (NULL: none) and output.
 void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, const float* w2, const float* b0,

@@ -1,0 +1,193 @@
+"""polyspec.decode.cpu_kernels: the CPU fast path (streaming linear kernel, whole decoder layers) against the
+pure-torch path it sits beside: parity, batch invariance, fallbacks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_llama
+
+from polyspec.decode import cpu_kernels as ck
+from polyspec.decode.model import Transformer
+
+pytestmark = pytest.mark.skipif(not ck.available(), reason=f"no CPU kernel library: {ck.failure()}")
+
+
+@pytest.fixture
+def torch_path():
+    """Run the body with the fast path off; restore afterwards."""
+    old = ck.set_enabled(False)
+    yield
+    ck.set_enabled(old)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("k", [576, 100, 577, 48, 1536])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_f_linear_and_is_batch_invariant(k, dtype):
+    n = 301  # not a multiple of the 16-row thread slices
+    g = _gen(k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    for m in (1, 2, 3, 5, 8, 9, 16):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        with torch.inference_mode():
+            got = ck.kernel_linear(x, w, b)
+            assert got.dtype == dtype and got.shape == (m, n)
+            ref = F.linear(x.double(), w.double(), b.double())
+            tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the fp32 result
+            assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < tol, (m, k)
+            # a row's result does not depend on the rows computed with it (bitwise)
+            for i in range(m):
+                assert torch.equal(ck.kernel_linear(x[i:i + 1], w, b)[0], got[i]), (m, i)
+
+
+def test_three_weights_in_one_call_equal_three_calls():
+    g = _gen(3)
+    ws = [torch.randn(n, 64, generator=g) for n in (96, 32, 32)]
+    bs = [torch.randn(96, generator=g), None, torch.randn(32, generator=g)]
+    x = torch.randn(1, 4, 64, generator=g)
+    with torch.inference_mode():
+        fused = ck.kernel_linear(x, ws[0], bs[0], (ws[1], bs[1]), (ws[2], bs[2]))
+        apart = torch.cat([ck.kernel_linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)
+    assert fused.shape == (1, 4, 160) and torch.equal(fused, apart)
+
+
+def test_linear_falls_back_where_the_kernel_does_not_apply():
+    g = _gen(4)
+    w = torch.randn(40, 32, generator=g, requires_grad=True)
+    x = torch.randn(3, 32, generator=g)
+    # autograd: the kernel has no backward, so F.linear runs and gradients flow
+    y = ck.linear(x, w)
+    y.sum().backward()
+    assert w.grad is not None and torch.allclose(w.grad, x.sum(0).expand(40, 32))
+    with torch.inference_mode():
+        wide = torch.randn(ck.MAX_ROWS + 1, 32, generator=g)  # prefill widths: torch's GEMM
+        assert not ck.supports(wide, w.detach())
+        assert torch.equal(ck.linear(wide, w.detach()), F.linear(wide, w.detach()))
+        assert not ck.supports(x.double(), w.detach().double())  # other dtypes
+        assert not ck.supports(x.bfloat16(), w.detach())  # mixed dtypes
+        assert ck.supports(x, w.detach())
+        old = ck.set_enabled(False)
+        try:
+            assert ck.fused_linears(x, [torch.nn.Linear(32, 8)]) is None
+        finally:
+            ck.set_enabled(old)
+
+
+def test_a_failed_build_leaves_torch_in_charge(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(ck, "_lib", None)
+    monkeypatch.setattr(ck, "_tried", False)
+    monkeypatch.setattr(ck, "_failure", None)
+    monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(tmp_path / "fresh"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    with torch.inference_mode():
+        assert torch.equal(ck.linear(x, w), F.linear(x, w))
+    assert not ck.available() and ck.failure()
+    assert "using torch's F.linear" in capsys.readouterr().err
+    assert not list((tmp_path / "fresh").glob("*.so"))  # nothing half-written
+
+
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(tmp_path))
+    path = ck.build()
+    assert path.parent == tmp_path and path.exists()
+    mtime = path.stat().st_mtime_ns
+    assert ck.build() == path and path.stat().st_mtime_ns == mtime  # a second call reuses it
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
+
+
+# -- whole decoder layers --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Llama (GQA, untied) and a tiny Qwen2-style model with q/k/v biases, loaded twice: one copy for each
+    path (the copies share nothing)."""
+    out = {}
+    d = make_tiny_llama(tmp_path_factory.mktemp("kl"), tokenizer=None, seed=3)
+    out["llama"] = d
+    dq = make_tiny_llama(tmp_path_factory.mktemp("kq"), tokenizer=None, seed=4, attention_bias=True)
+    out["bias"] = dq
+    return out
+
+
+def _run(model: Transformer, ids: torch.Tensor, blocks: list[int], tree: bool = False):
+    """Prefill ids[:blocks[0]], then blocks of the given sizes through the cache; logits of every block."""
+    model.setup_cache(128)
+    rows = []
+    pos = 0
+    with torch.inference_mode():
+        for t in blocks:
+            mask = None
+            if tree and t > 1:  # a branching block: token j sees itself and the even tokens before it
+                mask = torch.eye(t, dtype=torch.bool)
+                mask[:, 0] = True
+                for j in range(t):
+                    mask[j, :j:2] = True
+            rows.append(model(ids[pos:pos + t], tree_mask=mask)[0])
+            if tree and t > 1:
+                model.truncate(pos)
+                model(ids[pos:pos + t])
+            pos += t
+    return torch.cat(rows), [k.clone() for k in model._cache.k], [v.clone() for v in model._cache.v]
+
+
+@pytest.mark.parametrize("kind", ["llama", "bias"])
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_decoder_layer_kernel_matches_torch_path(models, kind, tree):
+    fast = Transformer.from_pretrained(models[kind]).eval()
+    if kind == "bias":  # random init leaves biases at zero: make them matter
+        with torch.no_grad():
+            for layer in fast.layers:
+                att = layer.self_attn
+                for proj in (att.q_proj, att.k_proj, att.v_proj, att.o_proj):
+                    assert proj.bias is not None
+                    proj.bias.copy_(torch.randn(proj.bias.shape, generator=_gen(9)) * 0.5)
+    ref_model = copy.deepcopy(fast)
+    ids = torch.randint(0, 512, (60,), generator=_gen(7))
+    blocks = [20, 1, 1, 5, 1, 4, 16, 1, 3]  # prefill (torch path), then decode/verify widths (kernel)
+    got, gk, gv = _run(fast, ids, blocks, tree)
+    assert all(ck.layer_plan(layer) is not None for layer in fast.layers)
+    old = ck.set_enabled(False)
+    try:
+        ref, rk, rv = _run(ref_model, ids, blocks, tree)
+    finally:
+        ck.set_enabled(old)
+    assert (got - ref).abs().max().item() < 1e-4
+    for a, b in zip(gk + gv, rk + rv):
+        assert (a - b).abs().max().item() < 1e-4
+
+
+def test_decoder_layer_kernel_is_width_invariant(models):
+    """A token's logits are bitwise the same from a one-token decode step and from inside a wider verification."""
+    model = Transformer.from_pretrained(models["llama"]).eval()
+    ids = torch.randint(0, 512, (40,), generator=_gen(8))
+    model.setup_cache(64)
+    with torch.inference_mode():
+        model(ids[:30])
+        wide = model(ids[30:38])[0]  # [8, V]
+        model.truncate(30)
+        steps = torch.cat([model(ids[i:i + 1])[0] for i in range(30, 38)])
+    assert torch.equal(wide, steps)
+
+
+def test_plan_follows_the_module(models):
+    model = Transformer.from_pretrained(models["llama"]).eval()
+    layer = model.layers[0]
+    plan = ck.layer_plan(layer)
+    assert plan is not None and ck.layer_plan(layer) is plan  # cached
+    model.to(torch.float32)  # _apply: the plan is dropped and rebuilt on use
+    assert "_cpu_plan" not in layer.__dict__
+    assert copy.deepcopy(model).layers[0].__dict__.get("_cpu_plan") is None
+    model.to(torch.bfloat16)
+    assert ck.layer_plan(model.layers[0]) is None  # bf16 layers take the torch path (linears still take the kernel)
+    ck.drop_plans(model)
+    assert "_cpu_plan" not in model.layers[0].__dict__

@@ -55,7 +55,7 @@ def test_three_weights_in_one_call_equal_three_calls():
     x = torch.randn(1, 4, 64, generator=g)
     with torch.inference_mode():
         fused = ck.kernel_linear(x, ws[0], bs[0], (ws[1], bs[1]), (ws[2], bs[2]))
-        apart = torch.cat([ck.kernel_linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)
+        apart = torch.cat([ck.kernel_linear(x, w, b) for w, b in zip(ws, bs, strict=True)], dim=-1)
     assert fused.shape == (1, 4, 160) and torch.equal(fused, apart)
 
 
@@ -162,7 +162,7 @@ def test_decoder_layer_kernel_matches_torch_path(models, kind, tree):
     finally:
         ck.set_enabled(old)
     assert (got - ref).abs().max().item() < 1e-4
-    for a, b in zip(gk + gv, rk + rv):
+    for a, b in zip(gk + gv, rk + rv, strict=True):
         assert (a - b).abs().max().item() < 1e-4
 
 

@@ -534,6 +534,7 @@ def run(args: argparse.Namespace) -> int:
     """Benchmark ar, dual, chain, hf and hf-assisted on the same prompts, interleaved; JSON, table and plots."""
     from polyspec.decode.bench_prompts import load_prompts
     from polyspec.decode.bench_report import print_report, write_json, write_plots
+    from polyspec.decode.cpu_kernels import state as cpu_kernel_state
     from polyspec.stamp import command_line, hardware_stamp, software_stamp
 
     _check_args(args)
@@ -564,6 +565,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     chain = load_chain(args.chain, device=args.device, dtype=args.dtype)
+    if next(chain.models[chain.order[0]].parameters()).device.type == "cpu":
+        print(f"CPU kernels: {cpu_kernel_state()}", file=sys.stderr)
     report: dict[str, Any] = {}
     if questions:
         report = run_benchmark(args.chain, questions, settings, chain=chain)
@@ -584,7 +587,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {**settings.__dict__, "prompts": args.prompts, "limit": args.limit,
                      "categories": args.categories, "chain": str(args.chain), "draft_k": args.draft_k or chain.draft_k,
                      "mu": args.mu or list(chain.mu), "levels": list(chain.order), "torch_threads":
-                     torch.get_num_threads()},
+                     torch.get_num_threads(), "cpu_kernels": cpu_kernel_state()},
         "notes": notes,
         "load_average": {"before": load_before, "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "stamp": {"hardware": hardware_stamp(), "software": software_stamp()},

@@ -156,6 +156,15 @@ def available() -> bool:
     return _enabled and _load() is not None
 
 
+def state() -> str:
+    """One line for reports: "on (LIBRARY)", "off (POLYSPEC_CPU_KERNELS)" or "unavailable (WHY)"."""
+    if not _enabled:
+        return "off (POLYSPEC_CPU_KERNELS or set_enabled)"
+    if _load() is None:
+        return f"unavailable ({_failure})"
+    return f"on ({library_path().name})"
+
+
 def failure() -> str | None:
     """Why the last load failed (None if it did not, or was not tried)."""
     return _failure

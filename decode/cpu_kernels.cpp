@@ -121,12 +121,137 @@ static void rows(const float* x, const W* w, const float* bias, int64_t M, int64
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Int4 weights, GPTQ-style groups (decode/int4.py's Int4Linear buffers): codes q[n, k] in 0..15, two per byte (even k
+// in the low nibble), fp32 scales s[n, g] and uint8 zeros z[n, g] per group of gs inputs; w = (q - z) * s.
+// y[m, n] = sum_g s_g * (sum_{k in g} q_k x_k - z_g * sum_{k in g} x_k): the codes are widened to fp32 in registers
+// and never dequantised to memory. The input is de-interleaved once per call (per 32 inputs: the 16 even ones, then
+// the 16 odd ones, matching the low and high nibbles of 16 bytes) and its group sums are precomputed. Needs K and gs
+// multiples of 32 (a short last group is fine). Per (m, n) the arithmetic is independent of M, as for the dense rows.
+// ---------------------------------------------------------------------------------------------------------------
+
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f codes_to_f32(v16b c) {  // two vector conversions (u8 -> i32 -> f32), not 16 scalar ones
+    return __builtin_convertvector(__builtin_convertvector(c, v16i), v16f);
+}
+
+struct I4Input {  // x prepared for int4 rows: xp [M, K] de-interleaved, xs [M, K / gs] group sums
+    const float* xp;
+    const float* xs;
+};
+
+template <int G>
+static inline void row_dots_i4(const I4Input& in, const uint8_t* q, const float* sc, const uint8_t* zr, int64_t K,
+                               int64_t gs, float* out) {
+    const int64_t ng = (K + gs - 1) / gs;
+    v16f tot[G];
+    float corr[G];
+    for (int g = 0; g < G; g++) tot[g] = (v16f){0}, corr[g] = 0.0f;
+    for (int64_t grp = 0; grp < ng; grp++) {
+        v16f a0[G], a1[G];
+        for (int g = 0; g < G; g++) a0[g] = a1[g] = (v16f){0};
+        const int64_t kend = (grp + 1) * gs < K ? (grp + 1) * gs : K;
+        for (int64_t k = grp * gs; k < kend; k += 32) {
+            v16b bytes;
+            memcpy(&bytes, q + k / 2, sizeof(bytes));
+            const v16f lo = codes_to_f32(bytes & (uint8_t)0x0f);
+            const v16f hi = codes_to_f32(bytes >> 4);
+            for (int g = 0; g < G; g++) {
+                a0[g] += lo * load_f32(in.xp + g * K + k);
+                a1[g] += hi * load_f32(in.xp + g * K + k + 16);
+            }
+        }
+        const float s = sc[grp], sz = s * (float)zr[grp];
+        for (int g = 0; g < G; g++) {
+            tot[g] += s * (a0[g] + a1[g]);
+            corr[g] += sz * in.xs[g * ng + grp];
+        }
+    }
+    for (int g = 0; g < G; g++) out[g] = lane_sum(tot[g]) - corr[g];
+}
+
+// Weight descriptors for run3: a dense fp32 or bf16 matrix [N, K], or an int4 one.
+struct WF32 {
+    const float* w;
+};
+struct WBF16 {
+    const uint16_t* w;
+};
+struct WI4 {
+    const uint8_t* q;   // [N, K / 2]
+    const float* s;     // [N, ceil(K / gs)]
+    const uint8_t* z;   // [N, ceil(K / gs)]
+    int64_t gs;
+};
+
+static inline void rows_w(const float* x, const I4Input&, const WF32& w, const float* bias, int64_t M, int64_t K,
+                          int64_t N, int64_t nb, int64_t ne, float* y) {
+    rows<float>(x, w.w, bias, M, K, N, nb, ne, y);
+}
+static inline void rows_w(const float* x, const I4Input&, const WBF16& w, const float* bias, int64_t M, int64_t K,
+                          int64_t N, int64_t nb, int64_t ne, float* y) {
+    rows<uint16_t>(x, w.w, bias, M, K, N, nb, ne, y);
+}
+static inline void rows_w(const float*, const I4Input& in, const WI4& w, const float* bias, int64_t M, int64_t K,
+                          int64_t N, int64_t nb, int64_t ne, float* y) {
+    const int64_t ng = (K + w.gs - 1) / w.gs;
+    float out[8];
+    for (int64_t n = nb; n < ne; n++) {
+        const uint8_t* q = w.q + n * (K / 2);
+        const float* sc = w.s + n * ng;
+        const uint8_t* zr = w.z + n * ng;
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const I4Input im = {in.xp + m0 * K, in.xs + m0 * ng};
+            const int64_t g = M - m0 >= 8 ? 8 : M - m0;
+            switch (g) {
+                case 1: row_dots_i4<1>(im, q, sc, zr, K, w.gs, out); break;
+                case 2: row_dots_i4<2>(im, q, sc, zr, K, w.gs, out); break;
+                case 3: row_dots_i4<3>(im, q, sc, zr, K, w.gs, out); break;
+                case 4: row_dots_i4<4>(im, q, sc, zr, K, w.gs, out); break;
+                case 5: row_dots_i4<5>(im, q, sc, zr, K, w.gs, out); break;
+                case 6: row_dots_i4<6>(im, q, sc, zr, K, w.gs, out); break;
+                case 7: row_dots_i4<7>(im, q, sc, zr, K, w.gs, out); break;
+                default: row_dots_i4<8>(im, q, sc, zr, K, w.gs, out); break;
+            }
+            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
+        }
+    }
+}
+
+static inline int64_t group_size_of(const WF32&) { return 0; }
+static inline int64_t group_size_of(const WBF16&) { return 0; }
+static inline int64_t group_size_of(const WI4& w) { return w.gs; }
+
 // Up to three weights side by side, y = [x w0^T | x w1^T | x w2^T] (+ biases), [M, n0 + n1 + n2] (q/k/v or gate/up in
 // one call). The concatenated rows are cut into one contiguous slice per thread, at multiples of 16 rows.
-template <typename W>
-static void run3(const float* x, const W* w0, const W* w1, const W* w2, const float* b0, const float* b1,
-                 const float* b2, int64_t n0, int64_t n1, int64_t n2, int64_t M, int64_t K, float* y, int threads) {
-    const int64_t N = n0 + n1 + n2;
+template <typename WT>
+static void run3(const float* x, const WT* ws, const float* const* bs, const int64_t* ns, int64_t M, int64_t K,
+                 float* y, int threads) {
+    const int64_t N = ns[0] + ns[1] + ns[2];
+    std::vector<float> xp, xs;
+    I4Input in = {nullptr, nullptr};
+    const int64_t gs = group_size_of(ws[0]);
+    if (gs > 0) {  // int4: de-interleave the input and sum its groups, once
+        const int64_t ng = (K + gs - 1) / gs;
+        xp.resize(M * K);
+        xs.assign(M * ng, 0.0f);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k += 32)
+                for (int i = 0; i < 16; i++) {
+                    xp[m * K + k + i] = x[m * K + k + 2 * i];
+                    xp[m * K + k + 16 + i] = x[m * K + k + 2 * i + 1];
+                }
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < ng; g++) {
+                float t = 0.0f;
+                for (int64_t k = g * gs; k < (g + 1) * gs && k < K; k++) t += x[m * K + k];
+                xs[m * ng + g] = t;
+            }
+        in = {xp.data(), xs.data()};
+    }
     if (threads < 1) threads = 1;
     if (N * M < 64 * threads) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -138,16 +263,22 @@ static void run3(const float* x, const W* w0, const W* w1, const W* w2, const fl
 #endif
         const int64_t per = ((N + nt - 1) / nt + 15) / 16 * 16;
         const int64_t b = t * per, e = b + per < N ? b + per : N;
-        const W* ws[3] = {w0, w1, w2};
-        const float* bs[3] = {b0, b1, b2};
-        const int64_t ns[3] = {n0, n1, n2};
         int64_t off = 0;
         for (int s = 0; s < 3; s++) {
             const int64_t lo = b > off ? b - off : 0, hi = (e < off + ns[s] ? e : off + ns[s]) - off;
-            if (lo < hi) rows<W>(x, ws[s], bs[s], M, K, N, lo, hi, y + off);
+            if (lo < hi) rows_w(x, in, ws[s], bs[s], M, K, N, lo, hi, y + off);
             off += ns[s];
         }
     }
+}
+
+template <typename WT>
+static void run1(const float* x, const WT& w, const float* bias, int64_t n, int64_t M, int64_t K, float* y,
+                 int threads) {
+    const WT ws[3] = {w, w, w};
+    const float* bs[3] = {bias, nullptr, nullptr};
+    const int64_t ns[3] = {n, 0, 0};
+    run3(x, ws, bs, ns, M, K, y, threads);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -193,31 +324,33 @@ static void rope(float* v, int64_t ld, const float* cos_, const float* sin_, int
         }
 }
 
-struct LayerWeights {  // pointers in this order from Python: 7 weights, 7 biases (NULL = none), 2 norm weights
-    const float *wq, *wk, *wv, *wo, *wg, *wu, *wd;
-    const float *bq, *bk, *bv, *bo, *bg, *bu, *bd;
-    const float *in_norm, *post_norm;
+template <typename WT>
+struct LayerWeights {  // q, k, v, o, gate, up, down; their biases (NULL = none); the two norm weights
+    WT w[7];
+    const float* b[7];
+    const float* in_norm;
+    const float* post_norm;
 };
 
-extern "C" int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh,
-                                  int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_,
-                                  float* kcache, float* vcache, int64_t S, int64_t start, const uint8_t* mask,
-                                  int threads) {
-    LayerWeights w;
-    memcpy(&w, ptrs, sizeof(w));
+template <typename WT>
+static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
+                 int64_t D, int64_t I, const float* cos_, const float* sin_, float* kcache, float* vcache, int64_t S,
+                 int64_t start, const uint8_t* mask, int threads) {
     const int64_t L = start + T, nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk;
     if (L > S || nh % nkv != 0 || D % 2 != 0) return 1;
     std::vector<float> xn(T * H), qkv(T * nqkv), att(T * nq), o(T * H), gu(T * 2 * I), act(T * I);
 
     rmsnorm(x, w.in_norm, eps, T, H, xn.data());
-    run3<float>(xn.data(), w.wq, w.wk, w.wv, w.bq, w.bk, w.bv, nq, nk, nk, T, H, qkv.data(), threads);
+    {
+        const int64_t ns[3] = {nq, nk, nk};
+        run3(xn.data(), w.w, w.b, ns, T, H, qkv.data(), threads);
+    }
     rope(qkv.data(), nqkv, cos_, sin_, T, nh + nkv, D);  // q heads then k heads, side by side in each row
     for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < nkv; g++) {
             memcpy(kcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + g * D, D * sizeof(float));
             memcpy(vcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + nk + g * D, D * sizeof(float));
         }
-
     // Attention: softmax(q k^T / sqrt(D)) v over the visible keys (mask [T, L] bool, NULL = all), per (head, row).
     const float scale = 1.0f / sqrtf((float)D);
     const int64_t group = nh / nkv, items = nh * T;
@@ -255,29 +388,37 @@ extern "C" int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, 
         }
     }
 
-    run3<float>(att.data(), w.wo, nullptr, nullptr, w.bo, nullptr, nullptr, H, 0, 0, T, nq, o.data(), threads);
+    run1(att.data(), w.w[3], w.b[3], H, T, nq, o.data(), threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     rmsnorm(x, w.post_norm, eps, T, H, xn.data());
-    run3<float>(xn.data(), w.wg, w.wu, nullptr, w.bg, w.bu, nullptr, I, I, 0, T, H, gu.data(), threads);
+    {
+        const WT ws[3] = {w.w[4], w.w[5], w.w[5]};
+        const float* bs[3] = {w.b[4], w.b[5], nullptr};
+        const int64_t ns[3] = {I, I, 0};
+        run3(xn.data(), ws, bs, ns, T, H, gu.data(), threads);
+    }
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < I; i++) {
             const float g = gu[t * 2 * I + i], u = gu[t * 2 * I + I + i];
             act[t * I + i] = g / (1.0f + expf(-g)) * u;
         }
-    run3<float>(act.data(), w.wd, nullptr, nullptr, w.bd, nullptr, nullptr, H, 0, 0, T, I, o.data(), threads);
+    run1(act.data(), w.w[6], w.b[6], H, T, I, o.data(), threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     return 0;
 }
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 3; }
+int polyspec_linear_abi(void) { return 4; }
 
 // fp32 weights, input, biases (NULL: none) and output.
 void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, const float* w2, const float* b0,
                           const float* b1, const float* b2, int64_t n0, int64_t n1, int64_t n2, int64_t M, int64_t K,
                           float* y, int threads) {
-    run3<float>(x, w0, w1, w2, b0, b1, b2, n0, n1, n2, M, K, y, threads);
+    const WF32 ws[3] = {{w0}, {w1}, {w2}};
+    const float* bs[3] = {b0, b1, b2};
+    const int64_t ns[3] = {n0, n1, n2};
+    run3(x, ws, bs, ns, M, K, y, threads);
 }
 
 // bf16 weights (their uint16 bits); fp32 input, biases and output: the caller widens the tiny [M, K] input and
@@ -285,6 +426,43 @@ void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, cons
 void polyspec_linear3_bf16w(const float* x, const uint16_t* w0, const uint16_t* w1, const uint16_t* w2,
                             const float* b0, const float* b1, const float* b2, int64_t n0, int64_t n1, int64_t n2,
                             int64_t M, int64_t K, float* y, int threads) {
-    run3<uint16_t>(x, w0, w1, w2, b0, b1, b2, n0, n1, n2, M, K, y, threads);
+    const WBF16 ws[3] = {{w0}, {w1}, {w2}};
+    const float* bs[3] = {b0, b1, b2};
+    const int64_t ns[3] = {n0, n1, n2};
+    run3(x, ws, bs, ns, M, K, y, threads);
+}
+
+// One int4 weight (Int4Linear buffers); fp32 input, bias and output. Returns 1 when K or gs is not a multiple of 32.
+int polyspec_linear_i4(const float* x, const uint8_t* q, const float* s, const uint8_t* z, const float* bias,
+                       int64_t N, int64_t M, int64_t K, int64_t gs, float* y, int threads) {
+    if (gs <= 0 || gs % 32 != 0 || K % 32 != 0) return 1;
+    run1(x, WI4{q, s, z, gs}, bias, N, M, K, y, threads);
+    return 0;
+}
+
+// A decoder layer with fp32 weights: ptrs = 7 weights, 7 biases (NULL = none), 2 norm weights.
+int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
+                       int64_t D, int64_t I, const float* cos_, const float* sin_, float* kcache, float* vcache,
+                       int64_t S, int64_t start, const uint8_t* mask, int threads) {
+    LayerWeights<WF32> w;
+    for (int i = 0; i < 7; i++) w.w[i] = {(const float*)ptrs[i]};
+    for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[7 + i];
+    w.in_norm = (const float*)ptrs[14];
+    w.post_norm = (const float*)ptrs[15];
+    return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
+}
+
+// A decoder layer with int4 projections of group size gs: ptrs = (codes, scales, zeros) x 7, 7 biases, 2 norms.
+int polyspec_layer_i4(float* x, const void* const* ptrs, int64_t gs, float eps, int64_t T, int64_t H, int64_t nh,
+                      int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_, float* kcache,
+                      float* vcache, int64_t S, int64_t start, const uint8_t* mask, int threads) {
+    if (gs <= 0 || gs % 32 != 0 || H % 32 != 0 || (nh * D) % 32 != 0 || I % 32 != 0) return 2;
+    LayerWeights<WI4> w;
+    for (int i = 0; i < 7; i++)
+        w.w[i] = {(const uint8_t*)ptrs[3 * i], (const float*)ptrs[3 * i + 1], (const uint8_t*)ptrs[3 * i + 2], gs};
+    for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[21 + i];
+    w.in_norm = (const float*)ptrs[28];
+    w.post_norm = (const float*)ptrs[29];
+    return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
 }
 }

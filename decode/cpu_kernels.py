@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_ABI = 3
+_ABI = 4
 MAX_ROWS = 16  # wider inputs (prefill) go to torch's GEMM, which is faster there
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -143,6 +143,13 @@ def _load() -> ctypes.CDLL | None:
                                                + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
                                                + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
             lib.polyspec_layer_f32.restype = ctypes.c_int
+            lib.polyspec_layer_i4.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
+                                              + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
+                                              + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
+            lib.polyspec_layer_i4.restype = ctypes.c_int
+            lib.polyspec_linear_i4.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+                                               + [ctypes.c_void_p, ctypes.c_int])
+            lib.polyspec_linear_i4.restype = ctypes.c_int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _failure = str(e)
@@ -243,10 +250,56 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Int4 (decode/int4.py's Int4Linear buffers: codes two per byte, fp32 scales, uint8 zeros per group)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _int4_reference() -> bool:
+    """POLYSPEC_INT4_REFERENCE=1 (decode/int4.py) asks for the dequantised reference matmul: no kernel then."""
+    return os.environ.get("POLYSPEC_INT4_REFERENCE", "") not in ("", "0")
+
+
+def int4_layer_ok(mod: torch.nn.Module) -> bool:
+    """Whether an Int4Linear's buffers suit the kernel: CPU, K and group size multiples of 32, the expected dtypes,
+    contiguous, fp32 bias or none."""
+    k, gs = mod.in_features, mod.group_size
+    if k % 32 or gs % 32 or not mod.qdata.is_cpu:
+        return False
+    b = mod.bias
+    if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
+        return False
+    return (mod.qdata.dtype == torch.uint8 and mod.qdata.is_contiguous() and mod.scales.dtype == torch.float32
+            and mod.scales.is_contiguous() and mod.zeros.dtype == torch.uint8 and mod.zeros.is_contiguous())
+
+
+def int4_linear(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor | None:
+    """``mod(x)`` for an Int4Linear through the kernel (fp32 input [..., K], at most MAX_ROWS rows, no autograd),
+    or None when it does not apply (then the caller takes torch's path)."""
+    if not (_enabled and (_lib is not None or not _tried)) or x.dtype != torch.float32 or not x.is_cpu:
+        return None
+    if _int4_reference():
+        return None
+    k = mod.in_features
+    if x.shape[-1] != k or x.numel() == 0 or x.numel() > MAX_ROWS * k or not int4_layer_ok(mod):
+        return None
+    if (torch.is_grad_enabled() and x.requires_grad) or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return None
+    if _load() is None:
+        return None
+    xf = x.contiguous()
+    y = torch.empty((*x.shape[:-1], mod.out_features), dtype=torch.float32)
+    rc = _lib.polyspec_linear_i4(xf.data_ptr(), mod.qdata.data_ptr(), mod.scales.data_ptr(), mod.zeros.data_ptr(),
+                                 None if mod.bias is None else mod.bias.data_ptr(), mod.out_features,
+                                 xf.numel() // k, k, mod.group_size, y.data_ptr(), torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # A whole decoder layer in one call (fp32)
 # ---------------------------------------------------------------------------------------------------------------
 
 _PTRS = ctypes.c_void_p * 16
+_PTRS_I4 = ctypes.c_void_p * 30
 
 
 class LayerPlan:
@@ -256,20 +309,26 @@ class LayerPlan:
     ``.float()``, ...). In-place weight updates keep it valid; rebinding a parameter's ``.data`` does not (call
     :func:`drop_plans` after doing that)."""
 
-    __slots__ = ("ptrs", "eps", "heads", "kv_heads", "head_dim", "intermediate", "tensors")
+    __slots__ = ("ptrs", "group_size", "eps", "heads", "kv_heads", "head_dim", "intermediate", "tensors")
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, group_size: int = 0):
         att, mlp = layer.self_attn, layer.mlp
-        lins = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        lins = _projections(layer)
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        self.tensors = tuple(t.detach() for t in (*(lin.weight for lin in lins), *norms))
         biases = tuple(None if lin.bias is None else lin.bias.detach() for lin in lins)
-        self.tensors += tuple(b for b in biases if b is not None)
-        self.ptrs = _PTRS(*(lin.weight.data_ptr() for lin in lins), *(None if b is None else b.data_ptr() for b in biases),
+        self.group_size = group_size  # 0: fp32 weights; else int4 of this group size
+        if group_size:
+            weights = tuple(t for lin in lins for t in (lin.qdata, lin.scales, lin.zeros))
+            table = _PTRS_I4
+        else:
+            weights = tuple(lin.weight.detach() for lin in lins)
+            table = _PTRS
+        self.tensors = (*weights, *(w.detach() for w in norms), *(b for b in biases if b is not None))
+        self.ptrs = table(*(t.data_ptr() for t in weights), *(None if b is None else b.data_ptr() for b in biases),
                           *(w.data_ptr() for w in norms))
         self.eps = float(layer.input_layernorm.eps)
         self.heads, self.kv_heads, self.head_dim = att.num_heads, att.num_kv_heads, att.head_dim
-        self.intermediate = mlp.gate_proj.weight.shape[0]
+        self.intermediate = mlp.gate_proj.out_features
 
     def __deepcopy__(self, memo):  # a copied layer has copied tensors: it builds its own plan
         return None
@@ -278,25 +337,43 @@ class LayerPlan:
         return (type(None), ())
 
 
-def _plan_ok(layer: torch.nn.Module) -> bool:
+def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
     att, mlp = layer.self_attn, layer.mlp
-    lins = (att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if any(type(lin).forward is not _linear_forward for lin in lins) or att.head_dim % 2:
-        return False
-    tensors = [lin.weight for lin in lins] + [lin.bias for lin in lins if lin.bias is not None]
-    tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
-        return False
-    return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+    return att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
+def _plan_kind(layer: torch.nn.Module) -> int | None:
+    """0 for a layer of fp32 model.Linear projections, the group size for one of Int4Linear projections (one group
+    size, kernel-ready buffers), None for anything else."""
+    from polyspec.decode.int4 import Int4Linear
+
+    lins = _projections(layer)
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    if layer.self_attn.head_dim % 2 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+        return None
+    if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in norms):
+        return None
+    if all(type(lin).forward is _linear_forward for lin in lins):
+        tensors = [lin.weight for lin in lins] + [lin.bias for lin in lins if lin.bias is not None]
+        ok = all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+        return 0 if ok else None
+    if all(isinstance(lin, Int4Linear) for lin in lins):
+        sizes = {lin.group_size for lin in lins}
+        if len(sizes) == 1 and all(int4_layer_ok(lin) for lin in lins):
+            return sizes.pop()
+    return None
 
 
 def layer_plan(layer: torch.nn.Module) -> LayerPlan | None:
     """The layer's cached :class:`LayerPlan`, built on first use; None when the layer is not one the kernel runs
-    (an Int4Linear projection, other dtypes, ...)."""
+    (other dtypes, mixed projection kinds, int4 shapes the kernel does not take, ...)."""
     plan = layer.__dict__.get("_cpu_plan")
     if plan is None:
-        plan = LayerPlan(layer) if _plan_ok(layer) else False
+        kind = _plan_kind(layer)
+        plan = False if kind is None else LayerPlan(layer, kind)
         layer.__dict__["_cpu_plan"] = plan
+    if plan and plan.group_size and _int4_reference():
+        return None
     return plan or None
 
 
@@ -330,10 +407,13 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torc
     into the cache."""
     out = x.contiguous().clone()
     k, v = cache.k[layer_idx], cache.v[layer_idx]
-    rc = _lib.polyspec_layer_f32(out.data_ptr(), plan.ptrs, plan.eps, out.shape[1], out.shape[2], plan.heads,
-                                 plan.kv_heads, plan.head_dim, plan.intermediate, cos.contiguous().data_ptr(),
-                                 sin.contiguous().data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start,
-                                 None if mask is None else mask.contiguous().data_ptr(), torch.get_num_threads())
+    args = (plan.eps, out.shape[1], out.shape[2], plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,
+            cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start,
+            None if mask is None else mask.contiguous().data_ptr(), torch.get_num_threads())
+    if plan.group_size:
+        rc = _lib.polyspec_layer_i4(out.data_ptr(), plan.ptrs, plan.group_size, *args)
+    else:
+        rc = _lib.polyspec_layer_f32(out.data_ptr(), plan.ptrs, *args)
     if rc != 0:
         raise ValueError(f"decoder_layer: the kernel refused the shapes (code {rc})")
     return out

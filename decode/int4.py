@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyspec.decode import cpu_kernels
 from polyspec.errors import PolyspecError
 from polyspec.fsutil import swap_into_place
 
@@ -330,6 +331,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (the one place that picks the kernel)."""
+        fast = cpu_kernels.int4_linear(x, self)  # the CPU streaming kernel at decode widths (fp32 activations)
+        if fast is not None:
+            return fast
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         backend = select_backend(x2)

@@ -614,17 +614,24 @@ def tiny_models(tmp_path_factory):
 
 
 def _kv_matches_fresh(model, tokens: list[int]) -> None:
-    """The model's K/V cache up to cache_len equals a fresh forward over the tokens it should hold."""
+    """The model's K/V cache up to cache_len equals a fresh run over the tokens it should hold (one token per
+    forward, the decode-width path most live entries come from). An int4 level computes wide forwards (over 16
+    positions: a wide tree) with torch's int4pack kernel, whose bf16 activations differ from the fp32 decode-width
+    kernel by ~1e-3; its entries are compared at 1e-2 (a wrong rollback is off by O(1))."""
+    from polyspec.decode.int4 import Int4Linear
+
     n = model.cache_len
     assert n <= len(tokens)
+    tol = 1e-2 if any(isinstance(m, Int4Linear) for m in model.modules()) else 1e-4
     fresh = copy.deepcopy(model)
     fresh.setup_cache(64)
     with torch.inference_mode():
-        fresh(torch.tensor(tokens[:n]))
+        for i in range(n):
+            fresh(torch.tensor(tokens[i:i + 1]))
     for k_live, k_new, v_live, v_new in zip(model._cache.k, fresh._cache.k, model._cache.v, fresh._cache.v,
                                             strict=True):
-        torch.testing.assert_close(k_live[:, :, :n], k_new[:, :, :n], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v_live[:, :, :n], v_new[:, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(k_live[:, :, :n], k_new[:, :, :n], atol=tol, rtol=tol)
+        torch.testing.assert_close(v_live[:, :, :n], v_new[:, :, :n], atol=tol, rtol=tol)
 
 
 @needs_model

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import make_tiny_llama
 
 from polyspec.decode import cpu_kernels as ck
+from polyspec.decode.int4 import Int4Linear, dequantize, quantize_model_rtn, quantize_rtn
 from polyspec.decode.model import Transformer
 
 pytestmark = pytest.mark.skipif(not ck.available(), reason=f"no CPU kernel library: {ck.failure()}")
@@ -104,6 +105,48 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
 
 
+# -- int4 -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k,gs", [(576, 128), (256, 64), (96, 32), (640, 128)])
+def test_int4_linear_matches_dequantised_matmul_and_is_batch_invariant(k, gs, monkeypatch):
+    monkeypatch.delenv("POLYSPEC_INT4_REFERENCE", raising=False)
+    n = 77
+    g = _gen(k + gs)
+    q, s, z = quantize_rtn(torch.randn(n, k, generator=g), gs, sym=False)  # asymmetric: zeros vary
+    for bias in (None, torch.randn(n, generator=g)):
+        layer = Int4Linear(q, s, z, gs, bias)
+        w = dequantize(q, s, z, gs).double()
+        for m in (1, 2, 5, 8, 11, 16):
+            x = torch.randn(m, k, generator=g)
+            with torch.inference_mode():
+                y = ck.int4_linear(x, layer)
+                assert y is not None and y.shape == (m, n) and y.dtype == torch.float32
+                ref = x.double() @ w.t() + (0 if bias is None else bias.double())
+                assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, bias is None)
+                assert torch.equal(layer(x), y)  # Int4Linear.forward takes the kernel
+                for i in range(m):
+                    assert torch.equal(ck.int4_linear(x[i:i + 1], layer)[0], y[i])
+
+
+def test_int4_linear_declines_what_it_cannot_do(monkeypatch):
+    q, s, z = quantize_rtn(torch.randn(16, 100, generator=_gen(1)), 32)  # K % 32 != 0
+    layer = Int4Linear(q, s, z, 32)
+    x = torch.randn(2, 100)
+    with torch.inference_mode():
+        assert ck.int4_linear(x, layer) is None
+        ref = x @ dequantize(q, s, z, 32).t()
+        assert ((layer(x) - ref).abs().max() / ref.abs().max()).item() < 1e-2  # torch's path still answers
+        q2, s2, z2 = quantize_rtn(torch.randn(16, 128, generator=_gen(2)), 64)
+        ok = Int4Linear(q2, s2, z2, 64)
+        x2 = torch.randn(2, 128)
+        assert ck.int4_linear(x2, ok) is not None
+        assert ck.int4_linear(x2.bfloat16(), ok) is None  # fp32 activations only
+        assert ck.int4_linear(torch.randn(ck.MAX_ROWS + 1, 128), ok) is None  # prefill widths
+        monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", "1")  # the dequantised reference was asked for
+        assert ck.int4_linear(x2, ok) is None
+
+
 # -- whole decoder layers --------------------------------------------------------------------------------------
 
 
@@ -140,10 +183,14 @@ def _run(model: Transformer, ids: torch.Tensor, blocks: list[int], tree: bool = 
     return torch.cat(rows), [k.clone() for k in model._cache.k], [v.clone() for v in model._cache.v]
 
 
-@pytest.mark.parametrize("kind", ["llama", "bias"])
+@pytest.mark.parametrize("kind", ["llama", "bias", "int4"])
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
-def test_decoder_layer_kernel_matches_torch_path(models, kind, tree):
-    fast = Transformer.from_pretrained(models[kind]).eval()
+def test_decoder_layer_kernel_matches_torch_path(models, kind, tree, monkeypatch):
+    """fp32 layers against the torch layer; int4 layers against the torch layer on dequantised weights (the
+    reference matmul that POLYSPEC_INT4_REFERENCE selects, exact up to fp32 rounding)."""
+    fast = Transformer.from_pretrained(models["bias" if kind == "bias" else "llama"]).eval()
+    if kind == "int4":
+        quantize_model_rtn(fast, group_size=64, sym=False)
     if kind == "bias":  # random init leaves biases at zero: make them matter
         with torch.no_grad():
             for layer in fast.layers:
@@ -153,14 +200,20 @@ def test_decoder_layer_kernel_matches_torch_path(models, kind, tree):
                     proj.bias.copy_(torch.randn(proj.bias.shape, generator=_gen(9)) * 0.5)
     ref_model = copy.deepcopy(fast)
     ids = torch.randint(0, 512, (60,), generator=_gen(7))
-    blocks = [20, 1, 1, 5, 1, 4, 16, 1, 3]  # prefill (torch path), then decode/verify widths (kernel)
+    # fp32: a prefill on the torch path, then decode/verify widths on the kernel; int4: kernel widths only (a wider
+    # prefill would take torch's int4pack kernel, which rounds activations to bf16)
+    blocks = [16 if kind == "int4" else 20, 1, 1, 5, 1, 4, 16, 1, 3]
     got, gk, gv = _run(fast, ids, blocks, tree)
     assert all(ck.layer_plan(layer) is not None for layer in fast.layers)
+    if kind == "int4":
+        assert {ck.layer_plan(layer).group_size for layer in fast.layers} == {64}
     old = ck.set_enabled(False)
     try:
+        monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", "1")
         ref, rk, rv = _run(ref_model, ids, blocks, tree)
     finally:
         ck.set_enabled(old)
+        monkeypatch.delenv("POLYSPEC_INT4_REFERENCE")
     assert (got - ref).abs().max().item() < 1e-4
     for a, b in zip(gk + gv, rk + rv, strict=True):
         assert (a - b).abs().max().item() < 1e-4

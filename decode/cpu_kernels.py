@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import platform
 import shutil
@@ -417,3 +418,60 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torc
     if rc != 0:
         raise ValueError(f"decoder_layer: the kernel refused the shapes (code {rc})")
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight arena: a loaded model's weights in one block of memory, in the order a decode step reads them
+# ---------------------------------------------------------------------------------------------------------------
+
+_arenas: list[tuple[int, int]] = []  # [start, end) addresses of the arenas made so far
+
+
+def _in_arena(t: torch.Tensor) -> bool:
+    p = t.data_ptr()
+    return any(a <= p < b for a, b in _arenas)
+
+
+def pack_weights(model: torch.nn.Module) -> int:
+    """Move ``model``'s CPU parameters and buffers into one anonymous memory block (huge pages where the kernel
+    grants them), the decoder layers first in module order, then the rest (embedding / lm_head, norms), so a decode
+    step reads one ascending stream of memory. Tensors already in an arena (a head sharing its target's lm_head) stay
+    where they are. Values, shapes, dtypes, parameter identity and sharing are unchanged (each ``.data`` becomes a
+    view of the block). Returns the bytes moved; 0 when the fast path is off or nothing is on the CPU.
+
+    For models loaded to decode (``load_chain``): a packed tensor's storage is the whole block, so save weights
+    from the original files, not from a packed model.
+    """
+    if not _enabled:
+        return 0
+    layers = getattr(model, "layers", None)
+    first = list(layers) if layers is not None else []
+    seen: set[int] = set()
+    items: list[torch.Tensor] = []
+    for mod in [*first, model]:
+        for t in [*mod.parameters(), *mod.buffers()]:
+            if id(t) in seen or t.device.type != "cpu" or t.numel() == 0 or _in_arena(t):
+                continue
+            seen.add(id(t))
+            items.append(t)
+    if not items:
+        return 0
+    offsets, total = [], 0
+    for t in items:
+        offsets.append(total)
+        total += (t.numel() * t.element_size() + 63) // 64 * 64
+    size = (total + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            block.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    arena = torch.frombuffer(block, dtype=torch.uint8)  # keeps the block alive as long as any view of it
+    for t, off in zip(items, offsets, strict=True):
+        view = arena[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t.detach())
+        t.data = view
+    _arenas.append((arena.data_ptr(), arena.data_ptr() + size))
+    drop_plans(model)
+    return total

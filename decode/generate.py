@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from polyspec.decode import cpu_kernels
 from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
 from polyspec.decode.levels import HeadLevel, ModelLevel
 from polyspec.errors import PolyspecError
@@ -92,6 +93,7 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
             models[lv.name] = load_head(folder, models[top.name]).to(dev)
         else:
             models[lv.name] = Transformer.from_pretrained(folder, dtype=tdtype, device=dev)
+        cpu_kernels.pack_weights(models[lv.name])  # CPU: weights in read order, one block
     return LoadedChain(
         models=models, order=[lv.name for lv in manifest.levels], kinds={lv.name: lv.kind for lv in manifest.levels},
         tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
@@ -117,6 +119,7 @@ def load_model_folder(model_dir: Path, *, device: str = "auto", dtype: str | Non
 
     dev = resolve_device(device)
     model = Transformer.from_pretrained(Path(model_dir), dtype=_dtype(dtype, dev), device=dev)
+    cpu_kernels.pack_weights(model)
     return LoadedChain(models={"target": model}, order=["target"], kinds={"target": "target"},
                        tokenizer=load_tokenizer(Path(model_dir)), context=_context(Path(model_dir)))
 

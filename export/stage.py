@@ -133,6 +133,7 @@ def profile_key(parts: dict[str, Path], settings: dict[str, Any]) -> str:
 
 def load_levels(parts: dict[str, Path], *, device: str = "auto", dtype: str | None = None) -> dict[str, Any]:
     """{"target": Transformer, "int4": Transformer, "head": EagleHead, "tokenizer", "device", "dtype"}."""
+    from polyspec.decode import cpu_kernels
     from polyspec.decode.generate import DTYPES, resolve_device
     from polyspec.decode.head import load_head
     from polyspec.decode.model import Transformer
@@ -145,6 +146,8 @@ def load_levels(parts: dict[str, Path], *, device: str = "auto", dtype: str | No
     target = Transformer.from_pretrained(parts["target"], dtype=DTYPES[name], device=dev).eval()
     int4 = Transformer.from_pretrained(parts["int4"], dtype=DTYPES[name], device=dev).eval()
     head = load_head(parts["head"], target).to(dev).eval()
+    for model in (target, int4, head):  # as load_chain does: CPU weights in read order, one block each
+        cpu_kernels.pack_weights(model)
     return {"target": target, "int4": int4, "head": head, "tokenizer": load_tokenizer(parts["target"]),
             "device": str(dev), "dtype": name}
 

@@ -244,3 +244,39 @@ def test_plan_follows_the_module(models):
     assert ck.layer_plan(model.layers[0]) is None  # bf16 layers take the torch path (linears still take the kernel)
     ck.drop_plans(model)
     assert "_cpu_plan" not in model.layers[0].__dict__
+
+
+def test_pack_weights_keeps_values_sharing_and_outputs(tmp_path):
+    from polyspec.decode.head import EagleHead
+
+    d = make_tiny_llama(tmp_path / "m", tokenizer=None, seed=5)
+    model = Transformer.from_pretrained(d).eval()
+    model.lm_head.weight = model.embed_tokens.weight  # tied, as SmolLM2's are
+    head = EagleHead(model.args, model.embed_tokens, model.lm_head)
+    ids = torch.randint(0, 512, (12,), generator=_gen(10))
+    with torch.inference_mode():
+        model.setup_cache(32)
+        before = model(ids)[0]
+        ck.layer_plan(model.layers[0])  # a cached plan must not survive the move
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    moved = ck.pack_weights(model)
+    assert moved >= sum(t.numel() * t.element_size() for t in state.values()) - model.embed_tokens.weight.numel() * 4
+    assert "_cpu_plan" not in model.layers[0].__dict__
+    assert model.lm_head.weight is model.embed_tokens.weight  # tying survives
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    # one block, layers first, in module order
+    ptrs = [p.data_ptr() for layer in model.layers for p in layer.parameters()]
+    assert ptrs == sorted(ptrs) and model.embed_tokens.weight.data_ptr() > ptrs[-1]
+    with torch.inference_mode():
+        model.setup_cache(32)
+        assert torch.equal(model(ids)[0], before)
+    # the head's own weights get their own block; the shared lm_head stays in the target's
+    lm = model.lm_head.weight.data_ptr()
+    assert ck.pack_weights(head) > 0 and model.lm_head.weight.data_ptr() == lm
+    assert ck.pack_weights(model) == 0  # already packed
+    old = ck.set_enabled(False)
+    try:
+        assert ck.pack_weights(Transformer.from_pretrained(d)) == 0
+    finally:
+        ck.set_enabled(old)

@@ -424,12 +424,14 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torc
 # Weight arena: a loaded model's weights in one block of memory, in the order a decode step reads them
 # ---------------------------------------------------------------------------------------------------------------
 
-_arenas: list[tuple[int, int]] = []  # [start, end) addresses of the arenas made so far
+_arenas: set[tuple[int, int]] = set()  # (address, bytes) of the storages of the arenas made so far
 
 
 def _in_arena(t: torch.Tensor) -> bool:
-    p = t.data_ptr()
-    return any(a <= p < b for a, b in _arenas)
+    """Whether t's storage is an arena (a view of one has the whole block as its storage; a freed arena's address
+    can only be matched again by a storage of exactly its size at exactly its address: another arena)."""
+    st = t.untyped_storage()
+    return (st.data_ptr(), st.nbytes()) in _arenas
 
 
 def pack_weights(model: torch.nn.Module) -> int:
@@ -472,6 +474,6 @@ def pack_weights(model: torch.nn.Module) -> int:
         view = arena[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         view.copy_(t.detach())
         t.data = view
-    _arenas.append((arena.data_ptr(), arena.data_ptr() + size))
+    _arenas.add((arena.untyped_storage().data_ptr(), arena.untyped_storage().nbytes()))
     drop_plans(model)
     return total

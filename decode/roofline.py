@@ -14,12 +14,13 @@ from typing import Any
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of every distinct parameter and buffer storage of ``model`` (shared tensors, e.g. a tied lm_head,
-    counted once; int4 packed weights at their packed size)."""
-    seen: set[int] = set()
+    """Bytes of every distinct parameter and buffer of ``model`` (shared tensors, e.g. a tied lm_head, counted once;
+    int4 packed weights at their packed size). Distinct by address and size, not by storage: a packed model's
+    tensors (cpu_kernels.pack_weights) are views of one shared block."""
+    seen: set[Any] = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
-        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        key = (t.data_ptr(), t.numel() * t.element_size()) if t.device.type != "meta" else id(t)
         if key in seen:
             continue
         seen.add(key)

@@ -17,6 +17,18 @@ def test_weight_bytes_counts_tied_tensors_once():
     assert weight_bytes(model) == 100 * 16 * 2
 
 
+def test_weight_bytes_of_a_packed_model():
+    """cpu_kernels.pack_weights makes every tensor a view of one block: still each counted once, at its size."""
+    from polyspec.decode import cpu_kernels
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8, bias=False))
+    model[1].weight = torch.nn.Parameter(model[1].weight.detach().clone())
+    expected = (32 * 16 + 32 + 8 * 32) * 4
+    assert weight_bytes(model) == expected
+    if cpu_kernels.pack_weights(model):
+        assert weight_bytes(model) == expected
+
+
 def test_bandwidth_and_roofline_are_consistent():
     bw = measure_bandwidth("cpu", mbytes=16, repeats=3)
     assert bw["best_GBps"] >= bw["median_GBps"] > 0 and bw["copy_median_GBps"] > 0

@@ -401,6 +401,28 @@ def block_supported(x: torch.Tensor, cos: torch.Tensor, cache, mask: torch.Tenso
     return _load() is not None
 
 
+def run_layers(plans: list[LayerPlan], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor | None, cache, start: int) -> torch.Tensor:
+    """Layers 0 .. len(plans) - 1 of a block, one kernel call each on one residual buffer (the caller checked
+    :func:`block_supported` and has every layer's plan): the same as calling :func:`decoder_layer` layer by layer,
+    with the per-call Python work done once."""
+    out = x.contiguous().clone()
+    t, h = out.shape[1], out.shape[2]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    m = None if mask is None else mask.contiguous()
+    o, cp, sp, mp = out.data_ptr(), cos.data_ptr(), sin.data_ptr(), None if m is None else m.data_ptr()
+    threads = torch.get_num_threads()
+    f32, i4 = _lib.polyspec_layer_f32, _lib.polyspec_layer_i4
+    for i, plan in enumerate(plans):
+        k, v = cache.k[i], cache.v[i]
+        args = (plan.eps, t, h, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate, cp, sp, k.data_ptr(),
+                v.data_ptr(), k.shape[2], start, mp, threads)
+        rc = i4(o, plan.ptrs, plan.group_size, *args) if plan.group_size else f32(o, plan.ptrs, *args)
+        if rc != 0:
+            raise ValueError(f"run_layers: the kernel refused the shapes of layer {i} (code {rc})")
+    return out
+
+
 def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   mask: torch.Tensor | None, cache, layer_idx: int, start: int) -> torch.Tensor:
     """model.DecoderLayer.forward in one kernel call (the caller checked :func:`block_supported` and has the layer's

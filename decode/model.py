@@ -443,13 +443,17 @@ class CachedDecoder(nn.Module):
         positions = self._positions(t, start, position_offsets, x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
         mask = block_mask(start, t, tree_mask, x.device)
-        fast = cpu_kernels.block_supported(x, cos, cache, mask)  # whole layers in one CPU kernel call each
-        for i, layer in enumerate(layers):
-            plan = cpu_kernels.layer_plan(layer) if fast else None
-            if plan is not None:
-                x = cpu_kernels.decoder_layer(plan, x, cos, sin, mask, cache, i, start)
-            else:
-                x = layer(x, cos, sin, mask, cache, i, start)
+        plans = [cpu_kernels.layer_plan(layer) for layer in layers] \
+            if cpu_kernels.block_supported(x, cos, cache, mask) else []
+        if plans and all(p is not None for p in plans):  # the common case: every layer in one kernel call each
+            x = cpu_kernels.run_layers(plans, x, cos, sin, mask, cache, start)
+        else:
+            for i, layer in enumerate(layers):
+                plan = plans[i] if plans else None
+                if plan is not None:
+                    x = cpu_kernels.decoder_layer(plan, x, cos, sin, mask, cache, i, start)
+                else:
+                    x = layer(x, cos, sin, mask, cache, i, start)
         if cache is not None:
             cache.length = start + t
         return x

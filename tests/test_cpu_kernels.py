@@ -280,3 +280,23 @@ def test_pack_weights_keeps_values_sharing_and_outputs(tmp_path):
         assert ck.pack_weights(Transformer.from_pretrained(d)) == 0
     finally:
         ck.set_enabled(old)
+
+
+def test_layers_without_a_plan_take_the_torch_layer_in_the_same_forward(models, monkeypatch):
+    """A layer the kernel cannot run (here: one int4 projection among fp32 ones) falls back alone; its neighbours
+    keep the kernel, and the forward still matches the torch path."""
+    model = Transformer.from_pretrained(models["llama"]).eval()
+    att = model.layers[1].self_attn
+    att.q_proj = Int4Linear.from_linear(att.q_proj, group_size=64)
+    ref_model = copy.deepcopy(model)
+    assert ck.layer_plan(model.layers[0]) is not None and ck.layer_plan(model.layers[1]) is None
+    ids = torch.randint(0, 512, (30,), generator=_gen(11))
+    blocks = [16, 1, 5, 1]  # kernel widths only: the int4 projection takes the int4 kernel (reference: dequantised)
+    got = _run(model, ids, blocks)[0]
+    old = ck.set_enabled(False)
+    try:
+        monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", "1")
+        ref = _run(ref_model, ids, blocks)[0]
+    finally:
+        ck.set_enabled(old)
+    assert (got - ref).abs().max().item() < 1e-4

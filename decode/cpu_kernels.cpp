@@ -297,6 +297,28 @@ static inline float dot(const float* a, const float* b, int64_t n) {
     return s;
 }
 
+// exp of 16 floats (Cephes-style: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n from the exponent bits),
+// within ~2 ulp of expf; inputs clamped to [-87.3, 88.7]. Each lane is computed on its own, so a value's result does
+// not depend on its neighbours.
+static inline v16f exp16(v16f x) {
+    const v16f lo = (v16f){0} - 87.3365447504f, hi = (v16f){0} + 88.3762626647949f;
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    const v16f magic = (v16f){0} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting rounds to the nearest integer
+    const v16f n = (x * 1.44269504088896341f + magic) - magic;
+    const v16f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &e, sizeof(scale));
+    return p * scale;
+}
+
 // y[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)), the sum of squares in double (fixed order).
 static void rmsnorm(const float* x, const float* w, float eps, int64_t T, int64_t H, float* y) {
     for (int64_t t = 0; t < T; t++) {
@@ -357,7 +379,7 @@ static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int6
     const int at = items >= 2 && threads > 1 ? threads : 1;
 #pragma omp parallel num_threads(at) if (at > 1)
     {
-        std::vector<float> sc(L);
+        std::vector<float> sc(L + 16);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t h = it / T, t = it % T, g = h / group;
@@ -367,14 +389,27 @@ static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int6
             const uint8_t* mr = mask ? mask + t * L : nullptr;
             float mx = -INFINITY;
             for (int64_t j = 0; j < L; j++) {
-                if (mr && !mr[j]) continue;
+                if (mr && !mr[j]) {
+                    sc[j] = 0.0f;
+                    continue;
+                }
                 sc[j] = dot(q, kc + j * D, D) * scale;
                 mx = sc[j] > mx ? sc[j] : mx;
             }
+            const int64_t L16 = L - L % 16;
+            for (int64_t j = 0; j < L16; j += 16) {  // exponentials 16 at a time; masked keys set to exactly 0 after
+                const v16f e = exp16(load_f32(sc.data() + j) - mx);
+                memcpy(sc.data() + j, &e, sizeof(e));
+            }
+            if (L16 < L) {  // the tail through the same lane arithmetic (zero-padded)
+                float tail[16] = {0};
+                memcpy(tail, sc.data() + L16, (L - L16) * sizeof(float));
+                const v16f e = exp16(load_f32(tail) - mx);
+                memcpy(sc.data() + L16, &e, (L - L16) * sizeof(float));
+            }
             float den = 0.0f;
-            for (int64_t j = 0; j < L; j++) {
-                if (mr && !mr[j]) continue;
-                sc[j] = expf(sc[j] - mx);
+            for (int64_t j = 0; j < L; j++) {  // in key order, as a decode step sums them (masked keys add 0)
+                if (mr && !mr[j]) sc[j] = 0.0f;
                 den += sc[j];
             }
             float* out = att.data() + t * nq + h * D;
@@ -397,11 +432,21 @@ static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int6
         const int64_t ns[3] = {I, I, 0};
         run3(xn.data(), ws, bs, ns, T, H, gu.data(), threads);
     }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < I; i++) {
-            const float g = gu[t * 2 * I + i], u = gu[t * 2 * I + I + i];
-            act[t * I + i] = g / (1.0f + expf(-g)) * u;
+    for (int64_t t = 0; t < T; t++) {  // SiLU(gate) * up, 16 at a time
+        const float* g = gu.data() + t * 2 * I;
+        const float* u = g + I;
+        float* a = act.data() + t * I;
+        const int64_t I16 = I - I % 16;
+        for (int64_t i = 0; i < I16; i += 16) {
+            const v16f gv = load_f32(g + i);
+            const v16f r = gv / (1.0f + exp16((v16f){0} - gv)) * load_f32(u + i);
+            memcpy(a + i, &r, sizeof(r));
         }
+        for (int64_t i = I16; i < I; i++) {
+            const v16f gv = (v16f){0} + g[i];  // the same lane arithmetic for the tail
+            a[i] = (gv / (1.0f + exp16((v16f){0} - gv)))[0] * u[i];
+        }
+    }
     run1(act.data(), w.w[6], w.b[6], H, T, I, o.data(), threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     return 0;

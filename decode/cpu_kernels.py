@@ -1,20 +1,21 @@
-"""CPU fast path for the decoder's linear layers at decode/verify widths, beside the pure-torch ``F.linear``.
+"""The CPU fast path of the decoder at decode/verify widths (1 to MAX_ROWS positions), beside the pure-torch path.
 
 At batch 1 a decode step streams every weight once, so its speed is memory bandwidth. torch's fp32 CPU GEMM runs a
 single-threaded GEMV at one row (~10 GB/s on a 2-core EPYC that reads 30+ GB/s) and a packing GEMM for a few rows
 (re-reading the weights). ``cpu_kernels.cpp`` streams each weight row once for all rows of the input, on torch's OpenMP
-threads. The same source handles fp32 weights and bf16 weights (fp32 accumulation; bf16 output rounded by torch).
+threads, for fp32 and bf16 weights (fp32 accumulation) and GPTQ-layout int4 weights (:func:`int4_linear`), and runs a
+whole fp32-activation decoder layer in one call (:func:`run_layers`). :func:`pack_weights` puts a loaded model's
+weights in one block in the order a step reads them. docs/DECODE.md describes the design.
 
-The kernel is batch-invariant: a row's output is bitwise the same whether it is computed alone or with up to
-:data:`MAX_ROWS` - 1 others, so a verification over k + 1 positions gives each position exactly the logits a decode
-step gives it. That keeps speculative decoding bitwise equal to ``ar`` in bf16 too (with torch's kernels the rounding
-depended on the width of the forward).
+The kernels are batch-invariant: a row's output is bitwise the same whether it is computed alone or with up to
+MAX_ROWS - 1 others, so in fp32 a verification over k + 1 positions gives each position exactly the logits a decode
+step gives it. (bf16 models only get the linear kernel; their layers' other ops stay torch's, width-dependent.)
 
 Build: the first call compiles ``cpu_kernels.cpp`` with the system C++ compiler (``g++ -O3 -march=native -fopenmp``,
 about 2 s) into ``$POLYSPEC_KERNEL_CACHE`` (default ``~/.cache/polyspec/kernels``), keyed by the source, the compiler
 and this CPU's flags, written under a temporary name and renamed. No compiler, a failed build, or
-``POLYSPEC_CPU_KERNELS=0`` -> every call takes ``F.linear`` (one note on stderr for a failed build). The library links
-``libgomp.so.1``, the OpenMP runtime torch's CPU wheel already loaded, so both share one thread pool.
+``POLYSPEC_CPU_KERNELS=0`` -> every call takes the torch path (one note on stderr for a failed build). The library
+links ``libgomp.so.1``, the OpenMP runtime torch's CPU wheel already loaded, so both share one thread pool.
 """
 
 from __future__ import annotations

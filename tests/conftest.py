@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,15 +16,18 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_VOCAB = 512  # the tiny tokenizers in tests/assets/tokenizers/* have exactly this many tokens
 
 
-@pytest.fixture(scope="session")
-def _kernel_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("kernels")
+def pytest_configure(config):
+    """The CPU kernel library (polyspec.decode.cpu_kernels) is built once per run into a temporary folder, never into
+    the user's cache; set before collection, where test modules already ask whether it builds."""
+    if "POLYSPEC_KERNEL_CACHE" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="polyspec-kernels-")
+        os.environ["POLYSPEC_KERNEL_CACHE"] = folder
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 @pytest.fixture(autouse=True)
-def _offline_env(monkeypatch, tmp_path, _kernel_cache):
+def _offline_env(monkeypatch, tmp_path):
     """Tests never reach the hub and never write to the user's caches."""
-    monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(_kernel_cache))  # the CPU kernel library, built once a session
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))

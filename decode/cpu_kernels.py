@@ -102,7 +102,7 @@ def library_path() -> Path | None:
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"polyspec_linear_{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"polyspec_kernels_{key.hexdigest()[:16]}.so"
 
 
 def build(force: bool = False) -> Path:

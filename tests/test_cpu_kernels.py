@@ -300,3 +300,22 @@ def test_layers_without_a_plan_take_the_torch_layer_in_the_same_forward(models, 
     finally:
         ck.set_enabled(old)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_results_do_not_depend_on_the_thread_count(models):
+    """Threads split the weight rows, never a dot product: 1, 2 and 3 threads give bitwise the same outputs."""
+    model = Transformer.from_pretrained(models["llama"]).eval()
+    ids = torch.randint(0, 512, (24,), generator=_gen(12))
+    w = torch.randn(1000, 192, generator=_gen(13))
+    x = torch.randn(5, 192, generator=_gen(14))
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                outs.append((_run(model, ids, [8, 1, 5, 1, 9])[0], ck.kernel_linear(x, w)))
+    finally:
+        torch.set_num_threads(old)
+    for logits, y in outs[1:]:
+        assert torch.equal(logits, outs[0][0]) and torch.equal(y, outs[0][1])

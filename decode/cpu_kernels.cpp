@@ -288,13 +288,27 @@ static void run1(const float* x, const WT& w, const float* bias, int64_t n, int6
 // of rmsnorm(x). Every row's arithmetic is independent of T (batch-invariant, like the linears).
 // ---------------------------------------------------------------------------------------------------------------
 
-static inline float dot(const float* a, const float* b, int64_t n) {
+template <typename C>  // C: the cache's element type, float or bf16 bits (uint16_t)
+static inline float dot(const float* a, const C* b, int64_t n) {
     const int64_t n16 = n - n % 16;
     v16f acc = (v16f){0};
-    for (int64_t i = 0; i < n16; i += 16) acc += load_f32(a + i) * load_f32(b + i);
+    for (int64_t i = 0; i < n16; i += 16) acc += load_f32(a + i) * load_w<C>(b + i);
     float s = lane_sum(acc);
-    for (int64_t i = n16; i < n; i++) s += a[i] * b[i];
+    for (int64_t i = n16; i < n; i++) s += a[i] * w_scalar(b + i);
     return s;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch rounds; NaN stays NaN
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline void store_row(float* dst, const float* src, int64_t n) { memcpy(dst, src, n * sizeof(float)); }
+static inline void store_row(uint16_t* dst, const float* src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
 }
 
 // exp of 16 floats (Cephes-style: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n from the exponent bits),
@@ -354,9 +368,9 @@ struct LayerWeights {  // q, k, v, o, gate, up, down; their biases (NULL = none)
     const float* post_norm;
 };
 
-template <typename WT>
+template <typename WT, typename C>
 static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
-                 int64_t D, int64_t I, const float* cos_, const float* sin_, float* kcache, float* vcache, int64_t S,
+                 int64_t D, int64_t I, const float* cos_, const float* sin_, C* kcache, C* vcache, int64_t S,
                  int64_t start, const uint8_t* mask, int threads) {
     const int64_t L = start + T, nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk;
     if (L > S || nh % nkv != 0 || D % 2 != 0) return 1;
@@ -370,8 +384,8 @@ static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int6
     rope(qkv.data(), nqkv, cos_, sin_, T, nh + nkv, D);  // q heads then k heads, side by side in each row
     for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < nkv; g++) {
-            memcpy(kcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + g * D, D * sizeof(float));
-            memcpy(vcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + nk + g * D, D * sizeof(float));
+            store_row(kcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + g * D, D);
+            store_row(vcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + nk + g * D, D);
         }
     // Attention: softmax(q k^T / sqrt(D)) v over the visible keys (mask [T, L] bool, NULL = all), per (head, row).
     const float scale = 1.0f / sqrtf((float)D);
@@ -384,8 +398,8 @@ static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int6
         for (int64_t it = 0; it < items; it++) {
             const int64_t h = it / T, t = it % T, g = h / group;
             const float* q = qkv.data() + t * nqkv + h * D;
-            const float* kc = kcache + g * S * D;
-            const float* vc = vcache + g * S * D;
+            const C* kc = kcache + g * S * D;
+            const C* vc = vcache + g * S * D;
             const uint8_t* mr = mask ? mask + t * L : nullptr;
             float mx = -INFINITY;
             for (int64_t j = 0; j < L; j++) {
@@ -417,8 +431,8 @@ static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int6
             for (int64_t j = 0; j < L; j++) {
                 if (mr && !mr[j]) continue;
                 const float pj = sc[j] / den;
-                const float* vr = vc + j * D;
-                for (int64_t d = 0; d < D; d++) out[d] += pj * vr[d];
+                const C* vr = vc + j * D;
+                for (int64_t d = 0; d < D; d++) out[d] += pj * w_scalar(vr + d);
             }
         }
     }
@@ -454,7 +468,7 @@ static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int6
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 4; }
+int polyspec_linear_abi(void) { return 5; }
 
 // fp32 weights, input, biases (NULL: none) and output.
 void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, const float* w2, const float* b0,
@@ -491,6 +505,19 @@ int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, int64_t T, 
                        int64_t S, int64_t start, const uint8_t* mask, int threads) {
     LayerWeights<WF32> w;
     for (int i = 0; i < 7; i++) w.w[i] = {(const float*)ptrs[i]};
+    for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[7 + i];
+    w.in_norm = (const float*)ptrs[14];
+    w.post_norm = (const float*)ptrs[15];
+    return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
+}
+
+// A decoder layer with bf16 weights and a bf16 KV cache (a bf16 model): fp32 residual stream x (the caller widens and
+// rounds it), fp32 biases and norm weights; ptrs as for polyspec_layer_f32.
+int polyspec_layer_bf16(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
+                        int64_t D, int64_t I, const float* cos_, const float* sin_, uint16_t* kcache,
+                        uint16_t* vcache, int64_t S, int64_t start, const uint8_t* mask, int threads) {
+    LayerWeights<WBF16> w;
+    for (int i = 0; i < 7; i++) w.w[i] = {(const uint16_t*)ptrs[i]};
     for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[7 + i];
     w.in_norm = (const float*)ptrs[14];
     w.post_norm = (const float*)ptrs[15];

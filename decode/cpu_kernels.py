@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_ABI = 4
+_ABI = 5
 MAX_ROWS = 16  # wider inputs (prefill) go to torch's GEMM, which is faster there
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -145,6 +145,8 @@ def _load() -> ctypes.CDLL | None:
                                                + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
                                                + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
             lib.polyspec_layer_f32.restype = ctypes.c_int
+            lib.polyspec_layer_bf16.argtypes = lib.polyspec_layer_f32.argtypes
+            lib.polyspec_layer_bf16.restype = ctypes.c_int
             lib.polyspec_layer_i4.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
                                               + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
                                               + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
@@ -305,27 +307,29 @@ _PTRS_I4 = ctypes.c_void_p * 30
 
 
 class LayerPlan:
-    """What :func:`decoder_layer` needs of one model.DecoderLayer: the 16 data pointers (7 weights, 7 biases or
-    NULL, 2 norm weights), the sizes, and references to those tensors (so their memory outlives the plan). Built
-    once per layer by :func:`layer_plan`; DecoderLayer drops it whenever ``Module._apply`` runs (``.to()``,
-    ``.float()``, ...). In-place weight updates keep it valid; rebinding a parameter's ``.data`` does not (call
-    :func:`drop_plans` after doing that)."""
+    """What :func:`decoder_layer` needs of one model.DecoderLayer: its kind ("f32", "bf16" or "i4"), the data
+    pointers (7 weights, or 7 x (codes, scales, zeros) for int4; 7 biases or NULL; 2 norm weights), the sizes, and
+    references to those tensors (so their memory outlives the plan). A bf16 layer's biases and norm weights are held
+    as fp32 copies. Built once per layer by :func:`layer_plan`; DecoderLayer drops it whenever ``Module._apply``
+    runs (``.to()``, ``.float()``, ...). In-place updates of the weights keep it valid (not of a bf16 layer's norms
+    and biases, which are copies); rebinding a parameter's ``.data`` does not (call :func:`drop_plans` then)."""
 
-    __slots__ = ("ptrs", "group_size", "eps", "heads", "kv_heads", "head_dim", "intermediate", "tensors")
+    __slots__ = ("kind", "ptrs", "group_size", "eps", "heads", "kv_heads", "head_dim", "intermediate", "tensors")
 
-    def __init__(self, layer: torch.nn.Module, group_size: int = 0):
+    def __init__(self, layer: torch.nn.Module, kind: str = "f32", group_size: int = 0):
         att, mlp = layer.self_attn, layer.mlp
         lins = _projections(layer)
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        biases = tuple(None if lin.bias is None else lin.bias.detach() for lin in lins)
-        self.group_size = group_size  # 0: fp32 weights; else int4 of this group size
-        if group_size:
+        norms = tuple(w.detach().float() for w in (layer.input_layernorm.weight,
+                                                   layer.post_attention_layernorm.weight))
+        biases = tuple(None if lin.bias is None else lin.bias.detach().float() for lin in lins)
+        self.kind, self.group_size = kind, group_size  # group_size: int4 only
+        if kind == "i4":
             weights = tuple(t for lin in lins for t in (lin.qdata, lin.scales, lin.zeros))
             table = _PTRS_I4
         else:
             weights = tuple(lin.weight.detach() for lin in lins)
             table = _PTRS
-        self.tensors = (*weights, *(w.detach() for w in norms), *(b for b in biases if b is not None))
+        self.tensors = (*weights, *norms, *(b for b in biases if b is not None))
         self.ptrs = table(*(t.data_ptr() for t in weights), *(None if b is None else b.data_ptr() for b in biases),
                           *(w.data_ptr() for w in norms))
         self.eps = float(layer.input_layernorm.eps)
@@ -344,25 +348,27 @@ def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
     return att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
-def _plan_kind(layer: torch.nn.Module) -> int | None:
-    """0 for a layer of fp32 model.Linear projections, the group size for one of Int4Linear projections (one group
-    size, kernel-ready buffers), None for anything else."""
+def _plan_kind(layer: torch.nn.Module) -> tuple[str, int] | None:
+    """("f32", 0) for a layer of fp32 model.Linear projections and fp32 norms, ("bf16", 0) for bf16 ones (a bf16
+    model), ("i4", group size) for Int4Linear projections (one group size, kernel-ready buffers) with fp32 norms;
+    None for anything else."""
     from polyspec.decode.int4 import Int4Linear
 
     lins = _projections(layer)
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if layer.self_attn.head_dim % 2 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
         return None
-    if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in norms):
+    dtype = norms[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16) or not all(t.dtype == dtype and t.is_cpu for t in norms):
         return None
     if all(type(lin).forward is _linear_forward for lin in lins):
         tensors = [lin.weight for lin in lins] + [lin.bias for lin in lins if lin.bias is not None]
-        ok = all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
-        return 0 if ok else None
-    if all(isinstance(lin, Int4Linear) for lin in lins):
+        ok = all(t.dtype == dtype and t.is_cpu and t.is_contiguous() for t in tensors)
+        return ("f32" if dtype == torch.float32 else "bf16", 0) if ok else None
+    if dtype == torch.float32 and all(isinstance(lin, Int4Linear) for lin in lins):
         sizes = {lin.group_size for lin in lins}
         if len(sizes) == 1 and all(int4_layer_ok(lin) for lin in lins):
-            return sizes.pop()
+            return "i4", sizes.pop()
     return None
 
 
@@ -372,9 +378,9 @@ def layer_plan(layer: torch.nn.Module) -> LayerPlan | None:
     plan = layer.__dict__.get("_cpu_plan")
     if plan is None:
         kind = _plan_kind(layer)
-        plan = False if kind is None else LayerPlan(layer, kind)
+        plan = False if kind is None else LayerPlan(layer, *kind)
         layer.__dict__["_cpu_plan"] = plan
-    if plan and plan.group_size and _int4_reference():
+    if plan and plan.kind == "i4" and _int4_reference():
         return None
     return plan or None
 
@@ -386,61 +392,69 @@ def drop_plans(module: torch.nn.Module) -> None:
 
 
 def block_supported(x: torch.Tensor, cos: torch.Tensor, cache, mask: torch.Tensor | None) -> bool:
-    """Whether a block of layers may run through :func:`decoder_layer` (each layer also needs a plan): fp32 input
-    [1, T <= MAX_ROWS, H] on the CPU, fp32 cos/sin, a batch-1 fp32 KV cache, a bool mask or none, no autograd, no
-    tracer or compiler, the library loaded."""
+    """Whether a block of layers may run through :func:`run_layers` (each layer also needs a plan of its dtype): fp32
+    or bf16 input [1, T <= MAX_ROWS, H] on the CPU, a batch-1 KV cache of the same dtype, a bool mask or none, no
+    autograd, no tracer or compiler, the library loaded."""
     if not _enabled or (_tried and _lib is None) or cache is None:
         return False
-    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 3 or x.shape[0] != 1 or not 0 < x.shape[1] <= MAX_ROWS:
+    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or x.dim() != 3 or x.shape[0] != 1 \
+            or not 0 < x.shape[1] <= MAX_ROWS:
         return False
-    if cache.batch_size != 1 or cache.k[0].dtype != torch.float32 or not cache.k[0].is_cpu:
+    if cache.batch_size != 1 or cache.k[0].dtype != x.dtype or not cache.k[0].is_cpu:
         return False
-    if cos.dtype != torch.float32 or (mask is not None and mask.dtype != torch.bool):
+    if mask is not None and mask.dtype != torch.bool:
         return False
     if torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
     return _load() is not None
 
 
+def _layer_fn(plan: LayerPlan, x: torch.Tensor):
+    """The kernel entry point for a plan and an input dtype; ValueError when they do not go together."""
+    if plan.kind == "bf16" and x.dtype == torch.bfloat16:
+        return _lib.polyspec_layer_bf16
+    if plan.kind == "f32" and x.dtype == torch.float32:
+        return _lib.polyspec_layer_f32
+    if plan.kind == "i4" and x.dtype == torch.float32:
+        return lambda o, ptrs, *args: _lib.polyspec_layer_i4(o, ptrs, plan.group_size, *args)
+    raise ValueError(f"a {plan.kind} layer plan cannot run a {x.dtype} block")
+
+
 def run_layers(plans: list[LayerPlan], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor | None, cache, start: int) -> torch.Tensor:
     """Layers 0 .. len(plans) - 1 of a block, one kernel call each on one residual buffer (the caller checked
-    :func:`block_supported` and has every layer's plan): the same as calling :func:`decoder_layer` layer by layer,
-    with the per-call Python work done once."""
-    out = x.contiguous().clone()
+    :func:`block_supported` and has every layer's plan), with the per-call Python work done once. The residual
+    stream is fp32 inside the block; a bf16 block's input is widened once and its output rounded once."""
+    out = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous().clone()
     t, h = out.shape[1], out.shape[2]
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
     m = None if mask is None else mask.contiguous()
     o, cp, sp, mp = out.data_ptr(), cos.data_ptr(), sin.data_ptr(), None if m is None else m.data_ptr()
     threads = torch.get_num_threads()
-    f32, i4 = _lib.polyspec_layer_f32, _lib.polyspec_layer_i4
     for i, plan in enumerate(plans):
         k, v = cache.k[i], cache.v[i]
-        args = (plan.eps, t, h, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate, cp, sp, k.data_ptr(),
-                v.data_ptr(), k.shape[2], start, mp, threads)
-        rc = i4(o, plan.ptrs, plan.group_size, *args) if plan.group_size else f32(o, plan.ptrs, *args)
+        rc = _layer_fn(plan, x)(o, plan.ptrs, plan.eps, t, h, plan.heads, plan.kv_heads, plan.head_dim,
+                                plan.intermediate, cp, sp, k.data_ptr(), v.data_ptr(), k.shape[2], start, mp, threads)
         if rc != 0:
             raise ValueError(f"run_layers: the kernel refused the shapes of layer {i} (code {rc})")
-    return out
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   mask: torch.Tensor | None, cache, layer_idx: int, start: int) -> torch.Tensor:
     """model.DecoderLayer.forward in one kernel call (the caller checked :func:`block_supported` and has the layer's
-    plan): returns the new residual stream [1, T, H] and writes the layer's K/V for positions start .. start + T - 1
-    into the cache."""
-    out = x.contiguous().clone()
+    plan): returns the new residual stream [1, T, H] in x's dtype and writes the layer's K/V for positions
+    start .. start + T - 1 into the cache."""
+    out = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous().clone()
     k, v = cache.k[layer_idx], cache.v[layer_idx]
-    args = (plan.eps, out.shape[1], out.shape[2], plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,
-            cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start,
-            None if mask is None else mask.contiguous().data_ptr(), torch.get_num_threads())
-    if plan.group_size:
-        rc = _lib.polyspec_layer_i4(out.data_ptr(), plan.ptrs, plan.group_size, *args)
-    else:
-        rc = _lib.polyspec_layer_f32(out.data_ptr(), plan.ptrs, *args)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    rc = _layer_fn(plan, x)(out.data_ptr(), plan.ptrs, plan.eps, out.shape[1], out.shape[2], plan.heads,
+                            plan.kv_heads, plan.head_dim, plan.intermediate, cos.data_ptr(), sin.data_ptr(),
+                            k.data_ptr(), v.data_ptr(), k.shape[2], start,
+                            None if mask is None else mask.contiguous().data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"decoder_layer: the kernel refused the shapes (code {rc})")
-    return out
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

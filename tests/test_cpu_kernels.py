@@ -206,7 +206,7 @@ def test_decoder_layer_kernel_matches_torch_path(models, kind, tree, monkeypatch
     got, gk, gv = _run(fast, ids, blocks, tree)
     assert all(ck.layer_plan(layer) is not None for layer in fast.layers)
     if kind == "int4":
-        assert {ck.layer_plan(layer).group_size for layer in fast.layers} == {64}
+        assert {(ck.layer_plan(layer).kind, ck.layer_plan(layer).group_size) for layer in fast.layers} == {("i4", 64)}
     old = ck.set_enabled(False)
     try:
         monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", "1")
@@ -241,7 +241,9 @@ def test_plan_follows_the_module(models):
     assert "_cpu_plan" not in layer.__dict__
     assert copy.deepcopy(model).layers[0].__dict__.get("_cpu_plan") is None
     model.to(torch.bfloat16)
-    assert ck.layer_plan(model.layers[0]) is None  # bf16 layers take the torch path (linears still take the kernel)
+    assert ck.layer_plan(model.layers[0]).kind == "bf16"
+    model.to(torch.float16)
+    assert ck.layer_plan(model.layers[0]) is None  # other dtypes: the torch layer
     ck.drop_plans(model)
     assert "_cpu_plan" not in model.layers[0].__dict__
 
@@ -319,3 +321,47 @@ def test_results_do_not_depend_on_the_thread_count(models):
         torch.set_num_threads(old)
     for logits, y in outs[1:]:
         assert torch.equal(logits, outs[0][0]) and torch.equal(y, outs[0][1])
+
+
+def test_bf16_layers_match_the_fp32_maths_and_are_width_invariant(models):
+    """A bf16 model's layers run with bf16 weights and K/V cache and an fp32 residual stream inside the block:
+    close to the fp32 torch path on the same (bf16-rounded) weights, and bitwise width-invariant, so greedy
+    speculative decoding equals ar in bf16 too."""
+    fp32 = Transformer.from_pretrained(models["llama"]).eval()
+    with torch.no_grad():
+        for p in fp32.parameters():
+            p.copy_(p.bfloat16().float())  # the same values in both models
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    assert all(ck.layer_plan(layer).kind == "bf16" for layer in bf16.layers)
+    ids = torch.randint(0, 512, (40,), generator=_gen(15))
+    blocks = [16, 1, 1, 5, 1, 4, 3]
+    got = _run(bf16, ids, blocks)[0]
+    old = ck.set_enabled(False)
+    try:
+        ref = _run(fp32, ids, blocks)[0]
+    finally:
+        ck.set_enabled(old)
+    assert got.dtype == torch.float32 and (got - ref).abs().max().item() < 0.03 * ref.abs().max().item()
+    bf16.setup_cache(64)
+    with torch.inference_mode():
+        bf16(ids[:16])
+        wide = bf16(ids[16:24])[0]
+        bf16.truncate(16)
+        steps = torch.cat([bf16(ids[i:i + 1])[0] for i in range(16, 24)])
+    assert torch.equal(wide, steps)
+
+
+def test_bf16_greedy_speculation_equals_ar(models):
+    from polyspec.decode.chain import ChainDecoder
+    from polyspec.decode.levels import ModelLevel
+
+    t = Transformer.from_pretrained(models["llama"]).eval().to(torch.bfloat16)
+    twin = copy.deepcopy(t)  # a perfect draft: whole blocks accepted, so every verification is wide
+    other = Transformer.from_pretrained(models["bias"]).eval().to(torch.bfloat16)
+    prompt = [5, 17, 230, 9, 77]
+    ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 24).token_ids
+    for draft in (twin, other):
+        r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(draft, "d")], draft_k=4, max_seq_len=64).generate(prompt, 24)
+        assert r.token_ids == ar
+    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], draft_k=4, max_seq_len=64).generate(prompt, 24)
+    assert max(r.level_stats[0].accept_lengths) == 5

@@ -281,7 +281,15 @@ class _Run:
     # -- the algorithm ---------------------------------------------------------------------------------------------
 
     def decode(self, prompt: list[int]) -> list[int]:
-        """The target's loop: each round commits what one target verification emits."""
+        """The target's loop: each round commits what one target verification emits.
+
+        Every level that reads no features first prefills the prompt but its last token in a forward of its own, so
+        each later position (from the prompt's last token on) is computed by a decode-width forward in every mode:
+        with width-invariant kernels (polyspec.decode.cpu_kernels) its logits are then bitwise those of ``ar``."""
+        if len(prompt) > 1:
+            for i, lv in enumerate(self.levels):
+                if not lv.needs_features:
+                    self._forward(i, prompt[:-1], first_row=len(prompt) - 2, prefill=True)
         seq = list(prompt)
         while len(seq) < self.limit and not (len(seq) > len(prompt) and seq[-1] in self.eos):
             out, _ = self._verify_round(0, seq)
@@ -548,7 +556,8 @@ class _Run:
             del self.seen[i][n:], self.has_hidden[i][n:]
             self.inexact[i] = {p for p in self.inexact[i] if p < n}
 
-    def _forward(self, i: int, full: list[int], first_row: int, catch_up: bool = False) -> torch.Tensor:
+    def _forward(self, i: int, full: list[int], first_row: int, catch_up: bool = False,
+                 prefill: bool = False) -> torch.Tensor:
         """One forward of level i so that its cache holds ``full``; returns logits [len(full) - first_row, V] for
         positions first_row .. len(full) - 1. Only tokens the level has not processed (for this context) are run,
         plus at least position first_row (its logits are not kept between calls)."""
@@ -572,8 +581,9 @@ class _Run:
             self.inexact[i] |= {start + j for j, e in enumerate(exact) if not e}
         if hidden is not None and (self._feeds(i) or level.needs_features):
             self._store_hidden(i, len(full) - hidden.shape[0], hidden)
-        self.stats[i].forward_passes += 1
-        self.stats[i].catch_up_passes += int(catch_up)
+        if not prefill:  # a prompt prefill is not a decode or verification pass
+            self.stats[i].forward_passes += 1
+            self.stats[i].catch_up_passes += int(catch_up)
         rows = len(full) - first_row
         if logits.shape[0] < rows:
             raise PolyspecError(f"level {level.name!r} returned {logits.shape[0]} logits rows, expected >= {rows}")

@@ -498,7 +498,9 @@ def test_feature_draft_gets_true_features_and_matches_ar():
         r = dec.generate(prompt, 30)
         assert r.token_ids == ar
         stats = r.level_stats
-        assert stats[-2].catch_up_passes == 1 and sum(s.catch_up_passes for s in stats) == 1  # only the prompt
+        # the levels above prefilled the prompt (but its last token) before the first round: the head's first draft
+        # finds their hidden states there, no catch-up pass needed
+        assert sum(s.catch_up_passes for s in stats) == 0
         assert head.calls[0][0] == 1 and head.calls[0][1] == prompt  # the first forward covers the prompt
         n_own = n_true = n_redone = 0
         own_at: set[int] = set()  # positions whose current head entry was made from an own predicted feature
@@ -515,6 +517,26 @@ def test_feature_draft_gets_true_features_and_matches_ar():
                 own_at.add(p)
         assert n_true > 0 and n_redone > 0
         assert n_own > 0  # fresh drafts do run on the head's own predicted features
+
+
+def test_catch_up_runs_the_level_above_when_a_feature_is_missing():
+    """decode() prefills the levels above, so a generation never needs it; a draft asked for before the level above
+    has seen the context makes that level catch up once, and then drafts from its true features."""
+    from polyspec.decode.chain import _Run
+
+    v = 8
+    target, _, draft = tables(v, seed=3)
+    prompt = [1, 2, 3]
+    head = FeatureLevel(draft, torch.randn(v, v, generator=torch.Generator().manual_seed(5)) * 0.3)
+    head.first_token = prompt[0]
+    dec = ChainDecoder([TableLevel(target, "t", 2), head], draft_k=3)
+    for lv in dec.levels:
+        lv.reset()
+    run = _Run(dec, SamplingParams(), torch.Generator().manual_seed(0), frozenset(), limit=20)
+    tokens, q = run._draft(prompt, 3)
+    assert len(tokens) == 3 and q.shape == (3, v)
+    assert run.stats[0].catch_up_passes == 1 and run.stats[0].forward_passes == 1
+    assert run.seen[0] == prompt[:-1]  # the target caught up to the last feature the head needed
 
 
 def test_feature_draft_with_one_token_prompt_proposes_nothing_first():

@@ -466,6 +466,17 @@ static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int6
     return 0;
 }
 
+// Dense layer weights from the pointer table: 7 weights of element type E, 7 fp32 biases (NULL = none), 2 fp32 norms.
+template <typename WT, typename E>
+static LayerWeights<WT> dense_weights(const void* const* ptrs) {
+    LayerWeights<WT> w;
+    for (int i = 0; i < 7; i++) w.w[i] = {(const E*)ptrs[i]};
+    for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[7 + i];
+    w.in_norm = (const float*)ptrs[14];
+    w.post_norm = (const float*)ptrs[15];
+    return w;
+}
+
 extern "C" {
 
 int polyspec_linear_abi(void) { return 5; }
@@ -503,12 +514,8 @@ int polyspec_linear_i4(const float* x, const uint8_t* q, const float* s, const u
 int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
                        int64_t D, int64_t I, const float* cos_, const float* sin_, float* kcache, float* vcache,
                        int64_t S, int64_t start, const uint8_t* mask, int threads) {
-    LayerWeights<WF32> w;
-    for (int i = 0; i < 7; i++) w.w[i] = {(const float*)ptrs[i]};
-    for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[7 + i];
-    w.in_norm = (const float*)ptrs[14];
-    w.post_norm = (const float*)ptrs[15];
-    return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
+    return layer(x, dense_weights<WF32, float>(ptrs), eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start,
+                 mask, threads);
 }
 
 // A decoder layer with bf16 weights and a bf16 KV cache (a bf16 model): fp32 residual stream x (the caller widens and
@@ -516,12 +523,8 @@ int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, int64_t T, 
 int polyspec_layer_bf16(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
                         int64_t D, int64_t I, const float* cos_, const float* sin_, uint16_t* kcache,
                         uint16_t* vcache, int64_t S, int64_t start, const uint8_t* mask, int threads) {
-    LayerWeights<WBF16> w;
-    for (int i = 0; i < 7; i++) w.w[i] = {(const uint16_t*)ptrs[i]};
-    for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[7 + i];
-    w.in_norm = (const float*)ptrs[14];
-    w.post_norm = (const float*)ptrs[15];
-    return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
+    return layer(x, dense_weights<WBF16, uint16_t>(ptrs), eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S,
+                 start, mask, threads);
 }
 
 // A decoder layer with int4 projections of group size gs: ptrs = (codes, scales, zeros) x 7, 7 biases, 2 norms.

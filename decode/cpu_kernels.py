@@ -53,10 +53,9 @@ def _env_enabled() -> bool:
 _enabled = _env_enabled()
 
 
-def enabled() -> bool:
-    """Whether the fast path is on: ``POLYSPEC_CPU_KERNELS`` (read at import; 0/false/off/no turns it off), or the
-    last :func:`set_enabled`."""
-    return _enabled
+def _ready() -> bool:
+    """The fast path is on and the library is loaded or not yet tried (cheap: no build attempt)."""
+    return _enabled and (_lib is not None or not _tried)
 
 
 def set_enabled(flag: bool) -> bool:
@@ -227,7 +226,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def fused_linears(x: torch.Tensor, linears: list[torch.nn.Module]) -> torch.Tensor | None:
     """``torch.cat([lin(x) for lin in linears], -1)`` (two or three model.Linear layers of the same in_features and
     dtype) from one kernel call, or None when the fast path does not take them (then call the layers)."""
-    if not (_enabled and (_lib is not None or not _tried)):
+    if not _ready():
         return None
     for lin in linears:
         if type(lin).forward is not _linear_forward or not supports(x, lin.weight):
@@ -248,7 +247,7 @@ def register_linear_class(cls: type) -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with the CPU kernel where it applies (see :func:`supports`)."""
-    if _enabled and (_lib is not None or not _tried) and supports(x, weight) and _load() is not None:
+    if _ready() and supports(x, weight) and _load() is not None:
         return kernel_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -279,7 +278,7 @@ def int4_layer_ok(mod: torch.nn.Module) -> bool:
 def int4_linear(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor | None:
     """``mod(x)`` for an Int4Linear through the kernel (fp32 input [..., K], at most MAX_ROWS rows, no autograd),
     or None when it does not apply (then the caller takes torch's path)."""
-    if not (_enabled and (_lib is not None or not _tried)) or x.dtype != torch.float32 or not x.is_cpu:
+    if not _ready() or x.dtype != torch.float32 or not x.is_cpu:
         return None
     if _int4_reference():
         return None
@@ -299,7 +298,7 @@ def int4_linear(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A whole decoder layer in one call (fp32)
+# Whole decoder layers, one call each (fp32, bf16 or int4 projections)
 # ---------------------------------------------------------------------------------------------------------------
 
 _PTRS = ctypes.c_void_p * 16
@@ -307,7 +306,7 @@ _PTRS_I4 = ctypes.c_void_p * 30
 
 
 class LayerPlan:
-    """What :func:`decoder_layer` needs of one model.DecoderLayer: its kind ("f32", "bf16" or "i4"), the data
+    """What :func:`run_layers` needs of one model.DecoderLayer: its kind ("f32", "bf16" or "i4"), the data
     pointers (7 weights, or 7 x (codes, scales, zeros) for int4; 7 biases or NULL; 2 norm weights), the sizes, and
     references to those tensors (so their memory outlives the plan). A bf16 layer's biases and norm weights are held
     as fp32 copies. Built once per layer by :func:`layer_plan`; DecoderLayer drops it whenever ``Module._apply``
@@ -395,7 +394,7 @@ def block_supported(x: torch.Tensor, cos: torch.Tensor, cache, mask: torch.Tenso
     """Whether a block of layers may run through :func:`run_layers` (each layer also needs a plan of its dtype): fp32
     or bf16 input [1, T <= MAX_ROWS, H] on the CPU, a batch-1 KV cache of the same dtype, a bool mask or none, no
     autograd, no tracer or compiler, the library loaded."""
-    if not _enabled or (_tried and _lib is None) or cache is None:
+    if not _ready() or cache is None:
         return False
     if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or x.dim() != 3 or x.shape[0] != 1 \
             or not 0 < x.shape[1] <= MAX_ROWS:
@@ -409,51 +408,37 @@ def block_supported(x: torch.Tensor, cos: torch.Tensor, cache, mask: torch.Tenso
     return _load() is not None
 
 
-def _layer_fn(plan: LayerPlan, x: torch.Tensor):
-    """The kernel entry point for a plan and an input dtype; ValueError when they do not go together."""
+def _layer_call(plan: LayerPlan, x: torch.Tensor) -> tuple[object, tuple]:
+    """The kernel entry point for a plan and an input dtype, and the arguments that go before the shared ones;
+    ValueError when plan and dtype do not go together."""
     if plan.kind == "bf16" and x.dtype == torch.bfloat16:
-        return _lib.polyspec_layer_bf16
+        return _lib.polyspec_layer_bf16, (plan.ptrs,)
     if plan.kind == "f32" and x.dtype == torch.float32:
-        return _lib.polyspec_layer_f32
+        return _lib.polyspec_layer_f32, (plan.ptrs,)
     if plan.kind == "i4" and x.dtype == torch.float32:
-        return lambda o, ptrs, *args: _lib.polyspec_layer_i4(o, ptrs, plan.group_size, *args)
+        return _lib.polyspec_layer_i4, (plan.ptrs, plan.group_size)
     raise ValueError(f"a {plan.kind} layer plan cannot run a {x.dtype} block")
 
 
 def run_layers(plans: list[LayerPlan], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               mask: torch.Tensor | None, cache, start: int) -> torch.Tensor:
-    """Layers 0 .. len(plans) - 1 of a block, one kernel call each on one residual buffer (the caller checked
-    :func:`block_supported` and has every layer's plan), with the per-call Python work done once. The residual
-    stream is fp32 inside the block; a bf16 block's input is widened once and its output rounded once."""
+               mask: torch.Tensor | None, cache, start: int, first: int = 0) -> torch.Tensor:
+    """Layers first .. first + len(plans) - 1 of a block (model.DecoderLayer.forward each), one kernel call per layer
+    on one residual buffer (the caller checked :func:`block_supported` and has every layer's plan); writes each
+    layer's K/V for positions start .. start + T - 1 into the cache. The residual stream is fp32 inside the block; a
+    bf16 block's input is widened once and its output rounded once."""
     out = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous().clone()
     t, h = out.shape[1], out.shape[2]
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     m = None if mask is None else mask.contiguous()
     o, cp, sp, mp = out.data_ptr(), cos.data_ptr(), sin.data_ptr(), None if m is None else m.data_ptr()
     threads = torch.get_num_threads()
-    for i, plan in enumerate(plans):
+    for i, plan in enumerate(plans, start=first):
         k, v = cache.k[i], cache.v[i]
-        rc = _layer_fn(plan, x)(o, plan.ptrs, plan.eps, t, h, plan.heads, plan.kv_heads, plan.head_dim,
-                                plan.intermediate, cp, sp, k.data_ptr(), v.data_ptr(), k.shape[2], start, mp, threads)
+        fn, lead = _layer_call(plan, x)
+        rc = fn(o, *lead, plan.eps, t, h, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate, cp, sp,
+                k.data_ptr(), v.data_ptr(), k.shape[2], start, mp, threads)
         if rc != 0:
             raise ValueError(f"run_layers: the kernel refused the shapes of layer {i} (code {rc})")
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-
-def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  mask: torch.Tensor | None, cache, layer_idx: int, start: int) -> torch.Tensor:
-    """model.DecoderLayer.forward in one kernel call (the caller checked :func:`block_supported` and has the layer's
-    plan): returns the new residual stream [1, T, H] in x's dtype and writes the layer's K/V for positions
-    start .. start + T - 1 into the cache."""
-    out = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous().clone()
-    k, v = cache.k[layer_idx], cache.v[layer_idx]
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    rc = _layer_fn(plan, x)(out.data_ptr(), plan.ptrs, plan.eps, out.shape[1], out.shape[2], plan.heads,
-                            plan.kv_heads, plan.head_dim, plan.intermediate, cos.data_ptr(), sin.data_ptr(),
-                            k.data_ptr(), v.data_ptr(), k.shape[2], start,
-                            None if mask is None else mask.contiguous().data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"decoder_layer: the kernel refused the shapes (code {rc})")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 

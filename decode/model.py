@@ -451,7 +451,7 @@ class CachedDecoder(nn.Module):
             for i, layer in enumerate(layers):
                 plan = plans[i] if plans else None
                 if plan is not None:
-                    x = cpu_kernels.decoder_layer(plan, x, cos, sin, mask, cache, i, start)
+                    x = cpu_kernels.run_layers([plan], x, cos, sin, mask, cache, start, first=i)
                 else:
                     x = layer(x, cos, sin, mask, cache, i, start)
         if cache is not None:

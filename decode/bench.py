@@ -404,12 +404,17 @@ def _timed_forward(model: Any, kind: str, prefix: int, ids: Any, feats: Any) -> 
     import torch
 
     model.truncate(prefix)
+    cuda = ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(ids.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         if kind == "head":
             model.forward(ids, feats)
         else:
             model.forward(ids)
+    if cuda:
+        torch.cuda.synchronize(ids.device)
     return time.perf_counter() - t0
 
 
@@ -535,6 +540,7 @@ def run(args: argparse.Namespace) -> int:
     from polyspec.decode.bench_prompts import load_prompts
     from polyspec.decode.bench_report import print_report, write_json, write_plots
     from polyspec.decode.cpu_kernels import state as cpu_kernel_state
+    from polyspec.decode.cuda_graphs import runner_of
     from polyspec.stamp import command_line, hardware_stamp, software_stamp
 
     _check_args(args)
@@ -587,7 +593,8 @@ def run(args: argparse.Namespace) -> int:
         "settings": {**settings.__dict__, "prompts": args.prompts, "limit": args.limit,
                      "categories": args.categories, "chain": str(args.chain), "draft_k": args.draft_k or chain.draft_k,
                      "mu": args.mu or list(chain.mu), "levels": list(chain.order), "torch_threads":
-                     torch.get_num_threads(), "cpu_kernels": cpu_kernel_state()},
+                     torch.get_num_threads(), "cpu_kernels": cpu_kernel_state(),
+                     "cuda_graphs": {n: runner_of(m) is not None for n, m in chain.models.items()}},
         "notes": notes,
         "load_average": {"before": load_before, "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "stamp": {"hardware": hardware_stamp(), "software": software_stamp()},

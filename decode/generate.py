@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-from polyspec.decode import cpu_kernels
+from polyspec.decode import cpu_kernels, cuda_graphs
 from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
 from polyspec.decode.levels import HeadLevel, ModelLevel
 from polyspec.errors import PolyspecError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GRAPH_WIDTH = 64  # widest block a CUDA graph serves: a verification of the default 32-token tree fits
 # Room beyond prompt + max_new_tokens for blocks that run past the committed end before the target cuts them.
 _SLACK = 64
 
@@ -94,6 +95,7 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
         else:
             models[lv.name] = Transformer.from_pretrained(folder, dtype=tdtype, device=dev)
         cpu_kernels.pack_weights(models[lv.name])  # CPU: weights in read order, one block
+    cuda_graphs.enable_for_device(models, dev, max_width=GRAPH_WIDTH)  # CUDA: static steps replayed as graphs
     return LoadedChain(
         models=models, order=[lv.name for lv in manifest.levels], kinds={lv.name: lv.kind for lv in manifest.levels},
         tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
@@ -120,6 +122,7 @@ def load_model_folder(model_dir: Path, *, device: str = "auto", dtype: str | Non
     dev = resolve_device(device)
     model = Transformer.from_pretrained(Path(model_dir), dtype=_dtype(dtype, dev), device=dev)
     cpu_kernels.pack_weights(model)
+    cuda_graphs.enable_for_device({"target": model}, dev, max_width=GRAPH_WIDTH)
     return LoadedChain(models={"target": model}, order=["target"], kinds={"target": "target"},
                        tokenizer=load_tokenizer(Path(model_dir)), context=_context(Path(model_dir)))
 

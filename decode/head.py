@@ -71,14 +71,28 @@ class EagleHead(CachedDecoder):
         if ids.dim() != 2 or features.dim() != 3 or features.shape[:2] != ids.shape:
             raise PolyspecError(f"EagleHead.forward: input_ids [T] / [B, T] and features [T, H] / [B, T, H] must "
                                 f"match, got {list(input_ids.shape)} and {list(features.shape)}")
+        runner = self.__dict__.get("_static_runner")  # polyspec.decode.cuda_graphs: static steps / CUDA graphs
+        out = runner.forward(ids, features, tree_mask, position_offsets, last_only) if runner is not None else None
+        if out is None:
+            x = self._run_layers(self._embed(ids, features), [self.layer], tree_mask, position_offsets)
+            out = self._out(x, last_only)
+        logits, x = out
+        return (logits[0], x[0]) if squeeze else (logits, x)
+
+    def _layers(self) -> list[nn.Module]:
+        return [self.layer]
+
+    def _embed(self, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc(concat(embed(ids), features)) [B, T, H] in the compute dtype."""
         dtype = self._compute_dtype()
         emb = self.embed_tokens(ids.to(self.embed_tokens.weight.device)).to(dtype)  # [B, T, H]
-        x = self.fc(torch.cat((emb, features.to(dtype)), dim=-1))  # [B, T, H]
-        x = self._run_layers(x, [self.layer], tree_mask, position_offsets)  # [B, T, H]
+        return self.fc(torch.cat((emb, features.to(dtype)), dim=-1))
+
+    def _out(self, x: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, T, V] float32, the layer output [B, T, H]: the head's predicted feature)."""
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(x).float()  # [B, T, V]
-        return (logits[0], x[0]) if squeeze else (logits, x)
+        return self.lm_head(x).float(), x
 
 
 def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any]) -> Path:

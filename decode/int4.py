@@ -310,7 +310,9 @@ class Int4Linear(nn.Module):
     def _apply(self, fn, recurse=True):
         scales = self.scales
         super()._apply(fn, recurse)
-        self.scales = scales.to(self.qdata.device)  # dtype casts must not round the scales
+        # dtype casts must not round the scales (a meta layer moved with to_empty gets empty float32 scales)
+        self.scales = torch.empty_like(scales, device=self.qdata.device) if scales.is_meta \
+            else scales.to(self.qdata.device)
         self._kernel = None
         return self
 

@@ -236,8 +236,9 @@ class StaticKVCache:
     """Per-layer K/V tensors (B, kv_heads, max_seq_len, head_dim) plus the number of positions held."""
 
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (batch_size, kv_heads, max_seq_len, head_dim)
+                 dtype: torch.dtype, device: torch.device, slack: int = 0):
+        # ``slack`` spare slots past max_seq_len: the padding rows of a static step (polyspec.decode.cuda_graphs)
+        shape = (batch_size, kv_heads, max_seq_len + slack, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0
@@ -364,8 +365,17 @@ class CachedDecoder(nn.Module):
             )
         dtype = self._compute_dtype()
         device = self.inv_freq.device
+        runner = self.__dict__.get("_static_runner")
+        slack = runner.slack if runner is not None else 0
+        old = self._cache
+        if runner is not None and old is not None and old.batch_size == batch_size and old.k[0].dtype == dtype \
+                and old.k[0].device == device and old.k[0].shape[2] >= max_seq_len + slack:
+            old.length, old.max_seq_len = 0, max_seq_len  # same tensors: captured graphs stay valid
+            return
+        if runner is not None:  # room to grow in 1024-slot steps: fewer re-allocations, so fewer graph captures
+            slack = -(-(max_seq_len + slack) // 1024) * 1024 - max_seq_len
         self._cache = StaticKVCache(self._cache_layers, batch_size, a.num_kv_heads, max_seq_len, a.head_dim,
-                                    dtype, device)
+                                    dtype, device, slack)
 
     @property
     def cache_len(self) -> int:
@@ -420,12 +430,19 @@ class CachedDecoder(nn.Module):
             raise PolyspecError(f"position_offsets has {offsets.numel()} entries for a block of {t} tokens")
         return start + offsets
 
-    def _run_layers(self, x: torch.Tensor, layers: list[nn.Module], tree_mask: torch.Tensor | None,
-                    position_offsets: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, H] through ``layers`` with the cache (if set up) -> [B, T, H]; advances cache_len."""
-        b, t, _ = x.shape
+    def _apply(self, fn, recurse=True):
+        runner = self.__dict__.get("_static_runner")
+        if runner is not None:  # moved or cast weights: static buffers and graphs are stale
+            runner.invalidate()
+        return super()._apply(fn, recurse)
+
+    def _layers(self) -> list[nn.Module]:
+        """The decoder layers, in cache order."""
+        raise NotImplementedError
+
+    def _check_block(self, b: int, t: int, start: int, tree_mask: torch.Tensor | None) -> None:
+        """One clear error for a block of ``b`` x ``t`` tokens at cache position ``start`` that cannot run."""
         cache = self._cache
-        start = cache.length if cache is not None else 0
         if cache is not None:
             if start + t > cache.max_seq_len:
                 raise PolyspecError(
@@ -440,6 +457,14 @@ class CachedDecoder(nn.Module):
                                     f"got {list(tree_mask.shape)}")
             if not bool(tree_mask[:, tree_mask.shape[1] - t:].to(torch.bool).diagonal().all()):
                 raise PolyspecError("tree_mask must let every token see itself (its diagonal must be all True)")
+
+    def _run_layers(self, x: torch.Tensor, layers: list[nn.Module], tree_mask: torch.Tensor | None,
+                    position_offsets: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, H] through ``layers`` with the cache (if set up) -> [B, T, H]; advances cache_len."""
+        b, t, _ = x.shape
+        cache = self._cache
+        start = cache.length if cache is not None else 0
+        self._check_block(b, t, start, tree_mask)
         positions = self._positions(t, start, position_offsets, x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
         mask = block_mask(start, t, tree_mask, x.device)
@@ -495,14 +520,27 @@ class Transformer(CachedDecoder):
         last_only: return only the last row of each output ([1, V], [1, H]).
         """
         ids, squeeze = _as_batch(input_ids)
-        x = self.embed_tokens(ids.to(self.embed_tokens.weight.device))  # [B, T, H]
-        x = x.to(self._compute_dtype())
-        x = self._run_layers(x, list(self.layers), tree_mask, position_offsets)
+        runner = self.__dict__.get("_static_runner")  # polyspec.decode.cuda_graphs: static steps / CUDA graphs
+        out = runner.forward(ids, None, tree_mask, position_offsets, last_only) if runner is not None else None
+        if out is None:
+            x = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets)
+            out = self._out(x, last_only)
+        logits, hidden = out
+        return (logits[0], hidden[0]) if squeeze else (logits, hidden)
+
+    def _layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def _embed(self, ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """ids [B, T] -> layer input [B, T, H] in the compute dtype."""
+        return self.embed_tokens(ids.to(self.embed_tokens.weight.device)).to(self._compute_dtype())
+
+    def _out(self, x: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last layer's output [B, T, H] -> (logits [B, T, V] float32, final-norm'd hidden [B, T, H])."""
         hidden = self.norm(x)  # [B, T, H]
         if last_only:
             hidden = hidden[:, -1:]
-        logits = self.lm_head(hidden).float()  # [B, T, V]
-        return (logits[0], hidden[0]) if squeeze else (logits, hidden)
+        return self.lm_head(hidden).float(), hidden
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,

@@ -133,8 +133,8 @@ def profile_key(parts: dict[str, Path], settings: dict[str, Any]) -> str:
 
 def load_levels(parts: dict[str, Path], *, device: str = "auto", dtype: str | None = None) -> dict[str, Any]:
     """{"target": Transformer, "int4": Transformer, "head": EagleHead, "tokenizer", "device", "dtype"}."""
-    from polyspec.decode import cpu_kernels
-    from polyspec.decode.generate import DTYPES, resolve_device
+    from polyspec.decode import cpu_kernels, cuda_graphs
+    from polyspec.decode.generate import DTYPES, GRAPH_WIDTH, resolve_device
     from polyspec.decode.head import load_head
     from polyspec.decode.model import Transformer
     from polyspec.sources import load_tokenizer
@@ -148,6 +148,7 @@ def load_levels(parts: dict[str, Path], *, device: str = "auto", dtype: str | No
     head = load_head(parts["head"], target).to(dev).eval()
     for model in (target, int4, head):  # as load_chain does: CPU weights in read order, one block each
         cpu_kernels.pack_weights(model)
+    cuda_graphs.enable_for_device({"target": target, "int4": int4, "head": head}, dev, max_width=GRAPH_WIDTH)
     return {"target": target, "int4": int4, "head": head, "tokenizer": load_tokenizer(parts["target"]),
             "device": str(dev), "dtype": name}
 

@@ -152,6 +152,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def cmd_shape_bench(args: argparse.Namespace) -> int:
+    """Random-weight model at a named shape (default Llama-2-7B): ar tokens/s against the memory roofline, int4 g128
+    and draft-head forward times relative to the target, and a Lemma 3.1 projection from a profiled chain's L_i."""
+    from polyspec.decode import shape_bench
+
+    return shape_bench.run(args)
+
+
 def add_tree_arguments(p: argparse.ArgumentParser) -> None:
     """--tree / --no-tree and the tree's shape (generate and bench)."""
     p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
@@ -263,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     from polyspec.decode import bench as _bench  # light: no torch at import
 
     _bench.configure_parser(verb("bench", cmd_bench))
+    from polyspec.decode import shape_bench as _shape_bench  # light: no torch at import
+
+    _shape_bench.configure_parser(verb("shape-bench", cmd_shape_bench))
 
     p = verb("generate", cmd_generate)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")

@@ -1,0 +1,272 @@
+"""Static-shape decode and verify steps, replayed as CUDA graphs on a GPU.
+
+A decode step of a 7B model at batch 1 launches some 500 small kernels; on a GPU the launch overhead alone is a large
+share of the step. Capturing the step once as a CUDA graph and replaying it removes that overhead, but a graph fixes
+every tensor address and shape. :class:`StaticRunner` therefore runs a forward of T <= ``max_width`` tokens as a
+*static* step of width W (the next bucket >= T, see :data:`BUCKETS`):
+
+* token ids, RoPE positions, features and the attention mask live in pre-allocated buffers; rows T..W-1 are padding
+  (token 0 at the positions after the block, each seeing only itself) whose outputs are dropped;
+* K/V are written with ``index_copy_`` at the positions held in a tensor, and attention reads the *whole* cache
+  (its physical length, ``max_seq_len + max_width``) under a bool mask [W, S] that hides everything not yet valid:
+  no shape depends on the cache length;
+* RoPE cos/sin come from a table over every cache position, gathered by the position tensor.
+
+The same static step runs eagerly on any device (``graphs=False``): that is the pure-torch path the tests compare
+with the model's own forward on the CPU. With ``graphs=True`` (CUDA only) each width bucket is captured on first use
+(after two warm-up runs on a side stream, which also build the int4 kernels' packed weights) and replayed afterwards.
+Graphs are dropped whenever the cache is re-allocated or the model is moved or cast.
+
+Prefill blocks wider than ``max_width``, batches > 1, autograd and calls without a cache take the model's ordinary
+forward; both paths share the cache tensors. ``POLYSPEC_CUDA_GRAPHS=0`` keeps :func:`enable_for_device` from
+attaching runners (the ordinary forward then runs everywhere).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyspec.errors import PolyspecError
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # static widths; a block of T tokens runs at the first bucket >= T
+ENV = "POLYSPEC_CUDA_GRAPHS"
+
+
+def _none() -> None:
+    return None
+
+
+def graphs_wanted(device: torch.device | str) -> bool:
+    """CUDA graphs by default on a CUDA device unless ``POLYSPEC_CUDA_GRAPHS=0``."""
+    dev = torch.device(device)
+    return dev.type == "cuda" and os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
+
+
+def bucket_for(t: int, max_width: int) -> int | None:
+    """The static width a block of ``t`` tokens runs at (None: wider than ``max_width``, take the ordinary path)."""
+    for b in BUCKETS:
+        if b > max_width:
+            break
+        if b >= t:
+            return b
+    return None
+
+
+def static_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """One :class:`~polyspec.decode.model.DecoderLayer` at static shapes.
+
+    x [1, W, H]; cos/sin [W, D]; positions long [W] (cache slots written); mask bool [W, S]; k/v_cache [1, kv, S, D]
+    (written in place at ``positions``). Returns [1, W, H].
+    """
+    from polyspec.decode.model import apply_rope
+
+    att = layer.self_attn
+    b, t, _ = x.shape
+    h, kv, d = att.num_heads, att.num_kv_heads, att.head_dim
+    y = layer.input_layernorm(x)
+    q = apply_rope(att.q_proj(y).view(b, t, h, d).transpose(1, 2), cos, sin)  # [1, h, W, D]
+    k = apply_rope(att.k_proj(y).view(b, t, kv, d).transpose(1, 2), cos, sin)  # [1, kv, W, D]
+    v = att.v_proj(y).view(b, t, kv, d).transpose(1, 2)  # [1, kv, W, D]
+    k_cache.index_copy_(2, positions, k)
+    v_cache.index_copy_(2, positions, v)
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask[None, None],
+                                         enable_gqa=h != kv)  # [1, h, W, D]
+    x = x + att.o_proj(out.transpose(1, 2).reshape(b, t, h * d))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+class _Bucket:
+    """Input/output buffers of one static width, and its graph once captured."""
+
+    def __init__(self, width: int, s: int, hidden: int, head_dim: int, dtype: torch.dtype, features: bool,
+                 device: torch.device):
+        self.width = width
+        self.cos = torch.zeros(width, head_dim, dtype=dtype, device=device)  # RoPE rows of the block's positions
+        self.sin = torch.zeros(width, head_dim, dtype=dtype, device=device)
+        self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.positions = torch.arange(width, dtype=torch.long, device=device)
+        self.mask = torch.zeros(width, s, dtype=torch.bool, device=device)
+        self.feats = torch.zeros(1, width, hidden, dtype=dtype, device=device) if features else None
+        self.graph: Any = None
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None  # the graph's static outputs
+
+
+class StaticRunner:
+    """Runs a CachedDecoder's forwards of up to ``max_width`` tokens as static steps (see the module docstring).
+
+    Attach with :func:`enable`; the model's ``forward`` then asks :meth:`forward` first and falls back to its own
+    path when that returns None.
+    """
+
+    def __init__(self, model: nn.Module, *, graphs: bool, max_width: int = 16):
+        if max_width < 1 or max_width > BUCKETS[-1]:
+            raise PolyspecError(f"max_width must lie in 1..{BUCKETS[-1]}, got {max_width}")
+        self.model = model
+        self.graphs = graphs
+        self.max_width = max_width
+        self._buckets: dict[int, _Bucket] = {}
+        self._cache_key: tuple | None = None
+        self._cos = self._sin = None
+        self.replays = 0  # forwards served by a static step (graph replays or eager static runs)
+        self.captures = 0
+
+    # pickled / deep-copied models carry no runner (graphs and their buffers belong to this model's tensors)
+    def __reduce__(self):
+        return (_none, ())
+
+    @property
+    def slack(self) -> int:
+        """Extra cache slots the padding rows of the widest bucket may write past max_seq_len."""
+        return bucket_for(self.max_width, self.max_width) or self.max_width
+
+    def invalidate(self) -> None:
+        """Forget buffers, graphs and RoPE tables (after the cache is re-allocated or the weights move)."""
+        self._buckets.clear()
+        self._cache_key = None
+        self._cos = self._sin = None
+
+    def _sync_cache(self, cache: Any) -> None:
+        key = (cache.k[0].data_ptr(), cache.k[0].shape, cache.k[0].dtype)
+        if key == self._cache_key:
+            return
+        self.invalidate()
+        from polyspec.decode.model import rope_cos_sin
+
+        s = cache.k[0].shape[2]
+        dev = cache.k[0].device
+        self._cos, self._sin = rope_cos_sin(self.model.inv_freq, torch.arange(s, device=dev), cache.k[0].dtype)
+        self._cache_key = key
+
+    def applies(self, ids: torch.Tensor, features: torch.Tensor | None) -> bool:
+        cache = self.model._cache
+        return (cache is not None and ids.dim() == 2 and ids.shape[0] == 1 and cache.batch_size == 1
+                and bucket_for(ids.shape[1], self.max_width) is not None
+                and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()))
+                and cache.k[0].shape[2] >= cache.max_seq_len + self.slack)
+
+    def forward(self, ids: torch.Tensor, features: torch.Tensor | None, tree_mask: torch.Tensor | None,
+                position_offsets: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits [1, T, V] float32, hidden [1, T, H]) of ids [1, T] (and features [1, T, H] for a head) appended
+        to the cache, or None when this call must take the ordinary path. Checks as the ordinary forward does."""
+        if not self.applies(ids, features):
+            return None
+        model = self.model
+        cache = model._cache
+        t = ids.shape[1]
+        start = cache.length
+        model._check_block(1, t, start, tree_mask)
+        self._sync_cache(cache)
+        dev = cache.k[0].device
+        width = bucket_for(t, self.max_width)
+        bk = self._buckets.get(width)
+        if bk is None:
+            kc = cache.k[0]
+            bk = self._buckets[width] = _Bucket(width, kc.shape[2], model.args.hidden_size, kc.shape[3], kc.dtype,
+                                                features is not None, dev)
+        # -- fill the static inputs (eager, outside any graph) --
+        bk.ids[0, :t].copy_(ids[0])
+        bk.ids[0, t:].zero_()
+        offsets = torch.arange(width, device=dev)
+        if position_offsets is not None:
+            offsets[:t] = torch.as_tensor(position_offsets, device=dev).long().flatten()
+        # RoPE positions of the block; cache slots are start.. in order (padding rows after it)
+        rope_pos = start + offsets
+        slots = torch.arange(start, start + width, device=dev)
+        bk.positions.copy_(slots)
+        bk.mask.zero_()
+        if tree_mask is None:
+            inner = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        else:
+            inner = tree_mask.to(device=dev, dtype=torch.bool)
+        k = inner.shape[1] - t
+        bk.mask[:t, :start - k] = True
+        bk.mask[:t, start - k:start + t] = inner
+        pad = torch.arange(t, width, device=dev)
+        bk.mask[pad, start + pad] = True  # a padding row sees only itself
+        if bk.feats is not None:
+            bk.feats[0, :t].copy_(features[0])
+            bk.feats[0, t:].zero_()
+        bk.cos.copy_(self._cos.index_select(0, rope_pos))
+        bk.sin.copy_(self._sin.index_select(0, rope_pos))
+        logits, hidden = self._run(bk)
+        cache.length = start + t
+        self.replays += 1
+        rows = slice(t - 1, t) if last_only else slice(0, t)
+        return logits[:, rows].clone(), hidden[:, rows].clone()
+
+    def _step(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static forward over bucket ``bk``'s buffers -> (logits [1, W, V] float32, hidden [1, W, H])."""
+        model = self.model
+        cache = model._cache
+        cos, sin = bk.cos, bk.sin
+        x = model._embed(bk.ids, bk.feats)
+        for i, layer in enumerate(model._layers()):
+            x = static_layer(layer, x, cos, sin, bk.positions, bk.mask, cache.k[i], cache.v[i])
+        return model._out(x, last_only=False)
+
+    def _run(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.graphs:
+            return self._step(bk)
+        if bk.graph is None:
+            self._capture(bk)
+        bk.graph.replay()
+        return bk.out
+
+    def _capture(self, bk: _Bucket) -> None:
+        """Warm up on a side stream (runs the step for real: idempotent, it rewrites the same cache slots), then
+        capture the step into a CUDA graph with a private memory pool."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(bk)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            bk.out = self._step(bk)
+        bk.graph = graph
+        self.captures += 1
+
+
+def enable(model: nn.Module, *, graphs: bool | None = None, max_width: int = 16) -> StaticRunner:
+    """Attach a :class:`StaticRunner` to a Transformer or EagleHead (``graphs`` None: on for a CUDA model).
+
+    Call before ``setup_cache`` or call ``setup_cache`` again: the cache needs ``max_width`` spare slots.
+    """
+    for attr in ("_embed", "_out", "_layers", "_check_block", "inv_freq", "args"):
+        if not hasattr(model, attr):
+            raise PolyspecError(f"static steps need a polyspec Transformer or EagleHead, got {type(model).__name__}")
+    dev = model.inv_freq.device
+    if graphs is None:
+        graphs = dev.type == "cuda"
+    if graphs and dev.type != "cuda":
+        raise PolyspecError(f"CUDA graphs need a CUDA model; this one is on {dev}")
+    runner = StaticRunner(model, graphs=graphs, max_width=max_width)
+    model.__dict__["_static_runner"] = runner
+    return runner
+
+
+def disable(model: nn.Module) -> None:
+    model.__dict__.pop("_static_runner", None)
+
+
+def runner_of(model: nn.Module) -> StaticRunner | None:
+    return model.__dict__.get("_static_runner")
+
+
+def enable_for_device(models: dict[str, nn.Module], device: torch.device | str, *, max_width: int = 16) -> int:
+    """Attach graph runners to every model on a CUDA ``device`` (unless POLYSPEC_CUDA_GRAPHS=0); returns how many."""
+    if not graphs_wanted(device):
+        return 0
+    n = 0
+    for m in models.values():
+        if hasattr(m, "_embed"):
+            enable(m, graphs=True, max_width=max_width)
+            n += 1
+    return n

@@ -1,0 +1,248 @@
+"""Static-shape steps (polyspec.decode.cuda_graphs): the eager static path against the model's own forward on the CPU,
+and CUDA-graph replay against both on a GPU (marked ``gpu``, skipped without CUDA)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from polyspec.decode import cuda_graphs
+from polyspec.decode.chain import ChainDecoder, TreeParams
+from polyspec.errors import PolyspecError
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from conftest import make_tiny_llama
+
+    from polyspec.decode.head import EagleHead
+    from polyspec.decode.int4 import quantize_model_rtn
+    from polyspec.decode.model import Transformer
+
+    root = tmp_path_factory.mktemp("static_llamas")
+    make_tiny_llama(root / "t", seed=0, tokenizer=None)
+    target = Transformer.from_pretrained(root / "t").eval()
+    torch.manual_seed(0)
+    head = EagleHead(target.args, target.embed_tokens, target.lm_head).eval()
+    return {"target": target, "int4": quantize_model_rtn(Transformer.from_pretrained(root / "t").eval(), 128),
+            "head": head, "dir": root / "t"}
+
+
+def _twin(model):
+    """A copy of ``model`` with an eager static runner (the copy's own cache)."""
+    twin = copy.deepcopy(model)
+    assert cuda_graphs.runner_of(twin) is None
+    runner = cuda_graphs.enable(twin, graphs=False)
+    return twin, runner
+
+
+def _call(model, ids, feats=None, **kw):
+    with torch.inference_mode():
+        return model(ids, feats, **kw) if feats is not None else model(ids, **kw)
+
+
+def _same(a, b, tol=1e-4):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=tol, rtol=tol)
+
+
+def _caches_equal(a, b, tol=1e-4):
+    n = a.cache_len
+    assert n == b.cache_len
+    for ka, kb, va, vb in zip(a._cache.k, b._cache.k, a._cache.v, b._cache.v, strict=True):
+        torch.testing.assert_close(ka[:, :, :n], kb[:, :, :n], atol=tol, rtol=tol)
+        torch.testing.assert_close(va[:, :, :n], vb[:, :, :n], atol=tol, rtol=tol)
+
+
+def _script(ref, twin, runner, *, head: bool, tol=1e-4):
+    """Prefill, decode, verify, roll back, tree forwards with earlier-tree columns, compact: both must agree."""
+    g = torch.Generator().manual_seed(3)
+    hid = ref.args.hidden_size
+    ids = torch.randint(0, ref.args.vocab_size, (64,), generator=g)
+    feats = torch.randn(64, hid, generator=g) if head else None
+
+    def both(sl, **kw):
+        f = feats[sl] if head else None
+        out_ref, out_twin = _call(ref, ids[sl], f, **kw), _call(twin, ids[sl], f, **kw)
+        _same(out_ref, out_twin, tol)
+        return out_twin
+
+    for m in (ref, twin):
+        m.setup_cache(48)
+    both(slice(0, 20))  # wider than max_width: the ordinary path (same cache tensors)
+    assert runner.replays == 0
+    both(slice(20, 21))  # decode width: bucket 1
+    both(slice(21, 26))  # a verification of 5: bucket 8 with 3 padding rows
+    both(slice(26, 29), last_only=True)
+    assert runner.replays == 3
+    _caches_equal(ref, twin, tol)
+    for m in (ref, twin):
+        m.truncate(22)  # rollback: the padding rows' slots past 29 must not matter either
+    both(slice(30, 31))
+    # a tree: 4 nodes (root, two children, a grandchild) at depth offsets, then 2 more nodes that see 2 cached ones
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    both(slice(31, 35), tree_mask=tree, position_offsets=torch.tensor([0, 1, 1, 2]))
+    more = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)  # [T=2, K=2 cached + 2 block]
+    both(slice(35, 37), tree_mask=more, position_offsets=torch.tensor([1, 2]))
+    for m in (ref, twin):
+        m.compact(torch.tensor([23, 25, 27]), 24)
+    both(slice(37, 38))
+    _caches_equal(ref, twin, tol)
+    assert runner.replays == 7 and runner.captures == 0
+
+
+@pytest.mark.parametrize("kind", ["target", "int4"])
+def test_static_step_matches_the_models_forward(models, kind):
+    ref = copy.deepcopy(models[kind])
+    twin, runner = _twin(models[kind])
+    _script(ref, twin, runner, head=False, tol=1e-2 if kind == "int4" else 1e-4)
+
+
+def test_static_step_matches_the_heads_forward(models):
+    ref = copy.deepcopy(models["head"])
+    twin, runner = _twin(models["head"])
+    _script(ref, twin, runner, head=True)
+
+
+def test_bucket_for():
+    assert [cuda_graphs.bucket_for(t, 16) for t in (1, 2, 3, 5, 8, 9, 16, 17)] == [1, 2, 4, 8, 8, 16, 16, None]
+    assert cuda_graphs.bucket_for(5, 4) is None and cuda_graphs.bucket_for(3, 4) == 4
+    assert cuda_graphs.bucket_for(40, 64) == 64
+
+
+def test_cache_is_reused_and_invalidated(models):
+    twin, runner = _twin(models["target"])
+    twin.setup_cache(40)
+    k0 = twin._cache.k[0]
+    assert k0.shape[2] == 1024 and twin.max_seq_len == 40  # capacity in 1024-slot steps, >= 40 + the slack
+    _call(twin, torch.tensor([1, 2, 3]))
+    assert runner._buckets and runner._cache_key is not None
+    twin.setup_cache(32)  # fits: the same tensors (captured graphs would stay valid), emptied
+    assert twin._cache.k[0] is k0 and twin.cache_len == 0 and twin.max_seq_len == 32
+    with pytest.raises(PolyspecError, match="max_seq_len"):
+        _call(twin, torch.arange(40) % 100)
+    _call(twin, torch.tensor([4]))
+    key = runner._cache_key
+    twin.setup_cache(1010)  # larger than the capacity (1010 + 16 > 1024): new tensors, buffers rebuilt
+    assert twin._cache.k[0] is not k0
+    _call(twin, torch.tensor([5]))
+    assert runner._cache_key != key
+    twin.float()  # moving or casting weights drops everything
+    assert not runner._buckets and runner._cache_key is None
+    assert cuda_graphs.runner_of(copy.deepcopy(twin)) is None
+
+
+def test_ordinary_path_for_training_batches_and_wide_blocks(models):
+    twin, runner = _twin(models["target"])
+    twin.setup_cache(64, batch_size=2)
+    with torch.inference_mode():
+        twin(torch.tensor([[1, 2], [3, 4]]))
+    assert runner.replays == 0
+    twin.setup_cache(64)
+    out = twin(torch.tensor([1, 2, 3]))  # autograd on: the ordinary path (the static one writes caches in place)
+    assert out[0].requires_grad and runner.replays == 0
+    with torch.inference_mode():
+        twin(torch.tensor([4]))
+    assert runner.replays == 1
+
+
+def test_enable_checks_its_input(models, monkeypatch):
+    with pytest.raises(PolyspecError, match="CUDA"):
+        cuda_graphs.enable(copy.deepcopy(models["target"]), graphs=True)
+    with pytest.raises(PolyspecError, match="Transformer or EagleHead"):
+        cuda_graphs.enable(torch.nn.Linear(2, 2))
+    with pytest.raises(PolyspecError, match="max_width"):
+        cuda_graphs.enable(copy.deepcopy(models["target"]), graphs=False, max_width=65)
+    assert not cuda_graphs.graphs_wanted("cpu")
+    monkeypatch.setenv(cuda_graphs.ENV, "0")
+    assert not cuda_graphs.graphs_wanted("cuda") and cuda_graphs.enable_for_device({}, "cuda") == 0
+    monkeypatch.setenv(cuda_graphs.ENV, "1")
+    assert cuda_graphs.graphs_wanted("cuda")
+
+
+def _levels(t, q, h, static: bool):
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t, q, h = copy.deepcopy(t), copy.deepcopy(q), copy.deepcopy(h)
+    h.embed_tokens, h.lm_head = t.embed_tokens, t.lm_head
+    if static:
+        for m in (t, q, h):
+            cuda_graphs.enable(m, graphs=False)
+    return ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")
+
+
+@pytest.mark.parametrize("tree", [None, TreeParams(top_k=3, depth=3, total_tokens=8)], ids=["linear", "tree"])
+def test_greedy_chain_on_static_steps_equals_ar(models, tree):
+    t, q, h = models["target"], models["int4"], models["head"]
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = ChainDecoder([_levels(t, q, h, False)[0]], max_seq_len=64).generate(prompt, 20).token_ids
+    lt, lq, lh = _levels(t, q, h, True)
+    for levels, kw in [([lt], {}), ([lt, lh], {"draft_k": 4}), ([lt, lq, lh], {"draft_k": 3, "mu": [4]})]:
+        r = ChainDecoder(levels, max_seq_len=64, tree=tree if len(levels) > 1 else None, **kw).generate(prompt, 20)
+        assert r.token_ids == ar, (levels, r.stats)
+    assert all(cuda_graphs.runner_of(lv.model if hasattr(lv, "model") else lv.head).replays > 0
+               for lv in (lt, lq, lh))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: the same checks with CUDA graphs captured and replayed
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_matches_the_models_forward(models, dtype):
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    ref = copy.deepcopy(models["target"]).to("cuda", dtype)
+    twin = copy.deepcopy(models["target"]).to("cuda", dtype)
+    runner = cuda_graphs.enable(twin)
+    assert runner.graphs
+    _script_cuda(ref, twin, runner, tol)
+    assert runner.captures == 3  # buckets 1, 8 and 4, each captured once, then replayed
+
+
+def _script_cuda(ref, twin, runner, tol):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, ref.args.vocab_size, (64,), generator=g).cuda()
+    for m in (ref, twin):
+        m.setup_cache(48)
+
+    def both(sl, **kw):
+        _same(_call(ref, ids[sl], **kw), _call(twin, ids[sl], **kw), tol)
+
+    both(slice(0, 20))
+    for step in range(3):  # replays of the captured buckets at moving positions
+        both(slice(20 + 6 * step, 21 + 6 * step))
+        both(slice(21 + 6 * step, 26 + 6 * step))
+        both(slice(26 + 6 * step, 29 + 6 * step), last_only=True)
+    _caches_equal(ref, twin, tol)
+    for m in (ref, twin):
+        m.truncate(22)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    both(slice(31, 35), tree_mask=tree, position_offsets=torch.tensor([0, 1, 1, 2]))
+    _caches_equal(ref, twin, tol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_chain_equals_ar_and_graphs_survive_generations(models):
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t = copy.deepcopy(models["target"]).cuda()
+    q = copy.deepcopy(models["int4"]).cuda()
+    h = copy.deepcopy(models["head"]).cuda()
+    h.embed_tokens, h.lm_head = t.embed_tokens, t.lm_head
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(copy.deepcopy(t), "t")], max_seq_len=64).generate(prompt, 20).token_ids
+    n = cuda_graphs.enable_for_device({"t": t, "q": q, "h": h}, "cuda")
+    assert n == 3
+    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], draft_k=3, mu=[4],
+                       max_seq_len=64)
+    assert dec.generate(prompt, 20).token_ids == ar
+    captured = {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)}
+    assert dec.generate(prompt, 20).token_ids == ar  # the same cache tensors: no new captures
+    assert {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)} == captured

@@ -4,8 +4,8 @@
 // single-threaded GEMV at M = 1 (~10 GB/s on our 2-core machine, where a plain reduction reads 30+ GB/s) and a
 // packing GEMM above it, which re-reads the weights. This kernel walks the weight rows in memory order, one
 // contiguous slice of rows per OpenMP thread (the runtime torch itself uses), and takes each row against every input
-// row while it is in L1 (groups of up to 8 input rows in vector registers). Up to three weights can be computed side
-// by side in one call (q/k/v, gate/up).
+// row while it is in L1 (passes of up to 8 input rows in vector registers; see rows() for the pass sizes). Up to three
+// weights can be computed side by side in one call (q/k/v, gate/up).
 //
 // Batch invariance: output (m, n) is the same sequence of fused multiply-adds whatever M is (two 16-lane accumulators
 // over k = 0, 32, ... and k = 16, 48, ..., an odd 16-wide step into the first, their sum, a fixed-order lane sum, the
@@ -94,8 +94,8 @@ static inline void row_dots(const float* x, const W* row, int64_t K, float* out)
     }
 }
 
-// Rows n_begin..n_end-1 of w, in memory order, each against all M input rows (groups of up to 8, so the row is read
-// from memory once and from L1 for the later groups).
+// Rows n_begin..n_end-1 of w, in memory order, each against all M input rows in one or more passes, so the row is
+// read from memory once and from L1 for the later passes.
 template <typename W>
 static void rows(const float* x, const W* w, const float* bias, int64_t M, int64_t K, int64_t N, int64_t n_begin,
                  int64_t n_end, float* y) {
@@ -103,9 +103,13 @@ static void rows(const float* x, const W* w, const float* bias, int64_t M, int64
     for (int64_t n = n_begin; n < n_end; n++) {
         const W* row = w + n * K;
         const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        for (int64_t m0 = 0; m0 < M;) {
             const float* xm = x + m0 * K;
-            const int64_t g = M - m0 >= 8 ? 8 : M - m0;
+            const int64_t left = M - m0;
+            // Passes over the row (the first from memory, later ones from L1): measured on Zen 4 (DECODE.md), up to
+            // 5 inputs run fastest as passes of 3 and of 1 (a 2-, 4- or 5-input pass is slower), 6 and more as
+            // passes of 8.
+            const int64_t g = M >= 6 ? (left >= 8 ? 8 : left) : (left >= 3 ? 3 : 1);
             switch (g) {
                 case 1: row_dots<W, 1>(xm, row, K, out); break;
                 case 2: row_dots<W, 2>(xm, row, K, out); break;
@@ -117,6 +121,7 @@ static void rows(const float* x, const W* w, const float* bias, int64_t M, int64
                 default: row_dots<W, 8>(xm, row, K, out); break;
             }
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
+            m0 += g;
         }
     }
 }

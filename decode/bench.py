@@ -488,6 +488,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode (default 1)")
     p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
     p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft head's logits over the N most frequent training tokens (0 = full; default: manifest's)")
     p.add_argument("--tree-top-k", type=int, default=None, help="*-tree modes: children per expanded node "
                    "(default: the manifest's decode.tree, else 8)")
     p.add_argument("--tree-depth", type=int, default=None, help="*-tree modes: draft forwards per tree")
@@ -521,6 +523,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PolyspecError(f"--threads must be >= 1, got {args.threads}")
     if args.warmup < 0:
         raise PolyspecError(f"--warmup must be >= 0, got {args.warmup}")
+    if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
+        raise PolyspecError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
     if args.prompts is None and not args.forward_times:
         raise PolyspecError("give --prompts FILE|builtin (or --forward-times alone for level timings)")
 
@@ -570,7 +574,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
-    chain = load_chain(args.chain, device=args.device, dtype=args.dtype)
+    chain = load_chain(args.chain, device=args.device, dtype=args.dtype, draft_vocab=args.draft_vocab)
     if next(chain.models[chain.order[0]].parameters()).device.type == "cpu":
         print(f"CPU kernels: {cpu_kernel_state()}", file=sys.stderr)
     report: dict[str, Any] = {}
@@ -594,7 +598,9 @@ def run(args: argparse.Namespace) -> int:
                      "categories": args.categories, "chain": str(args.chain), "draft_k": args.draft_k or chain.draft_k,
                      "mu": args.mu or list(chain.mu), "levels": list(chain.order), "torch_threads":
                      torch.get_num_threads(), "cpu_kernels": cpu_kernel_state(),
-                     "cuda_graphs": {n: runner_of(m) is not None for n, m in chain.models.items()}},
+                     "cuda_graphs": {n: runner_of(m) is not None for n, m in chain.models.items()},
+                     "draft_vocab": {n: int(m.draft_ids.numel()) for n, m in chain.models.items()
+                                     if getattr(m, "draft_ids", None) is not None}},
         "notes": notes,
         "load_average": {"before": load_before, "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "stamp": {"hardware": hardware_stamp(), "software": software_stamp()},

@@ -75,8 +75,10 @@ def _context(model_dir: Path) -> int:
     return int(read_hf_config(Path(model_dir)).get("max_position_embeddings") or 2048)
 
 
-def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = None) -> LoadedChain:
-    """Validate a chain folder and load every level (target, verifiers, head) onto ``device``."""
+def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = None,
+               draft_vocab: int | None = None) -> LoadedChain:
+    """Validate a chain folder and load every level (target, verifiers, head) onto ``device``. ``draft_vocab``: the
+    head's draft vocabulary size (None: the manifest's ``decode.draft_vocab``; 0: the full vocabulary)."""
     from polyspec.decode.head import load_head
     from polyspec.decode.model import Transformer
     from polyspec.manifest import validate_chain
@@ -92,6 +94,7 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
         folder = chain_dir / lv.path
         if lv.kind == "head":  # shares the target's embedding and lm_head
             models[lv.name] = load_head(folder, models[top.name]).to(dev)
+            models[lv.name].set_draft_vocab(manifest.decode.draft_vocab if draft_vocab is None else draft_vocab)
         else:
             models[lv.name] = Transformer.from_pretrained(folder, dtype=tdtype, device=dev)
         cpu_kernels.pack_weights(models[lv.name])  # CPU: weights in read order, one block

@@ -11,6 +11,13 @@ followed (sampled from f_t's logits). The head's output at position t is its pre
 
 The embedding and lm_head are the target's modules, shared (not copied) and frozen; only ``fc`` and ``layer`` are
 trained and saved (:func:`save_head`). The head has its own static KV cache with the Transformer's API.
+
+**Draft vocabulary.** A head folder may carry ``token_counts.safetensors``: how often each token id occurred among
+the assistant tokens the head was trained on (the train stage writes it). ``set_draft_vocab(n)`` then restricts the
+head's logits to the ``n`` most frequent tokens at inference: only those rows of the lm_head are read (a full
+vocabulary's lm_head is most of a head's cost), and every other token gets logit -inf. The draft still proposes from
+a proper distribution (zero outside the subset), so the chain stays exactly lossless; a target token outside the
+subset is simply never proposed and comes from the residual.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from polyspec.decode import cpu_kernels
 from polyspec.decode.model import CachedDecoder, DecoderLayer, Linear, ModelArgs, rope_inv_freq
 from polyspec.errors import PolyspecError
 from polyspec.fsutil import atomic_folder
 
 HEAD_MODEL_TYPE = "polyspec-eagle-head"
+TOKEN_COUNTS_FILE = "token_counts.safetensors"
 HEAD_FORMAT_VERSION = 1
 TRAINABLE_PREFIXES = ("fc.", "layer.")
 
@@ -46,7 +55,41 @@ class EagleHead(CachedDecoder):
         self.embed_tokens = embed_tokens.requires_grad_(False)
         self.lm_head = lm_head.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("draft_ids", None, persistent=False)  # set_draft_vocab: the kept token ids, ascending
+        self.token_counts: torch.Tensor | None = None  # int64 [V] from the head folder (load_head), if any
         self._cache_layers = 1
+
+    def set_draft_vocab(self, size: int | None) -> None:
+        """Keep the ``size`` most frequent tokens of ``token_counts`` in the inference logits (ties: lower id first);
+        None or 0: the full vocabulary."""
+        self.__dict__.pop("_draft_weight", None)
+        if not size:
+            self.draft_ids = None
+            return
+        v = self.args.vocab_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= v:
+            raise PolyspecError(f"draft vocabulary size must be an integer in 1..{v} (0 = the full vocabulary), got "
+                                f"{size!r}")
+        if self.token_counts is None:
+            raise PolyspecError("this head has no token counts (token_counts.safetensors in its folder), so it cannot "
+                                "pick a draft vocabulary; heads trained by this polyspec have them, or use "
+                                "draft_vocab 0 (the full vocabulary)")
+        order = torch.sort(self.token_counts.to("cpu", torch.int64), descending=True, stable=True).indices
+        self.draft_ids = order[:size].sort().values.to(self.inv_freq.device)
+
+    def _draft_lm_weight(self) -> torch.Tensor:
+        """The lm_head rows of the draft vocabulary [Vd, H], contiguous (cached; dropped when anything moves)."""
+        w = self.lm_head.weight
+        key = (w.data_ptr(), w.device, w.dtype, self.draft_ids.data_ptr())
+        cached = self.__dict__.get("_draft_weight")
+        if cached is None or cached[0] != key:
+            cached = (key, w.detach().index_select(0, self.draft_ids).contiguous())
+            self.__dict__["_draft_weight"] = cached
+        return cached[1]
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_draft_weight", None)
+        return super()._apply(fn, recurse)
 
     def _compute_dtype(self) -> torch.dtype:
         return self.layer.input_layernorm.weight.dtype
@@ -89,15 +132,23 @@ class EagleHead(CachedDecoder):
         return self.fc(torch.cat((emb, features.to(dtype)), dim=-1))
 
     def _out(self, x: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, T, V] float32, the layer output [B, T, H]: the head's predicted feature)."""
+        """(logits [B, T, V] float32, the layer output [B, T, H]: the head's predicted feature). With a draft
+        vocabulary (and no autograd) only its lm_head rows are computed; the other logits are -inf."""
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(x).float(), x
+        if self.draft_ids is None or torch.is_grad_enabled():
+            return self.lm_head(x).float(), x
+        sub = cpu_kernels.linear(x, self._draft_lm_weight(), None).float()  # [B, T, Vd]
+        logits = torch.full((*sub.shape[:-1], self.args.vocab_size), float("-inf"), device=sub.device)
+        return logits.index_copy_(-1, self.draft_ids, sub), x
 
 
-def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any]) -> Path:
+def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any],
+              token_counts: torch.Tensor | None = None) -> Path:
     """Write ``out_dir`` atomically: config.json (model_type, format version, the layer's ModelArgs, the caller's
-    target identity/hash) and model.safetensors with fc.* and layer.* only (never the target's embedding/lm_head)."""
+    target identity/hash) and model.safetensors with fc.* and layer.* only (never the target's embedding/lm_head);
+    with ``token_counts`` (int64 [V]: occurrences of each token id in the training targets) also
+    token_counts.safetensors, which :meth:`EagleHead.set_draft_vocab` reads."""
     from safetensors.torch import save_file
 
     config = {
@@ -111,10 +162,17 @@ def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any])
     except TypeError as e:
         raise PolyspecError(f"save_head: target_info must be JSON-serialisable: {e}") from e
     tensors = {k: v.detach().cpu().contiguous() for k, v in head.trainable_state_dict().items()}
+    if token_counts is not None:
+        token_counts = torch.as_tensor(token_counts).to("cpu", torch.int64).contiguous()
+        if tuple(token_counts.shape) != (head.args.vocab_size,) or bool((token_counts < 0).any()):
+            raise PolyspecError(f"save_head: token_counts must be non-negative int64 [{head.args.vocab_size}], got "
+                                f"{list(token_counts.shape)}")
 
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(config_text)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if token_counts is not None:
+            save_file({"counts": token_counts}, str(tmp / TOKEN_COUNTS_FILE), metadata={"format": "pt"})
 
     return atomic_folder(Path(out_dir), write)
 
@@ -161,4 +219,29 @@ def load_head(head_dir: str | Path, target: nn.Module) -> EagleHead:
     head.embed_tokens = target.embed_tokens.requires_grad_(False)
     head.lm_head = target.lm_head.requires_grad_(False)
     head.inv_freq = rope_inv_freq(args)
+    head.token_counts = read_token_counts(head_dir, args.vocab_size)
     return head.to(ref.device).eval()
+
+
+def read_token_counts(head_dir: str | Path, vocab_size: int) -> torch.Tensor | None:
+    """int64 [V] from ``token_counts.safetensors`` in a head folder, or None when the folder has none."""
+    from safetensors.torch import load_file
+
+    path = Path(head_dir) / TOKEN_COUNTS_FILE
+    if not path.is_file():
+        return None
+    counts = load_file(str(path)).get("counts")
+    if counts is None or tuple(counts.shape) != (vocab_size,) or counts.dtype != torch.int64:
+        raise PolyspecError(f"{path}: expected an int64 'counts' tensor of [{vocab_size}] (one per token id)")
+    return counts
+
+
+def count_tokens(token_ids: Any, loss_masks: Any, vocab_size: int) -> torch.Tensor:
+    """int64 [V]: how often each id occurs where the mask is 1 (the assistant tokens a head is trained to predict),
+    over an iterable of (ids, mask) sequences."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids, mask in zip(token_ids, loss_masks, strict=True):
+        ids_t = torch.as_tensor(ids, dtype=torch.int64)
+        keep = torch.as_tensor(mask, dtype=torch.bool)
+        counts += torch.bincount(ids_t[keep], minlength=vocab_size)[:vocab_size]
+    return counts

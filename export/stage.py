@@ -131,8 +131,10 @@ def profile_key(parts: dict[str, Path], settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=_json_default).encode()).hexdigest()
 
 
-def load_levels(parts: dict[str, Path], *, device: str = "auto", dtype: str | None = None) -> dict[str, Any]:
-    """{"target": Transformer, "int4": Transformer, "head": EagleHead, "tokenizer", "device", "dtype"}."""
+def load_levels(parts: dict[str, Path], *, device: str = "auto", dtype: str | None = None,
+                draft_vocab: int = 0) -> dict[str, Any]:
+    """{"target": Transformer, "int4": Transformer, "head": EagleHead, "tokenizer", "device", "dtype"};
+    ``draft_vocab`` > 0 restricts the head's logits to that many tokens (EagleHead.set_draft_vocab)."""
     from polyspec.decode import cpu_kernels, cuda_graphs
     from polyspec.decode.generate import DTYPES, GRAPH_WIDTH, resolve_device
     from polyspec.decode.head import load_head
@@ -146,6 +148,7 @@ def load_levels(parts: dict[str, Path], *, device: str = "auto", dtype: str | No
     target = Transformer.from_pretrained(parts["target"], dtype=DTYPES[name], device=dev).eval()
     int4 = Transformer.from_pretrained(parts["int4"], dtype=DTYPES[name], device=dev).eval()
     head = load_head(parts["head"], target).to(dev).eval()
+    head.set_draft_vocab(draft_vocab)
     for model in (target, int4, head):  # as load_chain does: CPU weights in read order, one block each
         cpu_kernels.pack_weights(model)
     cuda_graphs.enable_for_device({"target": target, "int4": int4, "head": head}, dev, max_width=GRAPH_WIDTH)
@@ -158,12 +161,13 @@ def profile_folders(parts: dict[str, Path], out_dir: Path, *, prompts: int, max_
                     draft_ks: tuple[int, ...] = DRAFT_KS, mus: tuple[int, ...] = MUS, grid_prompts: int | None = None,
                     data: dict[str, Any] | None = None, prompt_ids: list[list[int]] | None = None,
                     notes: dict[str, Any] | None = None, key: str | None = None, threads: int | None = None,
-                    tree: Any = None, say: Any = _say) -> dict[str, Any]:
+                    tree: Any = None, say: Any = _say, draft_vocab: int = 0) -> dict[str, Any]:
     """Profile the chain made of ``parts`` and write ``out_dir`` atomically (see the module docstring).
 
     ``prompt_ids``: calibration prompts as token ids (tests); default: :func:`calibration_prompts` from MT-bench and
     the held-out side of ``data`` ({"source", "max_conversations", "heldout_fraction", "seed"}).
     ``tree``: TreeParams of an EAGLE-2 draft tree to weigh against linear drafts (None: linear drafts only).
+    ``draft_vocab``: the head's draft vocabulary size (0: the full vocabulary).
     ``threads``: torch intra-op threads while profiling (None: leave as is). On a CPU shared with other work, 1 gives
     far steadier timings than oversubscribed threads; the number used is recorded.
     """
@@ -179,7 +183,8 @@ def profile_folders(parts: dict[str, Path], out_dir: Path, *, prompts: int, max_
         return _profile_folders(parts, out_dir, t0, stamp_before, prompts=prompts, max_new_tokens=max_new_tokens,
                                 kv_length=kv_length, warmup=warmup, repeats=repeats, device=device, dtype=dtype,
                                 draft_ks=draft_ks, mus=mus, grid_prompts=grid_prompts, data=data,
-                                prompt_ids=prompt_ids, notes=notes, key=key, tree=tree, say=say)
+                                prompt_ids=prompt_ids, notes=notes, key=key, tree=tree, say=say,
+                                draft_vocab=draft_vocab)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -188,13 +193,13 @@ def _profile_folders(parts: dict[str, Path], out_dir: Path, t0: float, stamp_bef
                      prompts: int, max_new_tokens: int, kv_length: int, warmup: int, repeats: int, device: str,
                      dtype: str | None, draft_ks: tuple[int, ...], mus: tuple[int, ...], grid_prompts: int | None,
                      data: dict[str, Any] | None, prompt_ids: list[list[int]] | None, notes: dict[str, Any] | None,
-                     key: str | None, say: Any, tree: Any = None) -> dict[str, Any]:
+                     key: str | None, say: Any, tree: Any = None, draft_vocab: int = 0) -> dict[str, Any]:
     import torch
 
     from polyspec.decode.generate import eos_ids
     from polyspec.export.profile import calibration_prompts, profile_models
 
-    lv = load_levels(parts, device=device, dtype=dtype)
+    lv = load_levels(parts, device=device, dtype=dtype, draft_vocab=draft_vocab)
     if prompt_ids is None:
         d = data or {}
         cal = calibration_prompts(lv["tokenizer"], prompts, data_source=d.get("source"),
@@ -352,6 +357,8 @@ def profile_stage(recipe: Any, tracker: Any = None, *, parts: dict[str, Path] | 
                 "draft_ks": list(draft_ks), "mus": list(mus), "grid_prompts": grid_prompts,
                 "tree": recipe.decode.tree.model_dump(mode="json") if tree is not None else None,
                 "data": recipe.data.model_dump(mode="json"), "threads": threads}
+    if recipe.decode.draft_vocab:  # (absent when 0, so profiles made before the setting keep their keys)
+        settings["draft_vocab"] = recipe.decode.draft_vocab
     key = profile_key(parts, settings)
     out_dir = Path(recipe.workdir) / "profile" / key[:16]
     cached = read_profile(out_dir)
@@ -364,6 +371,7 @@ def profile_stage(recipe: Any, tracker: Any = None, *, parts: dict[str, Path] | 
         parts, out_dir, prompts=p.prompts, max_new_tokens=p.max_new_tokens, kv_length=p.kv_length,
         warmup=p.warmup, repeats=p.repeats, device=device, dtype=recipe.target.dtype, draft_ks=draft_ks, mus=mus,
         grid_prompts=grid_prompts, notes=notes, key=key, threads=threads, tree=tree,
+        draft_vocab=recipe.decode.draft_vocab,
         data={"source": recipe.data.source, "max_conversations": recipe.data.max_conversations,
               "heldout_fraction": recipe.data.heldout_fraction, "seed": recipe.data.seed}, say=say)
     _log_profile(tracker, profile, out_dir, cached=False)

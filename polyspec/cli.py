@@ -192,7 +192,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise PolyspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from polyspec.decode.generate import generate_text, load_chain, resolve_tree
 
-    chain = load_chain(args.chain, device=args.device)
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        raise PolyspecError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
+    chain = load_chain(args.chain, device=args.device, draft_vocab=args.draft_vocab)
     out = generate_text(chain, args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                         chat=not args.raw, draft_k=args.draft_k, mu=args.mu,
@@ -288,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
     p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
     add_tree_arguments(p)
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft head's logits over the N most frequent training tokens (0 = full; default: manifest's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object: text, token_ids, stats")

@@ -158,6 +158,9 @@ class DecodeConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     max_new_tokens: int = Field(128, ge=1)
+    draft_vocab: int = Field(
+        0, ge=0, description="draft head's logits over this many most frequent training tokens (0 = full vocabulary)"
+    )
 
     @field_validator("mu")
     @classmethod

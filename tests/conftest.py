@@ -88,7 +88,9 @@ def make_tiny_parts(root: Path, target_dir: Path, *, seed: int = 1) -> dict[str,
     int4 = save_int4_checkpoint(target_dir, root / "int4", group_size=128)
     target = Transformer.from_pretrained(target_dir)
     torch.manual_seed(seed)
-    save_head(EagleHead(target.args, target.embed_tokens, target.lm_head), root / "head", target_info={"t": "tiny"})
+    counts = torch.randint(0, 1000, (target.args.vocab_size,), generator=torch.Generator().manual_seed(seed))
+    save_head(EagleHead(target.args, target.embed_tokens, target.lm_head), root / "head", target_info={"t": "tiny"},
+              token_counts=counts)  # as the train stage writes them: what a draft vocabulary is picked from
     return {"target": Path(target_dir), "int4": Path(int4), "head": root / "head"}
 
 

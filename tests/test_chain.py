@@ -352,6 +352,20 @@ def test_wrong_residual_fails_the_same_check(monkeypatch, n_levels, mu):
     assert stat > crit, (stat, crit)
 
 
+@pytest.mark.parametrize("n_levels, mu, tree", [(2, None, None), (3, [2], None),
+                                                 (2, None, TreeParams(top_k=3, depth=2, total_tokens=5))])
+def test_a_draft_with_zero_probability_tokens_keeps_the_distribution(n_levels, mu, tree):
+    """A draft restricted to part of the vocabulary (EagleHead.set_draft_vocab: logits -inf elsewhere) proposes only
+    from that part; tokens outside it come from the residual, and the output is still the warped target."""
+    t, levels = dist_levels(n_levels)
+    sparse = levels[-1].table.clone()
+    sparse[:, [0, 2]] = float("-inf")  # half of the vocabulary is never proposed
+    levels[-1] = TableLevel(sparse, "d")
+    dec = ChainDecoder(levels, draft_k=2, mu=mu, max_seq_len=16, tree=tree)
+    stat, crit = chi2_against(dec, t, [1], SamplingParams(temperature=1.0), n=1000)
+    assert stat < crit, (stat, crit)
+
+
 # -- the EAGLE-2 draft tree ----------------------------------------------------------------------------------------
 
 TREES = [TreeParams(top_k=3, depth=4, total_tokens=10), TreeParams(top_k=1, depth=1, total_tokens=1),
@@ -757,3 +771,30 @@ def test_engine_sampling_runs_and_is_deterministic(tiny_models):
     b = dec.generate([1, 2, 3], 16, sp, seed=4)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 16
     assert a.stats["tokens_per_second"] > 0 and a.stats["beta"] > 0
+
+
+@needs_model
+@needs_int4
+@needs_head
+def test_engine_with_a_draft_vocabulary_equals_ar(tiny_models):
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t, q, h = (tiny_models[k] for k in ("target", "int4", "head"))
+    head = copy.deepcopy(h)
+    head.embed_tokens, head.lm_head = t.embed_tokens, t.lm_head
+    head.token_counts = torch.randint(0, 100, (t.args.vocab_size,), generator=torch.Generator().manual_seed(1))
+    head.set_draft_vocab(64)
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 20).token_ids
+    kept = set(head.draft_ids.tolist())
+    for levels, kw in [([ModelLevel(t, "t"), HeadLevel(head, "head")], {"draft_k": 3}),
+                       ([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(head, "head")],
+                        {"draft_k": 3, "mu": [4]}),
+                       ([ModelLevel(t, "t"), HeadLevel(head, "head")], {"tree": TreeParams(3, 3, 8)})]:
+        r = ChainDecoder(levels, max_seq_len=64, **kw).generate(prompt, 20)
+        assert r.token_ids == ar, r.stats
+    sp = SamplingParams(temperature=0.9)
+    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], draft_k=3, max_seq_len=64)
+    a, b = dec.generate(prompt, 16, sp, seed=2), dec.generate(prompt, 16, sp, seed=2)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 16
+    assert len(kept) == 64

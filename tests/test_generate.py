@@ -43,7 +43,17 @@ def test_sampling_is_seeded(tiny_chain, capsys):
     assert a["token_ids"] == b["token_ids"]
 
 
+def test_a_draft_vocabulary_keeps_greedy_output(tiny_chain, capsys):
+    ar = json.loads(_gen(capsys, tiny_chain, "--mode", "ar")[1].out)["token_ids"]
+    for mode in ("dual", "chain"):
+        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--draft-vocab", "64")
+        assert code == 0, cap.err
+        assert json.loads(cap.out)["token_ids"] == ar
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["--draft-vocab", "-1"], "--draft-vocab"),
+    (["--draft-vocab", "100000"], "draft vocabulary size"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
     (["--top-p", "1.5"], "top_p"),

@@ -118,3 +118,60 @@ def test_load_head_refuses_other_targets(target, tmp_path):
     (out / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     with pytest.raises(PolyspecError, match="model_type"):
         load_head(out, target)
+
+
+def test_count_tokens_counts_masked_positions_only():
+    from polyspec.decode.head import count_tokens
+
+    counts = count_tokens([[1, 2, 2, 5], [2, 7]], [[0, 1, 1, 1], [1, 0]], 8)
+    assert counts.dtype == torch.int64 and counts.tolist() == [0, 0, 3, 0, 0, 1, 0, 0]
+
+
+def test_draft_vocab_keeps_the_most_frequent_tokens_and_their_exact_logits(target, tmp_path):
+    from polyspec.decode.head import TOKEN_COUNTS_FILE, read_token_counts
+
+    head = _head(target, seed=5)
+    v = target.args.vocab_size
+    counts = torch.randint(0, 1000, (v,), generator=torch.Generator().manual_seed(0))
+    counts[7] = counts[9] = 5000  # a tie: both kept
+    out = save_head(head, tmp_path / "head", {}, token_counts=counts)
+    assert torch.equal(read_token_counts(out, v), counts)
+    loaded = load_head(out, target)
+    assert torch.equal(loaded.token_counts, counts)
+    ids, feats = _inputs(5, 1)
+    with torch.inference_mode():
+        full, hid_full = loaded(ids, feats)
+    loaded.set_draft_vocab(40)
+    kept = loaded.draft_ids
+    assert kept.tolist() == sorted(kept.tolist()) and kept.numel() == 40 and {7, 9} <= set(kept.tolist())
+    top = set(torch.sort(counts, descending=True, stable=True).indices[:40].tolist())
+    assert set(kept.tolist()) == top
+    with torch.inference_mode():
+        logits, hid = loaded(ids, feats)
+        last, _ = loaded(ids, feats, last_only=True)
+    assert torch.equal(hid, hid_full) and torch.equal(last, logits[-1:])
+    out_of = torch.ones(v, dtype=torch.bool)
+    out_of[kept] = False
+    assert bool(torch.isneginf(logits[:, out_of]).all())
+    torch.testing.assert_close(logits[:, kept], full[:, kept], atol=1e-5, rtol=1e-5)
+    probs = torch.softmax(logits, -1)  # a proper distribution over the kept tokens
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5))
+    # training (autograd) sees the full vocabulary; moving the head keeps the subset
+    with torch.enable_grad():
+        assert not bool(torch.isinf(loaded(ids, feats)[0]).any())
+    loaded.to(torch.float64)
+    with torch.inference_mode():
+        assert bool(torch.isneginf(loaded(ids, feats.double())[0][:, out_of]).all())
+    loaded.to(torch.float32)
+    loaded.set_draft_vocab(0)
+    assert loaded.draft_ids is None
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids, feats)[0], full)
+    for bad in (-1, v + 1, 2.5, True):
+        with pytest.raises(PolyspecError, match="draft vocabulary size"):
+            loaded.set_draft_vocab(bad)
+    (out / TOKEN_COUNTS_FILE).unlink()
+    with pytest.raises(PolyspecError, match="no token counts"):
+        load_head(out, target).set_draft_vocab(10)
+    with pytest.raises(PolyspecError, match="token_counts"):
+        save_head(head, tmp_path / "h2", {}, token_counts=torch.zeros(3, dtype=torch.int64))

@@ -194,6 +194,17 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     target = Transformer.from_pretrained(tiny_model)
     head = load_head(out, target)
     assert head.args.hidden_size == target.args.hidden_size
+    # the training targets' token counts travel with the head (what set_draft_vocab picks from)
+    from polyspec.data.prepare import prepare_dataset
+    from polyspec.sources import load_tokenizer
+
+    prepared = prepare_dataset(recipe, load_tokenizer(tiny_model), tokenizer_id=cfg["target"]["model_id"])
+    assistant = sum(int(sum(m)) for m in prepared.train["loss_mask"])
+    assert head.token_counts is not None and int(head.token_counts.sum()) == assistant > 0
+    head.set_draft_vocab(16)
+    kept = torch.zeros_like(head.token_counts, dtype=torch.bool)
+    kept[head.draft_ids] = True
+    assert int(head.token_counts[kept].min()) >= int(head.token_counts[~kept].max())
 
     client = MlflowClient(tracking_uri=recipe.tracking.uri)
     run = client.get_run(tracker.run_id)

@@ -227,7 +227,11 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
         "offline_cache": cache_info or None,
         **result,
     }
-    _write_head(head, out_dir, target_info, training)
+    from polyspec.decode.head import count_tokens
+
+    # how often each token is a training target: what set_draft_vocab picks a draft vocabulary from
+    counts = count_tokens(prepared.train["input_ids"], prepared.train["loss_mask"], head.args.vocab_size)
+    _write_head(head, out_dir, target_info, training, counts)
     metrics = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     tracker.log_metrics({f"train/final_{k}": v for k, v in metrics.items()}, step=int(result["steps"]))
     if cache_info:
@@ -252,14 +256,16 @@ def _load(path: Path, dtype, device):
     return load_teacher(path, dtype, device)
 
 
-def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict[str, Any]) -> Path:
-    """save_head into a temporary folder, add training.json, rename into place (atomic)."""
+def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict[str, Any],
+                token_counts: Any = None) -> Path:
+    """save_head (with the training targets' token counts) into a temporary folder, add training.json, rename into
+    place (atomic)."""
     from polyspec.decode.head import save_head
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        built = save_head(head, tmp / "head", target_info)
+        built = save_head(head, tmp / "head", target_info, token_counts)
         (built / TRAINING_JSON).write_text(json.dumps(training, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         built.chmod(0o755)
         if out_dir.exists():

@@ -147,8 +147,9 @@ def _sync(device: Any) -> None:
 
 
 def ar_speed(target: Any, *, prompt_len: int, new_tokens: int, repeats: int, seed: int = 0) -> dict[str, Any]:
-    """Greedy ``ar`` decoding with our engine: tokens/s per repeat (after one warm-up generation), and the median.
-    The prompt is prefilled outside the timed span so the figure is the decode rate."""
+    """Greedy ``ar`` decoding with our engine: tokens/s per repeat (after one warm-up generation), and the median;
+    the prompt's prefill is timed apart and left out of the decode rate. Each generation is followed by the same
+    number of bare one-token forwards (the model alone, no decoding loop), so the two rates share a time window."""
     import torch
 
     from polyspec.decode.chain import ChainDecoder
@@ -159,13 +160,15 @@ def ar_speed(target: Any, *, prompt_len: int, new_tokens: int, repeats: int, see
     prompt = torch.randint(0, target.args.vocab_size, (prompt_len,), generator=gen).tolist()
     level = ModelLevel(target, "target")
     dec = ChainDecoder([level], max_seq_len=prompt_len + new_tokens + 8)
-    runs = []
+    runs, steps = [], []
     for r in range(repeats + 1):
         _sync(dev)
         res = dec.generate(prompt, new_tokens)
         _sync(dev)
+        step = _step_seconds(target, prompt, len(res.token_ids))
         if r:
             runs.append((len(res.token_ids), float(res.stats["seconds"])))
+            steps.append(step)
     # generate() prefills prompt[:-1] in one forward, then runs one decode step per new token: the decode rate
     # leaves out that prefill, timed on its own (median of a few).
     prefill = statistics.median(_prefill_seconds(target, prompt[:-1]) for _ in range(3)) if prompt_len > 1 else 0.0
@@ -174,7 +177,28 @@ def ar_speed(target: Any, *, prompt_len: int, new_tokens: int, repeats: int, see
     return {"prompt_tokens": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
             "tokens_per_second_runs": total, "tokens_per_second_end_to_end": statistics.median(total),
             "prefill_seconds": prefill, "decode_tokens_per_second_runs": decode,
-            "tokens_per_second": statistics.median(decode)}
+            "tokens_per_second": statistics.median(decode),
+            "step_tokens_per_second": statistics.median(1.0 / s for s in steps)}
+
+
+def _step_seconds(model: Any, prompt: list[int], n: int) -> float:
+    """Median seconds of ``n`` bare one-token forwards after the prompt (the decode step without the loop)."""
+    import torch
+
+    dev = model.inv_freq.device
+    model.setup_cache(len(prompt) + n + 8)
+    ids = torch.tensor(prompt, device=dev)
+    one = torch.tensor([1], device=dev)
+    times = []
+    with torch.inference_mode():
+        model(ids)
+        for _ in range(max(n, 1)):
+            _sync(dev)
+            t0 = time.perf_counter()
+            model(one)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _prefill_seconds(model: Any, prompt: list[int]) -> float:
@@ -303,7 +327,7 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
     say(f"shape-bench: forward times at widths {widths}")
     ft = forward_times(ShapeChain(models), widths=widths, prefix=forward_prefix, repeats=forward_repeats)
     ms = {n: {int(w): v for w, v in d["ms"].items()} for n, d in ft["levels"].items()}
-    step_tps = 1000.0 / ms["target"][1]
+    step_tps = ar["step_tokens_per_second"]
     roof = roofline(target, bw["median_GBps"], ar["tokens_per_second"])
     roof["decode_step_tokens_per_second"] = step_tps
     roof["decode_step_fraction_of_roofline"] = step_tps / roof["roofline_tokens_per_second"]

@@ -117,8 +117,10 @@ def make_untrained_head(target_dir: Path, out_dir: Path, seed: int = 0) -> Path:
     target = Transformer.from_pretrained(Path(target_dir))
     torch.manual_seed(seed)
     head = EagleHead(target.args, target.embed_tokens, target.lm_head)
+    # no training targets: all counts 0, so a draft vocabulary (timing only, like the head) is the lowest ids
     return save_head(head, out_dir, target_info={"source": str(Path(target_dir).name), "untrained": True,
-                                                 "seed": seed})
+                                                 "seed": seed},
+                     token_counts=torch.zeros(target.args.vocab_size, dtype=torch.int64))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -227,6 +227,13 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
             raise AssertionError("a rerun with the same inputs must not train")
 
     assert train_stage(recipe, progress=False, callbacks=[MustNotTrain()]) == out
+    # a head from before heads carried token counts gets them on a rerun, without training
+    from polyspec.decode.head import TOKEN_COUNTS_FILE, read_token_counts
+
+    counts = read_token_counts(out, target.args.vocab_size)
+    (out / TOKEN_COUNTS_FILE).unlink()
+    assert train_stage(recipe, progress=False, callbacks=[MustNotTrain()]) == out
+    assert torch.equal(read_token_counts(out, target.args.vocab_size), counts)
 
 
 def test_resume_after_a_kill_ends_with_the_same_step_count(tmp_path, tiny_model):

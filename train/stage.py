@@ -167,6 +167,8 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     if head_is_complete(out_dir, key):
         _say(progress and rank0, f"train: head for these inputs already exists: {out_dir}")
         tracker.set_tags({"polyspec.train.skipped": "true", "polyspec.train.head": str(out_dir)})
+        if rank0:
+            _add_token_counts(out_dir, recipe, tokenizer, target_id)
         return out_dir
 
     prepared = prepare_dataset(recipe, tokenizer, tokenizer_id=target_id, progress=progress and rank0)
@@ -254,6 +256,25 @@ def _load(path: Path, dtype, device):
     from polyspec.train.features import load_teacher
 
     return load_teacher(path, dtype, device)
+
+
+def _add_token_counts(out_dir: Path, recipe: Recipe, tokenizer: Any, target_id: str) -> None:
+    """A complete head written before heads carried token counts gets them from its (cached) prepared data, so
+    ``decode.draft_vocab`` works for it too. Written under a temporary name, then renamed."""
+    from safetensors.torch import save_file
+
+    from polyspec.data.prepare import prepare_dataset
+    from polyspec.decode.head import TOKEN_COUNTS_FILE, count_tokens
+
+    path = out_dir / TOKEN_COUNTS_FILE
+    if path.exists():
+        return
+    vocab = int(json.loads((out_dir / "config.json").read_text(encoding="utf-8"))["args"]["vocab_size"])
+    prepared = prepare_dataset(recipe, tokenizer, tokenizer_id=target_id)
+    counts = count_tokens(prepared.train["input_ids"], prepared.train["loss_mask"], vocab)
+    tmp = out_dir / f".{TOKEN_COUNTS_FILE}.tmp"
+    save_file({"counts": counts}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
 
 
 def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict[str, Any],

@@ -32,7 +32,7 @@ from typing import Any
 from polyspec.errors import PolyspecError
 from polyspec.fsutil import atomic_folder
 
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2  # 2: the decision also falls back to ar when ar measured at least as fast
 MEASUREMENTS_SCHEMA = "polyspec.measurements/1"
 DRAFT_KS: tuple[int, ...] = (2, 3, 4, 5)
 MUS: tuple[int, ...] = (4, 6, 8, 12)

@@ -133,6 +133,12 @@ def profile_key(parts: dict[str, Path], settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=_json_default).encode()).hexdigest()
 
 
+def _why_ar(dec: dict[str, Any]) -> str:
+    why = [w for w, flag in (("predicted", dec.get("ar_predicted_faster")),
+                             ("measured", dec.get("ar_measured_faster"))) if flag]
+    return "plain decoding is " + " and ".join(why) + " faster here" if why else "plain decoding"
+
+
 def load_levels(parts: dict[str, Path], *, device: str = "auto", dtype: str | None = None,
                 draft_vocab: int = 0) -> dict[str, Any]:
     """{"target": Transformer, "int4": Transformer, "head": EagleHead, "tokenizer", "device", "dtype"};
@@ -263,7 +269,7 @@ def verdict_markdown(profile: dict[str, Any]) -> str:
         f"| valid regime L_i_new > L_new > L_i | {v['valid_regime']} |",
         f"| Lemma 3.1 ms/token before -> after | {v['time_before'] * 1e3:.2f} -> {v['time_after'] * 1e3:.2f} "
         f"(pays: {v['pays']}) |",
-        f"| chosen | {dec['mode']}" + (" (plain decoding is predicted faster here); best speculative: "
+        f"| chosen | {dec['mode']}" + (f" ({_why_ar(dec)}); best speculative: "
                                         f"{dec.get('speculative_mode')}" if dec["mode"] == "ar" else "") + ", "
         + (f"tree {dec['tree']['top_k']}x{dec['tree']['depth']}/{dec['tree']['total_tokens']}" if dec.get("tree")
            else f"draft_k={dec['draft_k']}") + f", mu={dec['mu']} |",

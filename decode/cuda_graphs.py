@@ -122,8 +122,8 @@ class StaticRunner:
 
     @property
     def slack(self) -> int:
-        """Extra cache slots the padding rows of the widest bucket may write past max_seq_len."""
-        return bucket_for(self.max_width, self.max_width) or self.max_width
+        """Extra cache slots the padding rows may write past max_seq_len (no bucket is wider than max_width)."""
+        return self.max_width
 
     def invalidate(self) -> None:
         """Forget buffers, graphs and RoPE tables (after the cache is re-allocated or the weights move)."""
@@ -143,7 +143,7 @@ class StaticRunner:
         self._cos, self._sin = rope_cos_sin(self.model.inv_freq, torch.arange(s, device=dev), cache.k[0].dtype)
         self._cache_key = key
 
-    def applies(self, ids: torch.Tensor, features: torch.Tensor | None) -> bool:
+    def applies(self, ids: torch.Tensor) -> bool:
         cache = self.model._cache
         return (cache is not None and ids.dim() == 2 and ids.shape[0] == 1 and cache.batch_size == 1
                 and bucket_for(ids.shape[1], self.max_width) is not None
@@ -154,7 +154,7 @@ class StaticRunner:
                 position_offsets: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits [1, T, V] float32, hidden [1, T, H]) of ids [1, T] (and features [1, T, H] for a head) appended
         to the cache, or None when this call must take the ordinary path. Checks as the ordinary forward does."""
-        if not self.applies(ids, features):
+        if not self.applies(ids):
             return None
         model = self.model
         cache = model._cache

@@ -229,11 +229,7 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
         "offline_cache": cache_info or None,
         **result,
     }
-    from polyspec.decode.head import count_tokens
-
-    # how often each token is a training target: what set_draft_vocab picks a draft vocabulary from
-    counts = count_tokens(prepared.train["input_ids"], prepared.train["loss_mask"], head.args.vocab_size)
-    _write_head(head, out_dir, target_info, training, counts)
+    _write_head(head, out_dir, target_info, training, _token_counts(prepared, head.args.vocab_size))
     metrics = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     tracker.log_metrics({f"train/final_{k}": v for k, v in metrics.items()}, step=int(result["steps"]))
     if cache_info:
@@ -264,17 +260,23 @@ def _add_token_counts(out_dir: Path, recipe: Recipe, tokenizer: Any, target_id: 
     from safetensors.torch import save_file
 
     from polyspec.data.prepare import prepare_dataset
-    from polyspec.decode.head import TOKEN_COUNTS_FILE, count_tokens
+    from polyspec.decode.head import TOKEN_COUNTS_FILE
 
     path = out_dir / TOKEN_COUNTS_FILE
     if path.exists():
         return
     vocab = int(json.loads((out_dir / "config.json").read_text(encoding="utf-8"))["args"]["vocab_size"])
-    prepared = prepare_dataset(recipe, tokenizer, tokenizer_id=target_id)
-    counts = count_tokens(prepared.train["input_ids"], prepared.train["loss_mask"], vocab)
+    counts = _token_counts(prepare_dataset(recipe, tokenizer, tokenizer_id=target_id), vocab)
     tmp = out_dir / f".{TOKEN_COUNTS_FILE}.tmp"
     save_file({"counts": counts}, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
+
+
+def _token_counts(prepared: Any, vocab_size: int) -> Any:
+    """How often each token is a training target (train split, loss mask 1): what set_draft_vocab picks from."""
+    from polyspec.decode.head import count_tokens
+
+    return count_tokens(prepared.train["input_ids"], prepared.train["loss_mask"], vocab_size)
 
 
 def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict[str, Any],

@@ -40,6 +40,13 @@ MAX_ROWS = 16  # wider inputs (prefill) go to torch's GEMM, which is faster ther
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
+
+def _flags() -> list[str]:
+    """The compiler flags; POLYSPEC_PORTABLE_I4=1 builds the portable fp32 int4 rows even where AVX512-BF16 is
+    there (the tests compare both paths this way)."""
+    portable = os.environ.get("POLYSPEC_PORTABLE_I4", "") not in ("", "0")
+    return _FLAGS + (["-DPOLYSPEC_PORTABLE_I4"] if portable else [])
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -97,7 +104,7 @@ def library_path() -> Path | None:
     if cxx is None:
         return None
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), _compiler_id(cxx).encode(),
+    for part in (_SOURCE.read_bytes(), " ".join(_flags()).encode(), _compiler_id(cxx).encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
@@ -115,7 +122,7 @@ def build(force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([_compiler(), *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
+        proc = subprocess.run([_compiler(), *_flags(), str(_SOURCE), "-o", tmp], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr.strip()[-2000:]}")
@@ -153,6 +160,7 @@ def _load() -> ctypes.CDLL | None:
             lib.polyspec_linear_i4.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
                                                + [ctypes.c_void_p, ctypes.c_int])
             lib.polyspec_linear_i4.restype = ctypes.c_int
+            lib.polyspec_i4_path.argtypes, lib.polyspec_i4_path.restype = [], ctypes.c_int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _failure = str(e)
@@ -172,7 +180,15 @@ def state() -> str:
         return "off (POLYSPEC_CPU_KERNELS or set_enabled)"
     if _load() is None:
         return f"unavailable ({_failure})"
-    return f"on ({library_path().name})"
+    return f"on ({library_path().name}, int4 rows: {int4_path()})"
+
+
+def int4_path() -> str | None:
+    """Which int4 row kernel the loaded library runs: "avx512-bf16" (bf16 activations, vdpbf16ps) or "fp32"
+    (portable: fp32 activations); None when the library is not loaded."""
+    if not _enabled or _load() is None:
+        return None
+    return "avx512-bf16" if _lib.polyspec_i4_path() == 1 else "fp32"
 
 
 def failure() -> str | None:

@@ -252,7 +252,8 @@ def _has_op(name: str) -> bool:
 
 
 def select_backend(x: torch.Tensor) -> str:
-    """"cpu", "cuda" or "reference" for activations ``x`` (POLYSPEC_INT4_REFERENCE=1 forces the reference)."""
+    """"cpu", "cuda" or "reference" for activations ``x`` (POLYSPEC_INT4_REFERENCE=1 forces the reference;
+    POLYSPEC_INT4_REFERENCE=bf16 too, with the activations rounded to bf16 first, as the kernels round them)."""
     if os.environ.get("POLYSPEC_INT4_REFERENCE", "") not in ("", "0"):
         return "reference"
     if x.requires_grad and torch.is_grad_enabled():
@@ -333,7 +334,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (the one place that picks the kernel)."""
-        fast = cpu_kernels.int4_linear(x, self)  # the CPU streaming kernel at decode widths (fp32 activations)
+        fast = cpu_kernels.int4_linear(x, self)  # the CPU streaming kernel at decode widths (see int4_path())
         if fast is not None:
             return fast
         lead = x.shape[:-1]
@@ -342,6 +343,8 @@ class Int4Linear(nn.Module):
         kernel = self._packed_for(backend, x2.device) if backend != "reference" else None
         if kernel is None:
             w = self.dequantized_weight().to(device=x2.device, dtype=x2.dtype)  # [N, K]
+            if os.environ.get("POLYSPEC_INT4_REFERENCE", "").strip().lower() == "bf16":
+                x2 = x2.to(torch.bfloat16).to(x2.dtype)
             y = x2 @ w.t()
         else:
             plan, packed, sz = kernel

@@ -122,11 +122,49 @@ def test_int4_linear_matches_dequantised_matmul_and_is_batch_invariant(k, gs, mo
             with torch.inference_mode():
                 y = ck.int4_linear(x, layer)
                 assert y is not None and y.shape == (m, n) and y.dtype == torch.float32
-                ref = x.double() @ w.t() + (0 if bias is None else bias.double())
+                ref = _int4_input(x) @ w.t() + (0 if bias is None else bias.double())
                 assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, bias is None)
                 assert torch.equal(layer(x), y)  # Int4Linear.forward takes the kernel
                 for i in range(m):
                     assert torch.equal(ck.int4_linear(x[i:i + 1], layer)[0], y[i])
+
+
+def _int4_input(x: torch.Tensor) -> torch.Tensor:
+    """x as the loaded library's int4 rows take it, in fp64: rounded to bf16 on the AVX512-BF16 path."""
+    return (x.bfloat16() if ck.int4_path() == "avx512-bf16" else x).double()
+
+
+def _int4_reference_mode() -> str:
+    """The POLYSPEC_INT4_REFERENCE value whose dequantised matmul takes the activations as the kernel does."""
+    return "bf16" if ck.int4_path() == "avx512-bf16" else "1"
+
+
+def test_both_int4_row_kernels_compute_the_dequantised_matmul(tmp_path, monkeypatch):
+    """The portable build (fp32 activations) and this machine's build (bf16 activations where AVX512-BF16 is
+    there): each equals the dequantised matmul on its own input, and the two agree to bf16 rounding of the input."""
+    monkeypatch.delenv("POLYSPEC_INT4_REFERENCE", raising=False)
+    k, gs, n = 576, 128, 300  # K not a multiple of 128: a 64-code last group (the masked load)
+    g = _gen(31)
+    q, s, z = quantize_rtn(torch.randn(n, k, generator=g), gs, sym=False)
+    layer = Int4Linear(q, s, z, gs, torch.randn(n, generator=g))
+    w = dequantize(q, s, z, gs).double()
+    x = torch.randn(5, k, generator=g)
+    with torch.inference_mode():
+        native, native_path = ck.int4_linear(x, layer), ck.int4_path()
+        saved = ck._lib, ck._tried, ck._failure
+        monkeypatch.setenv("POLYSPEC_PORTABLE_I4", "1")
+        monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(tmp_path))
+        ck._lib, ck._tried, ck._failure = None, False, None
+        try:
+            portable, portable_path = ck.int4_linear(x, layer), ck.int4_path()
+        finally:
+            ck._lib, ck._tried, ck._failure = saved
+    assert portable_path == "fp32" and native_path in ("fp32", "avx512-bf16")
+    bias = layer.bias.double()
+    for y, xin in ((portable, x.double()), (native, _int4_input(x))):
+        ref = xin @ w.t() + bias
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((native - portable).abs().max() / portable.abs().max()).item() < (1e-2 if native_path != "fp32" else 1e-6)
 
 
 def test_int4_linear_declines_what_it_cannot_do(monkeypatch):
@@ -187,7 +225,8 @@ def _run(model: Transformer, ids: torch.Tensor, blocks: list[int], tree: bool = 
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 def test_decoder_layer_kernel_matches_torch_path(models, kind, tree, monkeypatch):
     """fp32 layers against the torch layer; int4 layers against the torch layer on dequantised weights (the
-    reference matmul that POLYSPEC_INT4_REFERENCE selects, exact up to fp32 rounding)."""
+    reference matmul that POLYSPEC_INT4_REFERENCE selects, with the activations rounded as the kernel rounds them:
+    exact up to fp32 rounding)."""
     fast = Transformer.from_pretrained(models["bias" if kind == "bias" else "llama"]).eval()
     if kind == "int4":
         quantize_model_rtn(fast, group_size=64, sym=False)
@@ -209,14 +248,18 @@ def test_decoder_layer_kernel_matches_torch_path(models, kind, tree, monkeypatch
         assert {(ck.layer_plan(layer).kind, ck.layer_plan(layer).group_size) for layer in fast.layers} == {("i4", 64)}
     old = ck.set_enabled(False)
     try:
-        monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", "1")
+        monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", _int4_reference_mode())
         ref, rk, rv = _run(ref_model, ids, blocks, tree)
     finally:
         ck.set_enabled(old)
         monkeypatch.delenv("POLYSPEC_INT4_REFERENCE")
-    assert (got - ref).abs().max().item() < 1e-4
+    # bf16 activations (the AVX512-BF16 int4 rows): a last-bit fp32 difference upstream can move an activation's
+    # bf16 rounding by one step (2^-8 relative) in a later layer, so the models agree to ~1e-3, not ~1e-6; a wrong
+    # code layout, scale or zero point is off by O(1). Each linear is held to 1e-5 on its own input above.
+    tol = 1e-2 if kind == "int4" and _int4_reference_mode() == "bf16" else 1e-4
+    assert (got - ref).abs().max().item() < tol
     for a, b in zip(gk + gv, rk + rv, strict=True):
-        assert (a - b).abs().max().item() < 1e-4
+        assert (a - b).abs().max().item() < tol
 
 
 def test_decoder_layer_kernel_is_width_invariant(models):
@@ -297,7 +340,7 @@ def test_layers_without_a_plan_take_the_torch_layer_in_the_same_forward(models, 
     got = _run(model, ids, blocks)[0]
     old = ck.set_enabled(False)
     try:
-        monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", "1")
+        monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", _int4_reference_mode())
         ref = _run(ref_model, ids, blocks)[0]
     finally:
         ck.set_enabled(old)

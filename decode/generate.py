@@ -14,6 +14,7 @@ import torch
 
 from polyspec.decode import cpu_kernels, cuda_graphs
 from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
+from polyspec.decode.hf_fallback import HFCausalLM
 from polyspec.decode.levels import HeadLevel, ModelLevel
 from polyspec.errors import PolyspecError
 
@@ -72,7 +73,20 @@ def _dtype(name: str | None, dev: torch.device) -> torch.dtype:
 def _context(model_dir: Path) -> int:
     from polyspec.decode.model import read_hf_config
 
-    return int(read_hf_config(Path(model_dir)).get("max_position_embeddings") or 2048)
+    cfg = read_hf_config(Path(model_dir))
+    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+
+
+def load_model(folder: Path, *, dtype: torch.dtype, device: torch.device) -> Any:
+    """A target or verifier folder: polyspec's engine where it reproduces the model (the Llama family, GPTQ int4
+    folders), else transformers behind the same interface (polyspec.decode.hf_fallback, with a note on stderr)."""
+    from polyspec.decode import hf_fallback
+    from polyspec.decode.model import Transformer, read_hf_config
+
+    why = hf_fallback.engine_refusal(read_hf_config(Path(folder)))
+    if why is not None:
+        return hf_fallback.load(folder, dtype=dtype, device=device, reason=why)
+    return Transformer.from_pretrained(folder, dtype=dtype, device=device)
 
 
 def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = None,
@@ -80,7 +94,6 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
     """Validate a chain folder and load every level (target, verifiers, head) onto ``device``. ``draft_vocab``: the
     head's draft vocabulary size (None: the manifest's ``decode.draft_vocab``; 0: the full vocabulary)."""
     from polyspec.decode.head import load_head
-    from polyspec.decode.model import Transformer
     from polyspec.manifest import validate_chain
     from polyspec.sources import load_tokenizer
 
@@ -93,11 +106,16 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
     for lv in manifest.levels:
         folder = chain_dir / lv.path
         if lv.kind == "head":  # shares the target's embedding and lm_head
+            if isinstance(models[top.name], HFCausalLM):
+                raise PolyspecError(f"{chain_dir}: the EAGLE head {lv.name!r} needs its target on polyspec's engine, "
+                                    f"but the target runs on transformers ({models[top.name].why}); use a "
+                                    "Llama-family target, or a chain without a head")
             models[lv.name] = load_head(folder, models[top.name]).to(dev)
             models[lv.name].set_draft_vocab(manifest.decode.draft_vocab if draft_vocab is None else draft_vocab)
         else:
-            models[lv.name] = Transformer.from_pretrained(folder, dtype=tdtype, device=dev)
-        cpu_kernels.pack_weights(models[lv.name])  # CPU: weights in read order, one block
+            models[lv.name] = load_model(folder, dtype=tdtype, device=dev)
+        if not isinstance(models[lv.name], HFCausalLM):
+            cpu_kernels.pack_weights(models[lv.name])  # CPU: weights in read order, one block
     cuda_graphs.enable_for_device(models, dev, max_width=GRAPH_WIDTH)  # CUDA: static steps replayed as graphs
     return LoadedChain(
         models=models, order=[lv.name for lv in manifest.levels], kinds={lv.name: lv.kind for lv in manifest.levels},
@@ -119,12 +137,12 @@ def tree_params(cfg: Any = None, **overrides: int | None) -> TreeParams:
 
 def load_model_folder(model_dir: Path, *, device: str = "auto", dtype: str | None = None) -> LoadedChain:
     """A plain Hugging Face folder as a one-level chain (ar mode only)."""
-    from polyspec.decode.model import Transformer
     from polyspec.sources import load_tokenizer
 
     dev = resolve_device(device)
-    model = Transformer.from_pretrained(Path(model_dir), dtype=_dtype(dtype, dev), device=dev)
-    cpu_kernels.pack_weights(model)
+    model = load_model(Path(model_dir), dtype=_dtype(dtype, dev), device=dev)
+    if not isinstance(model, HFCausalLM):
+        cpu_kernels.pack_weights(model)
     cuda_graphs.enable_for_device({"target": model}, dev, max_width=GRAPH_WIDTH)
     return LoadedChain(models={"target": model}, order=["target"], kinds={"target": "target"},
                        tokenizer=load_tokenizer(Path(model_dir)), context=_context(Path(model_dir)))

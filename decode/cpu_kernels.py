@@ -197,11 +197,13 @@ def failure() -> str | None:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`kernel_linear` takes this call: CPU tensors, both fp32 or both bf16, at most MAX_ROWS input
+    """Whether :func:`kernel_linear` takes this call: CPU tensors, both fp32 or both bf16 (or an fp32 input with bf16
+    weights: fp32 output), at most MAX_ROWS input
     rows, a contiguous 2-D weight, no autograd graph to build, and no tracer or compiler watching."""
     if not (x.is_cpu and weight.is_cpu) or weight.dim() != 2 or not weight.is_contiguous():
         return False
-    if x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+    mixed = x.dtype == torch.float32 and weight.dtype == torch.bfloat16  # a 16-bit lm_head in an fp32 model
+    if not mixed and (x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16)):
         return False
     k = weight.shape[1]
     if x.shape[-1] != k or x.numel() == 0 or x.numel() > MAX_ROWS * k:
@@ -225,6 +227,8 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     k = weight.shape[1]
     fp32 = x.dtype == torch.float32
     xf = x.contiguous() if fp32 else x.float().contiguous()
+    if any(w.dtype != weight.dtype for w, _ in pairs):
+        raise ValueError("kernel_linear: the weights of one call must share a dtype")
     ws, bs, ns = [0, 0, 0], [None, None, None], [0, 0, 0]
     keep = []  # converted biases must outlive the call
     for i, (w, b) in enumerate(pairs):
@@ -234,7 +238,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             keep.append(b)
             bs[i] = b.data_ptr()
     y = torch.empty((*x.shape[:-1], ns[0] + ns[1] + ns[2]), dtype=torch.float32)
-    fn = _lib.polyspec_linear3_f32 if fp32 else _lib.polyspec_linear3_bf16w
+    fn = _lib.polyspec_linear3_f32 if weight.dtype == torch.float32 else _lib.polyspec_linear3_bf16w
     fn(xf.data_ptr(), *ws, *bs, *ns, xf.numel() // k, k, y.data_ptr(), torch.get_num_threads())
     return y if fp32 else y.to(x.dtype)
 
@@ -262,9 +266,13 @@ def register_linear_class(cls: type) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with the CPU kernel where it applies (see :func:`supports`)."""
+    """``F.linear`` with the CPU kernel where it applies (see :func:`supports`); an fp32 input with bf16 weights gives
+    fp32 (the weights widened: on the torch path, a widened copy per call)."""
     if _ready() and supports(x, weight) and _load() is not None:
         return kernel_linear(x, weight, bias)
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
     return F.linear(x, weight, bias)
 
 

@@ -470,9 +470,15 @@ def save_int4_checkpoint(model_dir: str | Path, out_dir: str | Path, group_size:
     return write_gptq_folder(out_dir, cfg, out, group_size, sym, copy_files_from=model_dir, overwrite=overwrite)
 
 
-def load_int4(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_int4(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
+              embed_dtype: torch.dtype | None = None):
     """Load a GPTQ 4-bit HF folder (desc_act false, "gptq" or "gptq_v2" format) into a Transformer with
-    Int4Linear layers. ``Transformer.from_pretrained`` calls this when config.json has a quantization_config."""
+    Int4Linear layers. ``Transformer.from_pretrained`` calls this when config.json has a quantization_config.
+
+    ``embed_dtype``: the embedding's and lm_head's dtype (None: bf16 for an fp32 model, else ``dtype``). A W4A16
+    model keeps those 16-bit, as GPTQ checkpoints store them; in an fp32 chain widening them would double the int4
+    level's largest matrix (SmolLM2's tied 49,152 x 576 lm_head is two thirds of its bytes in fp32). Activations,
+    norms and the residual stream stay in ``dtype``; the lm_head's output is fp32 either way."""
     from polyspec.decode.model import ModelArgs, Transformer, build_from_state, load_safetensors_dir, read_hf_config
 
     path = Path(path)
@@ -504,4 +510,20 @@ def load_int4(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
         if (bias is not None) != (lin.bias is not None):
             raise PolyspecError(f"{path}: {name} bias presence does not match the config")
         setattr(block, attr, Int4Linear(q, s, z, group_size, None if bias is None else bias.to(dtype)))
-    return build_from_state(args, tensors, dtype=dtype, device=device, model=model)
+    model = build_from_state(args, tensors, dtype=dtype, device=device, model=model)
+    return set_embed_dtype(model, embed_dtype or (torch.bfloat16 if dtype == torch.float32 else dtype))
+
+
+def set_embed_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Store ``model``'s embedding and lm_head (shared when tied) in ``dtype``, in place; returns the model."""
+    emb, head = model.embed_tokens, model.lm_head
+    tied = head.weight is emb.weight
+    with torch.no_grad():
+        emb.weight = nn.Parameter(emb.weight.detach().to(dtype), requires_grad=False)
+        if tied:
+            head.weight = emb.weight
+        else:
+            head.weight = nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
+            if head.bias is not None:
+                head.bias = nn.Parameter(head.bias.detach().to(dtype), requires_grad=False)
+    return model

@@ -85,7 +85,7 @@ def random_model(args: Any, *, dtype: Any, device: Any, seed: int = 0, int4_grou
     ``int4_group``: every q/k/v/o/gate/up/down an Int4Linear with random codes and that group size."""
     import torch
 
-    from polyspec.decode.int4 import Int4Linear, _iter_quantizable
+    from polyspec.decode.int4 import Int4Linear, _iter_quantizable, set_embed_dtype
     from polyspec.decode.model import Transformer, rope_inv_freq
 
     dev = torch.device(device)
@@ -105,6 +105,8 @@ def random_model(args: Any, *, dtype: Any, device: Any, seed: int = 0, int4_grou
     gen = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
         _fill(model, gen)
+    if int4_group and dtype == torch.float32:  # as load_int4 keeps them: 16-bit embedding / lm_head (W4A16)
+        set_embed_dtype(model, torch.bfloat16)
     return model.requires_grad_(False).eval()
 
 

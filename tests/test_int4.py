@@ -3,6 +3,7 @@ int4 checkpoints of whole models."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from polyspec.decode.int4 import (
     quantize_rtn,
     save_int4_checkpoint,
     select_backend,
+    set_embed_dtype,
     unpack_gptq,
 )
 from polyspec.decode.model import Transformer
@@ -242,7 +244,13 @@ def test_int4_checkpoint_round_trip(tmp_path, hidden, inter, heads, kv):
                 assert isinstance(la, Int4Linear)
                 assert torch.equal(la.q, lb.q) and torch.equal(la.scales, lb.scales) and torch.equal(la.zeros, lb.zeros)
     ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(1))
-    assert torch.equal(_logits(loaded, ids), _logits(in_memory, ids))
+    # an fp32 int4 model keeps its embedding / lm_head 16-bit (W4A16); asked for fp32 ones, it equals the in-memory
+    # RTN model bitwise
+    assert loaded.embed_tokens.weight.dtype == loaded.lm_head.weight.dtype == torch.bfloat16
+    assert loaded.norm.weight.dtype == torch.float32 and _logits(loaded, ids).dtype == torch.float32
+    assert torch.equal(_logits(loaded, ids), _logits(set_embed_dtype(copy.deepcopy(in_memory), torch.bfloat16), ids))
+    wide = load_int4(out, embed_dtype=torch.float32)
+    assert torch.equal(_logits(wide, ids), _logits(in_memory, ids))
     with pytest.raises(PolyspecError, match="already exists"):
         save_int4_checkpoint(src, out)
     with pytest.raises(PolyspecError, match="already quantised"):

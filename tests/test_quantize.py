@@ -197,9 +197,13 @@ def test_gptq_folder_loads_in_the_decoder_with_reference_logits(gptq_pair, label
         got, _ = model(ids)  # fused int4 kernels (bf16 activations)
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    assert model.lm_head.weight.dtype == torch.bfloat16  # W4A16: the fp32 model's embedding / lm_head stay 16-bit
     monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", "1")
+    from polyspec.decode.int4 import load_int4
+
+    wide = load_int4(gptq, embed_dtype=torch.float32)
     with torch.no_grad():
-        exact, _ = model(ids)  # float32 dequantised path: the same maths as the reference
+        exact, _ = wide(ids)  # float32 dequantised path and fp32 embedding: the same maths as the reference
     torch.testing.assert_close(exact, want, atol=1e-4, rtol=1e-4)
 
 

@@ -40,7 +40,7 @@ def test_random_models_are_random_finite_and_int4_where_asked():
     lin = q.layers[1].mlp.down_proj
     assert isinstance(lin, Int4Linear) and lin.scales.dtype == torch.float32
     assert 0.015 < float(lin.dequantized_weight().std()) < 0.025
-    assert q.lm_head.weight.dtype == torch.float32 and not isinstance(q.lm_head, Int4Linear)
+    assert q.lm_head.weight.dtype == torch.bfloat16 and not isinstance(q.lm_head, Int4Linear)  # W4A16: 16-bit head
     assert h.lm_head is m.lm_head and h.embed_tokens is m.embed_tokens
     m.setup_cache(16)
     q.setup_cache(16)

@@ -490,9 +490,11 @@ def profile_models(target: Any, int4: Any, head: Any, prompts: list[list[int]], 
         "ar": run([lv_t], 1, None, prompts, "ar"),
         "dual": run([lv_t, lv_h], best_dual["draft_k"], None, prompts, f"dual {tag_dual}", t_dual),
         "chain": run([lv_t, lv_q, lv_h], k_chain, mu_star, prompts, f"chain {tag_chain} mu={mu_star}", t_chain),
-        "dual_at_chain_k": run([lv_t, lv_h], k_chain, None, prompts, f"dual {tag_chain}", t_chain),
-        "int4_over_head": run([lv_q, lv_h], k_chain, None, prompts, f"int4<-head {tag_chain}", t_chain),
     }
+    same = (k_chain == best_dual["draft_k"] and t_chain == t_dual)  # the chain's draft setting is dual's: run it once
+    final["dual_at_chain_k"] = final["dual"] if same else run([lv_t, lv_h], k_chain, None, prompts,
+                                                               f"dual {tag_chain}", t_chain)
+    final["int4_over_head"] = run([lv_q, lv_h], k_chain, None, prompts, f"int4<-head {tag_chain}", t_chain)
     ref = final["ar"]["outputs"]
     lossless = all(c["outputs"] == ref for c in final.values() if c["levels"][0] == "target")
 

@@ -274,11 +274,17 @@ def verdict_markdown(profile: dict[str, Any]) -> str:
         + (f"tree {dec['tree']['top_k']}x{dec['tree']['depth']}/{dec['tree']['total_tokens']}" if dec.get("tree")
            else f"draft_k={dec['draft_k']}") + f", mu={dec['mu']} |",
     ]
+    finals = profile["final"]
     for name, row in sp["wall"]["configs"].items():
+        if name == "dual" or (name == "dual_at_chain_k" and finals.get(name, {}).get("label")
+                              == finals.get("dual", {}).get("label")):
+            continue  # dual over itself: 1 by definition
         steady = sp["steady"]["configs"].get(name, {})
         lines.append(f"| speedup {name} over dual: predicted / measured (wall) / measured (steady) | "
                      f"{row['predicted']:.3f} / {row['measured']:.3f} / {steady.get('measured', float('nan')):.3f} |")
-    for name, c in profile["final"].items():
+    for name, c in finals.items():
+        if name == "dual_at_chain_k" and c.get("label") == finals.get("dual", {}).get("label"):
+            continue  # the same run as dual's
         lines.append(f"| tokens/s {name} ({c['label']}) | {c['tokens_per_second']:.2f} |")
     for name, vc in profile["variance"].items():
         if vc.get("count"):

@@ -290,6 +290,26 @@ static inline void rows_w(const float* x, const I4Input&, const WBF16& w, const 
                           int64_t N, int64_t nb, int64_t ne, float* y) {
     rows<uint16_t>(x, w.w, bias, M, K, N, nb, ne, y);
 }
+
+// One pass of G input rows (from row m0) over an int4 weight row, with this build's row kernel. Passes hold up to
+// I4_PASS rows: 4 on the bf16 path (2 accumulators + 1 total per row in registers), 8 on the portable one.
+#ifdef POLYSPEC_I4_BF16
+static const int64_t I4_PASS = 4;
+#else
+static const int64_t I4_PASS = 8;
+#endif
+
+template <int G>
+static inline void i4_dots(const I4Input& in, int64_t m0, int64_t K, int64_t ng, const uint8_t* q, const float* sc,
+                           const uint8_t* zr, int64_t gs, float* out) {
+#ifdef POLYSPEC_I4_BF16
+    if constexpr (G <= I4_PASS) row_dots_i4b<G>({nullptr, in.xs + m0 * ng, in.xb + m0 * in.xb_row, in.xb_row}, q, sc,
+                                                zr, K, gs, out);
+#else
+    row_dots_i4<G>({in.xp + m0 * K, in.xs + m0 * ng, nullptr, 0}, q, sc, zr, K, gs, out);
+#endif
+}
+
 static inline void rows_w(const float*, const I4Input& in, const WI4& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
     const int64_t ng = (K + w.gs - 1) / w.gs;
@@ -299,35 +319,20 @@ static inline void rows_w(const float*, const I4Input& in, const WI4& w, const f
         const float* sc = w.s + n * ng;
         const uint8_t* zr = w.z + n * ng;
         const float b = bias ? bias[n] : 0.0f;
-#ifdef POLYSPEC_I4_BF16
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {  // passes of up to 4 rows (registers: 2 accumulators + 1 total each)
-            const I4Input im = {nullptr, in.xs + m0 * ng, in.xb + m0 * in.xb_row, in.xb_row};
-            const int64_t g = M - m0 >= 4 ? 4 : M - m0;
+        for (int64_t m0 = 0; m0 < M; m0 += I4_PASS) {
+            const int64_t g = M - m0 >= I4_PASS ? I4_PASS : M - m0;
             switch (g) {
-                case 1: row_dots_i4b<1>(im, q, sc, zr, K, w.gs, out); break;
-                case 2: row_dots_i4b<2>(im, q, sc, zr, K, w.gs, out); break;
-                case 3: row_dots_i4b<3>(im, q, sc, zr, K, w.gs, out); break;
-                default: row_dots_i4b<4>(im, q, sc, zr, K, w.gs, out); break;
+                case 1: i4_dots<1>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
+                case 2: i4_dots<2>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
+                case 3: i4_dots<3>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
+                case 4: i4_dots<4>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
+                case 5: i4_dots<5>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
+                case 6: i4_dots<6>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
+                case 7: i4_dots<7>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
+                default: i4_dots<8>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
             }
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
         }
-#else
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            const I4Input im = {in.xp + m0 * K, in.xs + m0 * ng, nullptr, 0};
-            const int64_t g = M - m0 >= 8 ? 8 : M - m0;
-            switch (g) {
-                case 1: row_dots_i4<1>(im, q, sc, zr, K, w.gs, out); break;
-                case 2: row_dots_i4<2>(im, q, sc, zr, K, w.gs, out); break;
-                case 3: row_dots_i4<3>(im, q, sc, zr, K, w.gs, out); break;
-                case 4: row_dots_i4<4>(im, q, sc, zr, K, w.gs, out); break;
-                case 5: row_dots_i4<5>(im, q, sc, zr, K, w.gs, out); break;
-                case 6: row_dots_i4<6>(im, q, sc, zr, K, w.gs, out); break;
-                case 7: row_dots_i4<7>(im, q, sc, zr, K, w.gs, out); break;
-                default: row_dots_i4<8>(im, q, sc, zr, K, w.gs, out); break;
-            }
-            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
-        }
-#endif
     }
 }
 

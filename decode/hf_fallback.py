@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -51,6 +52,10 @@ class HFCausalLM(nn.Module):
         self._cache: Any = None
         self._len = 0
         self._max = 0
+        cfg = hf_model.config
+        # The sizes callers read off an engine model's ModelArgs (e.g. the bench's forward timing).
+        self.args = SimpleNamespace(model_type=cfg.model_type, vocab_size=int(cfg.vocab_size),
+                                    hidden_size=int(cfg.hidden_size), num_layers=int(cfg.num_hidden_layers))
 
     @property
     def config(self) -> Any:

@@ -120,3 +120,21 @@ def test_a_head_on_a_transformers_target_is_one_clear_error(gpt2_dirs, tiny_part
         return  # refused at assembly: also one clear error
     with pytest.raises(PolyspecError, match="polyspec's engine"):
         load_chain(out, device="cpu")
+
+
+def test_bench_runs_a_transformers_chain_and_times_its_levels(gpt2_dirs, tmp_path, capsys):
+    out = tmp_path / "chain"
+    assemble_chain(out, gpt2_dirs["target"], [gpt2_dirs["mid"]], gpt2_dirs["draft"])
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["hello there", "and more"]})
+                       + "\n")
+    report = tmp_path / "bench.json"
+    code = main(["bench", str(out), "--prompts", str(prompts), "--modes", "ar,dual,chain", "--max-new-tokens", "10",
+                 "--device", "cpu", "--draft-k", "2", "--mu", "3", "--forward-times", "--forward-repeats", "2",
+                 "--forward-prefix", "8", "--json", str(report)])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    r = json.loads(report.read_text())
+    assert r["mismatches"] == [] and set(r["overall"]) == {"ar", "dual", "chain"}
+    assert all(r["overall"][m]["tokens_per_second"] > 0 for m in ("ar", "dual", "chain"))
+    assert list(r["forward_times"]["levels"]) == ["target", "intermediate", "draft"]

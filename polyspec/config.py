@@ -109,6 +109,14 @@ class TrainConfig(Section):
     token_loss_weight: float = Field(0.1, ge=0)
     feature_noise: float = Field(0.2, ge=0, description="uniform noise half-width added to input features")
     checkpoint_every: int = Field(500, ge=1, description="optimizer steps between checkpoints")
+    eval_every: int | None = Field(
+        None, ge=1, description="optimizer steps between held-out validations (default: once per epoch)"
+    )
+    accept_prompts: int = Field(
+        4, ge=0, description="held-out prompts decoded greedily in dual mode (linear and tree) at each validation to "
+        "log the decoder's tokens per target verification; 0 turns it off"
+    )
+    accept_tokens: int = Field(48, ge=1, description="new tokens per prompt in that decoder measurement")
     num_workers: int = Field(0, ge=0)
     seed: int = 0
 

@@ -79,6 +79,16 @@ def test_losses_agreement_and_acceptance_formula():
     assert [warmup_linear_decay(s, 2, 6) for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
 
 
+def test_eval_every_is_counted_in_optimizer_steps():
+    from polyspec.config import TrainConfig
+    from polyspec.train.stage import _val_interval
+
+    assert _val_interval(TrainConfig(), 100, 1) == 1.0  # unset: once per epoch
+    assert _val_interval(TrainConfig(eval_every=10, grad_accum=2), 100, 1) == 20  # batches per rank
+    assert _val_interval(TrainConfig(eval_every=10, grad_accum=2), 100, 2) == 20
+    assert _val_interval(TrainConfig(eval_every=60), 100, 2) == 1.0  # longer than an epoch: once per epoch
+
+
 def test_checkpoint_tree_round_trip_without_pickle(tmp_path):
     tree = {"state_dict": {"a.weight": torch.randn(3, 2)}, "optimizer_states": [{"state": {0: {"step": torch.tensor(
         3.0), "exp_avg": torch.ones(2)}}, "param_groups": [{"params": [0], "betas": (0.9, 0.95), "lr": 1e-3}]}],
@@ -188,6 +198,9 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     assert 0.0 <= info["heldout_top1_agreement"] <= 1.0
     alpha = info["heldout_top1_agreement"]
     assert info["acceptance_length_estimate"] == pytest.approx(expected_acceptance_length(alpha, 4))
+    # the decoder's own count on held-out prompts, linear drafts of decode.draft_k (4) and the tree
+    assert 1.0 <= info["decoder_accept_linear"] <= 5.0 and 1.0 <= info["decoder_accept_tree"]
+    assert all("heldout/accept_linear" in e for e in info["eval_history"])
 
     cfg = read_head_config(out)
     assert cfg["target"]["model_id"] == model_id("local", tiny_model) and cfg["target"]["hash"]
@@ -209,7 +222,8 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     client = MlflowClient(tracking_uri=recipe.tracking.uri)
     run = client.get_run(tracker.run_id)
     for name in ("train/feature_loss", "train/token_loss", "train/loss", "lr", "tokens_per_second",
-                 "heldout/top1_agreement", "heldout/acceptance_length_estimate"):
+                 "heldout/top1_agreement", "heldout/acceptance_length_estimate", "heldout/accept_linear",
+                 "heldout/accept_tree"):
         assert name in run.data.metrics, name
     def history(name: str) -> list[float]:
         return [m.value for m in sorted(client.get_metric_history(tracker.run_id, name), key=lambda m: m.step)]

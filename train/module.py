@@ -7,6 +7,7 @@ does), never from package ``__init__`` files.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,10 @@ class HeadModule(L.LightningModule):
     head's frozen lm_head. Checkpoints hold only the head's trainable tensors (fc.*, layer.*).
     """
 
-    def __init__(self, head: torch.nn.Module, cfg: Any, *, draft_k: int, teacher: torch.nn.Module | None = None):
+    def __init__(self, head: torch.nn.Module, cfg: Any, *, draft_k: int, teacher: torch.nn.Module | None = None,
+                 probe: Callable[[torch.nn.Module], dict[str, float]] | None = None):
         super().__init__()
+        self._probe = probe  # the decoder's acceptance on held-out prompts (rank 0, after each validation)
         self.head = head
         self.cfg = cfg
         self.draft_k = draft_k
@@ -127,6 +130,8 @@ class HeadModule(L.LightningModule):
             "step": float(self.global_step),
             "epoch": float(self.current_epoch),
         }
+        if self._probe is not None and self.trainer.is_global_zero:
+            self.last_eval.update(self._probe(self.head))
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
 

@@ -36,7 +36,8 @@ TRAIN_FORMAT = 1
 TRAINING_JSON = "training.json"
 LOG_EVERY = 10  # optimizer steps between MLflow logs of loss components, lr and tokens/s
 # train settings that do not change the trained weights (left out of the key)
-OPERATIONAL_KEYS = ("checkpoint_every", "num_workers", "cache_budget_gb")
+OPERATIONAL_KEYS = ("checkpoint_every", "num_workers", "cache_budget_gb", "eval_every", "accept_prompts",
+                    "accept_tokens")
 
 
 def is_global_rank_zero() -> bool:
@@ -206,8 +207,10 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
                       "extract_seconds": time.perf_counter() - t0}
         _say(progress and rank0, f"train: feature cache {cache_dir}: {index['bytes'] / 1e6:.1f} MB, "
                                  f"{index['bytes_per_token']:.1f} bytes/token (estimate {estimate / 1e6:.1f} MB)")
-        teacher.layers = torch.nn.ModuleList()  # only the shared embedding and lm_head are needed from here on
-    result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every)
+        if not cfg.accept_prompts:  # only the shared embedding and lm_head are needed from here on
+            teacher.layers = torch.nn.ModuleList()
+    probe = _acceptance_probe(recipe, teacher, prepared, tokenizer) if rank0 else None
+    result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every, probe)
     head = result.pop("_head")
     if not rank0:
         return out_dir
@@ -299,8 +302,45 @@ def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict
     return out_dir
 
 
+def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
+    """A function head -> {heldout/accept_linear, heldout/accept_tree}: the decoder's tokens per target verification
+    on the first ``train.accept_prompts`` held-out prompts (greedy dual, linear drafts of ``decode.draft_k`` and the
+    recipe's tree shape); None when turned off or nothing is held out."""
+    import torch
+
+    from polyspec.decode.acceptance import decoder_acceptance, prompt_prefix
+    from polyspec.decode.chain import TreeParams
+    from polyspec.decode.generate import eos_ids
+
+    cfg, dec = recipe.train, recipe.decode
+    prompts = [p for p in (prompt_prefix(r["input_ids"], r["loss_mask"]) for r in prepared.heldout) if p]
+    prompts = prompts[:cfg.accept_prompts]
+    if not prompts:
+        return None
+    tree = TreeParams(top_k=dec.tree.top_k, depth=dec.tree.depth, total_tokens=dec.tree.total_tokens)
+    eos = frozenset(eos_ids(tokenizer))
+
+    def probe(head) -> dict[str, float]:
+        device = next(head.parameters()).device
+        teacher.to(device)
+        was_training = head.training
+        head.eval()
+        out = {}
+        with torch.autocast(device.type, dtype=teacher.norm.weight.dtype,
+                            enabled=teacher.norm.weight.dtype != next(head.parameters()).dtype):
+            for name, shape in (("linear", None), ("tree", tree)):
+                res = decoder_acceptance(teacher, head, prompts, max_new_tokens=cfg.accept_tokens,
+                                         draft_k=dec.draft_k, tree=shape, eos_token_ids=eos)
+                out[f"heldout/accept_{name}"] = res.tokens_per_verification
+        head.train(was_training)
+        return out
+
+    return probe
+
+
 def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info: dict[str, Any], key: str,
-         tracker: Any, progress: bool, callbacks: Sequence[Any], log_every: int) -> dict[str, Any]:
+         tracker: Any, progress: bool, callbacks: Sequence[Any], log_every: int, probe: Any = None
+         ) -> dict[str, Any]:
     """Build the LightningModule, loaders and Trainer, fit (resuming), evaluate; return the run's numbers."""
     import warnings
 
@@ -319,7 +359,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     head_args = dataclasses.replace(teacher.args, num_layers=1)
     head = EagleHead(head_args, teacher.embed_tokens, teacher.lm_head).float()
     module = HeadModule(head, cfg, draft_k=recipe.decode.draft_k,
-                        teacher=teacher if cfg.features == "online" else None)
+                        teacher=teacher if cfg.features == "online" else None, probe=probe)
 
     if cfg.features == "offline":
         cache_dir = Path(cache_info["cache_dir"])
@@ -352,6 +392,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
         accumulate_grad_batches=cfg.grad_accum, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm",
         callbacks=cbs, plugins=plugins, logger=False, enable_progress_bar=progress, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=1.0 if val_dl is not None else 0, check_val_every_n_epoch=1,
+        val_check_interval=_val_interval(cfg, len(train_dl), world),
         default_root_dir=str(state_dir), log_every_n_steps=log_every, use_distributed_sampler=True,
     )
     resume = latest_checkpoint(ckpt_dir)
@@ -388,7 +429,20 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     if module.last_eval:
         result["heldout_top1_agreement"] = module.last_eval["heldout/top1_agreement"]
         result["acceptance_length_estimate"] = module.last_eval["heldout/acceptance_length_estimate"]
+        for name in ("accept_linear", "accept_tree"):
+            if f"heldout/{name}" in module.last_eval:
+                result[f"decoder_{name}"] = module.last_eval[f"heldout/{name}"]
     return result
+
+
+def _val_interval(cfg: TrainConfig, batches: int, world: int) -> int | float:
+    """Lightning's val_check_interval (training batches per rank) for ``train.eval_every`` optimizer steps; 1.0 (once
+    per epoch) when unset or when an epoch is shorter."""
+    if cfg.eval_every is None:
+        return 1.0
+    per_rank = max(1, batches // max(world, 1))
+    interval = cfg.eval_every * cfg.grad_accum
+    return interval if interval < per_rank else 1.0
 
 
 def _world_size(runtime: dict[str, Any]) -> int:

@@ -1,0 +1,62 @@
+"""Acceptance as the decoder sees it: greedy dual decoding of a target with its draft head, counted per verification.
+
+The train stage calls this at each validation (``heldout/accept_linear``, ``heldout/accept_tree`` in MLflow), so a
+head is judged by the number the chain's speed depends on - the mean tokens each target verification commits - and
+not only by its one-step, teacher-forced top-1 agreement. The models keep their state: a KV cache the decoder sets
+up is dropped again afterwards (training passes are stateless and must not write into a cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from polyspec.errors import PolyspecError
+
+
+@dataclass(frozen=True)
+class AcceptanceResult:
+    """Greedy dual decoding over some prompts: committed tokens per target verification."""
+
+    tokens_per_verification: float
+    new_tokens: int
+    verifications: int
+    prompts: int
+
+
+def prompt_prefix(input_ids: list[int], loss_mask: list[int]) -> list[int] | None:
+    """A prepared row's prompt: its tokens before the first assistant (loss-masked) token, i.e. the first user turn
+    with the assistant header already open; None when the row has no assistant token or an empty prefix."""
+    first = next((j for j, m in enumerate(loss_mask) if m), None)
+    if not first:
+        return None
+    return [int(t) for t in input_ids[:first]]
+
+
+def decoder_acceptance(target: torch.nn.Module, head: torch.nn.Module, prompts: list[list[int]], *,
+                       max_new_tokens: int, draft_k: int, tree: Any = None,
+                       eos_token_ids: frozenset[int] = frozenset()) -> AcceptanceResult:
+    """Decode each prompt greedily with ``target`` verifying ``head`` (an EAGLE head reading the target's features):
+    linear drafts of ``draft_k`` tokens, or the EAGLE-2 tree ``tree`` (a :class:`polyspec.decode.chain.TreeParams`).
+    Returns the mean number of tokens committed per target verification (accepted drafts + the target's own)."""
+    from polyspec.decode.chain import ChainDecoder, SamplingParams
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    if not prompts:
+        raise PolyspecError("decoder_acceptance needs at least one prompt")
+    saved = [(m, m.__dict__.get("_cache")) for m in (target, head)]
+    try:
+        longest = max(len(p) for p in prompts)
+        dec = ChainDecoder([ModelLevel(target, "target"), HeadLevel(head, "head")], draft_k=draft_k,
+                           max_seq_len=longest + max_new_tokens + draft_k + 8, tree=tree)
+        new = verifications = 0
+        for ids in prompts:
+            res = dec.generate(list(ids), max_new_tokens, SamplingParams(), seed=0, eos_token_ids=eos_token_ids)
+            new += len(res.token_ids)
+            verifications += len(res.level_stats[0].accept_lengths)
+    finally:
+        for model, cache in saved:
+            model._cache = cache
+    return AcceptanceResult(new / verifications if verifications else 0.0, new, verifications, len(prompts))

@@ -74,8 +74,7 @@ class EagleHead(CachedDecoder):
             raise PolyspecError("this head has no token counts (token_counts.safetensors in its folder), so it cannot "
                                 "pick a draft vocabulary; heads trained by this polyspec have them, or use "
                                 "draft_vocab 0 (the full vocabulary)")
-        order = torch.sort(self.token_counts.to("cpu", torch.int64), descending=True, stable=True).indices
-        self.draft_ids = order[:size].sort().values.to(self.inv_freq.device)
+        self.draft_ids = top_token_ids(self.token_counts, size).to(self.inv_freq.device)
 
     def _draft_lm_weight(self) -> torch.Tensor:
         """The lm_head rows of the draft vocabulary [Vd, H], contiguous (cached; dropped when anything moves)."""
@@ -99,13 +98,14 @@ class EagleHead(CachedDecoder):
         return {k: v for k, v in self.state_dict().items() if k.startswith(TRAINABLE_PREFIXES)}
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, *, tree_mask: torch.Tensor | None = None,
-                position_offsets: torch.Tensor | None = None, last_only: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                position_offsets: torch.Tensor | None = None, last_only: bool = False,
+                vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] (tokens x_{t+1}) and features [T, H] (f_t) -> (logits [T, V] float32, hidden [T, H]).
 
         Batched training input: input_ids [B, T], features [B, T, H] -> [B, T, V], [B, T, H] (without a cache
         each call is a stateless causal pass over its block). tree_mask / position_offsets as in
-        ``Transformer.forward``; last_only returns only the last row of each output.
+        ``Transformer.forward``; last_only returns only the last row of each output. ``vocab_ids`` [Vd] (training
+        on a draft vocabulary): the logits of those token ids only, [.., Vd], differentiable in the head's output.
         """
         ids = torch.as_tensor(input_ids).long()
         squeeze = ids.dim() == 1
@@ -118,7 +118,7 @@ class EagleHead(CachedDecoder):
         out = runner.forward(ids, features, tree_mask, position_offsets, last_only) if runner is not None else None
         if out is None:
             x = self._run_layers(self._embed(ids, features), [self.layer], tree_mask, position_offsets)
-            out = self._out(x, last_only)
+            out = self._out(x, last_only) if vocab_ids is None else (subset_logits(self.lm_head, x, vocab_ids), x)
         logits, x = out
         return (logits[0], x[0]) if squeeze else (logits, x)
 
@@ -234,6 +234,19 @@ def read_token_counts(head_dir: str | Path, vocab_size: int) -> torch.Tensor | N
     if counts is None or tuple(counts.shape) != (vocab_size,) or counts.dtype != torch.int64:
         raise PolyspecError(f"{path}: expected an int64 'counts' tensor of [{vocab_size}] (one per token id)")
     return counts
+
+
+def top_token_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` most frequent ids of ``counts`` [V] (ties: lower id first), ascending: a draft vocabulary."""
+    order = torch.sort(counts.to("cpu", torch.int64), descending=True, stable=True).indices
+    return order[:size].sort().values
+
+
+def subset_logits(lm_head: nn.Module, x: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """lm_head's logits of ``vocab_ids`` [Vd] only: x [.., H] -> [.., Vd] float32 (a frozen lm_head's rows; the
+    gradient flows to x). Training on a draft vocabulary reads a sixth of SmolLM2's lm_head at 8,192 tokens."""
+    w = lm_head.weight.index_select(0, vocab_ids.to(lm_head.weight.device))  # [Vd, H]
+    return torch.nn.functional.linear(x.to(w.dtype), w).float()
 
 
 def count_tokens(token_ids: Any, loss_masks: Any, vocab_size: int) -> torch.Tensor:

@@ -108,6 +108,10 @@ class TrainConfig(Section):
     feature_loss_weight: float = Field(1.0, ge=0)
     token_loss_weight: float = Field(0.1, ge=0)
     feature_noise: float = Field(0.2, ge=0, description="uniform noise half-width added to input features")
+    loss_vocab: int = Field(
+        0, ge=0, description="token loss and top-1 agreement over the N most frequent training tokens only (the "
+        "draft vocabulary decode.draft_vocab decodes with; 0 = the full vocabulary)"
+    )
     checkpoint_every: int = Field(500, ge=1, description="optimizer steps between checkpoints")
     eval_every: int | None = Field(
         None, ge=1, description="optimizer steps between held-out validations (default: once per epoch)"

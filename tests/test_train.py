@@ -301,3 +301,34 @@ def test_lightning_ddp_with_two_gloo_processes(tmp_path, tiny_model):
     assert info["runtime"]["strategy"] == "ddp" and info["runtime"]["devices"] == "2"
     assert info["steps"] == math.ceil(math.ceil(n_train / 2) / 2)  # each rank sees half the rows, batch 2
     assert "heldout_top1_agreement" in info
+
+
+def test_loss_vocab_trains_on_the_draft_vocabulary_only(tmp_path, tiny_model):
+    """train.loss_vocab: the head's token loss reads only the N most frequent training tokens' lm_head rows, and
+    the logits it trains are exactly those rows of the full logits."""
+    from polyspec.decode.head import EagleHead, subset_logits, top_token_ids
+    from polyspec.decode.model import Transformer
+    from polyspec.train import train_stage
+
+    target = Transformer.from_pretrained(tiny_model)
+    head = EagleHead(target.args, target.embed_tokens, target.lm_head)
+    ids = top_token_ids(torch.tensor([5, 0, 9, 9, 1]), 3)
+    assert ids.tolist() == [0, 2, 3]  # ties keep the lower id; returned ascending
+    x = torch.randn(2, 3, target.args.hidden_size, requires_grad=True)
+    sub = subset_logits(head.lm_head, x, ids)
+    assert torch.allclose(sub, head.lm_head(x)[..., ids], atol=1e-5)
+    sub.sum().backward()
+    assert x.grad is not None and head.lm_head.weight.grad is None  # the shared lm_head stays frozen
+    feats = torch.randn(1, 4, target.args.hidden_size)
+    full, _ = head(torch.tensor([[1, 2, 3, 4]]), feats)
+    part, _ = head(torch.tensor([[1, 2, 3, 4]]), feats, vocab_ids=ids)
+    assert torch.allclose(part, full[..., ids], atol=1e-5)
+
+    with pytest.raises(PolyspecError, match="loss_vocab"):
+        train_stage(_recipe(tmp_path, tiny_model, loss_vocab=10**6, max_steps=2), progress=False)
+    for features in ("online", "offline"):
+        out = train_stage(_recipe(tmp_path / features, tiny_model, loss_vocab=64, max_steps=4, features=features),
+                          progress=False)
+        info = _info(out)
+        assert info["steps"] == 4 and info["train"]["loss_vocab"] == 64
+        assert math.isfinite(info["train_loss_last"])

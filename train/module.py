@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from polyspec.decode.head import subset_logits
 from polyspec.train.ckpt_io import load_tree, save_tree
 from polyspec.train.features import teacher_outputs
 from polyspec.train.losses import (
@@ -37,9 +38,12 @@ class HeadModule(L.LightningModule):
     """
 
     def __init__(self, head: torch.nn.Module, cfg: Any, *, draft_k: int, teacher: torch.nn.Module | None = None,
-                 probe: Callable[[torch.nn.Module], dict[str, float]] | None = None):
+                 probe: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+                 loss_ids: torch.Tensor | None = None):
         super().__init__()
         self._probe = probe  # the decoder's acceptance on held-out prompts (rank 0, after each validation)
+        # train.loss_vocab: token loss and top-1 over these ids only (the draft vocabulary the head will decode with)
+        self.loss_ids: torch.Tensor | None = loss_ids
         self.head = head
         self.cfg = cfg
         self.draft_k = draft_k
@@ -55,9 +59,12 @@ class HeadModule(L.LightningModule):
     def _teacher_signal(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(teacher logits [B, T, V], features [B, T, H]) for a batch, online or from the cache."""
         with torch.no_grad():
+            ids = self.loss_ids
             if "hidden" in batch:  # offline: logits from the same frozen lm_head the teacher has
                 hidden = batch["hidden"]
                 w = self.head.lm_head.weight
+                if ids is not None:
+                    return subset_logits(self.head.lm_head, hidden, ids), hidden  # [B, T, Vd]
                 logits = self.head.lm_head(hidden.to(w.dtype)).float()  # [B, T, V]
                 return logits, hidden
             teacher = self._teacher[0]
@@ -65,13 +72,14 @@ class HeadModule(L.LightningModule):
                 raise RuntimeError("online training needs a teacher model")
             if teacher.inv_freq.device != self.device:
                 teacher.to(self.device)
-            return teacher_outputs(teacher, batch["input_ids"])
+            logits, hidden = teacher_outputs(teacher, batch["input_ids"])
+            return (logits if ids is None else logits.index_select(-1, ids.to(logits.device))), hidden
 
     def _losses(self, batch: dict[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
         logits_t, hidden = self._teacher_signal(batch)
         s = shift_for_head(batch["input_ids"], hidden, logits_t, batch["loss_mask"], batch["lengths"])
         feats = uniform_noise(s["head_features"].float(), noise)  # [B, T-1, H]
-        logits, out = self.head(s["head_ids"], feats)  # [B, T-1, V], [B, T-1, H]
+        logits, out = self.head(s["head_ids"], feats, vocab_ids=self.loss_ids)  # [B, T-1, V or Vd], [B, T-1, H]
         return eagle_losses(logits, out, s["target_features"], s["target_logits"], s["weight"])
 
     # -- training --------------------------------------------------------------------------------------------------

@@ -359,7 +359,8 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     head_args = dataclasses.replace(teacher.args, num_layers=1)
     head = EagleHead(head_args, teacher.embed_tokens, teacher.lm_head).float()
     module = HeadModule(head, cfg, draft_k=recipe.decode.draft_k,
-                        teacher=teacher if cfg.features == "online" else None, probe=probe)
+                        teacher=teacher if cfg.features == "online" else None, probe=probe,
+                        loss_ids=_loss_ids(cfg, prepared, head_args.vocab_size))
 
     if cfg.features == "offline":
         cache_dir = Path(cache_info["cache_dir"])
@@ -433,6 +434,18 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
             if f"heldout/{name}" in module.last_eval:
                 result[f"decoder_{name}"] = module.last_eval[f"heldout/{name}"]
     return result
+
+
+def _loss_ids(cfg: TrainConfig, prepared: Any, vocab_size: int) -> Any:
+    """train.loss_vocab's token ids: the most frequent training targets, as decode.draft_vocab picks them."""
+    if not cfg.loss_vocab:
+        return None
+    if cfg.loss_vocab > vocab_size:
+        raise PolyspecError(f"train.loss_vocab={cfg.loss_vocab} exceeds the target's vocabulary ({vocab_size} "
+                            "tokens); use at most that, or 0 for the full vocabulary", exit_code=2)
+    from polyspec.decode.head import top_token_ids
+
+    return top_token_ids(_token_counts(prepared, vocab_size), cfg.loss_vocab)
 
 
 def _val_interval(cfg: TrainConfig, batches: int, world: int) -> int | float:

@@ -4,7 +4,8 @@ At batch 1 a decode step streams every weight once, so its speed is memory bandw
 single-threaded GEMV at one row (~10 GB/s on a 2-core EPYC that reads 30+ GB/s) and a packing GEMM for a few rows
 (re-reading the weights). ``cpu_kernels.cpp`` streams each weight row once for all rows of the input, on torch's OpenMP
 threads, for fp32 and bf16 weights (fp32 accumulation) and GPTQ-layout int4 weights (:func:`int4_linear`), and runs a
-whole fp32-activation decoder layer in one call (:func:`run_layers`). :func:`pack_weights` puts a loaded model's
+whole decoder layer in one call (:func:`run_layers`) for the layers :data:`LAYER_SUPPORT` declares (every other layer
+runs decode/model.py's DecoderLayer, the reference). :func:`pack_weights` puts a loaded model's
 weights in one block in the order a step reads them. docs/DECODE.md describes the design.
 
 The kernels are batch-invariant: a row's output is bitwise the same whether it is computed alone or with up to

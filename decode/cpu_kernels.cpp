@@ -406,8 +406,10 @@ static void run1(const float* x, const WT& w, const float* bias, int64_t n, int6
 // ---------------------------------------------------------------------------------------------------------------
 // One whole pre-norm Llama decoder layer for a few positions of one sequence (fp32 activations, weights and cache),
 // so a decode step makes one call per layer instead of ~35 torch ops. The same maths as decode/model.py's
-// DecoderLayer (parity-tested there): x += o(attn(rope(q), rope(k), v)) of rmsnorm(x); x += down(silu(gate) * up)
-// of rmsnorm(x). Every row's arithmetic is independent of T (batch-invariant, like the linears).
+// DecoderLayer, the reference: x += o(attn(rope(q), rope(k), v)) of rmsnorm(x); x += down(silu(gate) * up) of
+// rmsnorm(x), each projection with an optional bias. cpu_kernels.py's LAYER_SUPPORT declares which of the reference's
+// features this implements (change both together); tests/test_layer_parity.py holds every supported architecture to
+// the reference. Every row's arithmetic is independent of T (batch-invariant, like the linears).
 // ---------------------------------------------------------------------------------------------------------------
 
 template <typename C>  // C: the cache's element type, float or bf16 bits (uint16_t)

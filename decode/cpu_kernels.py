@@ -4,7 +4,8 @@ At batch 1 a decode step streams every weight once, so its speed is memory bandw
 single-threaded GEMV at one row (~10 GB/s on a 2-core EPYC that reads 30+ GB/s) and a packing GEMM for a few rows
 (re-reading the weights). ``cpu_kernels.cpp`` streams each weight row once for all rows of the input, on torch's OpenMP
 threads, for fp32 and bf16 weights (fp32 accumulation) and GPTQ-layout int4 weights (:func:`int4_linear`), and runs a
-whole fp32-activation decoder layer in one call (:func:`run_layers`). :func:`pack_weights` puts a loaded model's
+whole decoder layer in one call (:func:`run_layers`) for the layers :data:`LAYER_SUPPORT` declares (every other layer
+runs decode/model.py's DecoderLayer, the reference). :func:`pack_weights` puts a loaded model's
 weights in one block in the order a step reads them. docs/DECODE.md describes the design.
 
 The kernels are batch-invariant: a row's output is bitwise the same whether it is computed alone or with up to
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -329,6 +331,36 @@ _PTRS = ctypes.c_void_p * 16
 _PTRS_I4 = ctypes.c_void_p * 30
 
 
+@dataclass(frozen=True)
+class LayerSupport:
+    """What a fast decoder-layer backend implements, declared in one place: the layer features it computes (names
+    from model.layer_features), its projection weight kinds, activation dtypes and widest block. :func:`layer_plan`
+    and :func:`block_supported` read it; a layer or block that needs anything else runs the reference Python layer."""
+
+    features: frozenset[str]
+    weights: frozenset[str]  # "f32" / "bf16": plain model.Linear weights (and norms) of that dtype; "i4": Int4Linear
+    activations: frozenset[torch.dtype]
+    max_rows: int  # positions per block (batch 1)
+
+    def missing(self, layer: torch.nn.Module) -> frozenset[str]:
+        """The features ``layer`` has that this backend lacks ({"unknown layer"} for a layer that names none)."""
+        feats = getattr(layer, "features", None)
+        return frozenset({"unknown layer"}) if feats is None else frozenset(feats) - self.features
+
+
+# cpu_kernels.cpp's layer(): pre-norm RMSNorm (fp64 sum of squares) -> q/k/v with optional biases -> rotate-half RoPE
+# over the whole (even) head from the caller's cos/sin -> K/V cache write -> softmax(q k^T / sqrt(D)) under a bool mask,
+# kv heads shared by nh / nkv query heads -> o with optional bias -> residual -> RMSNorm -> gate/up with optional
+# biases -> SiLU(gate) * up -> down with optional bias -> residual.
+LAYER_SUPPORT = LayerSupport(
+    features=frozenset({"rms_norm", "rope_rotate_half", "softmax_attention", "silu_glu_mlp", "gqa", "qkv_bias",
+                        "o_bias", "mlp_bias"}),
+    weights=frozenset({"f32", "bf16", "i4"}),
+    activations=frozenset({torch.float32, torch.bfloat16}),
+    max_rows=MAX_ROWS,
+)
+
+
 class LayerPlan:
     """What :func:`run_layers` needs of one model.DecoderLayer: its kind ("f32", "bf16" or "i4"), the data
     pointers (7 weights, or 7 x (codes, scales, zeros) for int4; 7 biases or NULL; 2 norm weights), the sizes, and
@@ -374,7 +406,14 @@ def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 def _plan_kind(layer: torch.nn.Module) -> tuple[str, int] | None:
     """("f32", 0) for a layer of fp32 model.Linear projections and fp32 norms, ("bf16", 0) for bf16 ones (a bf16
     model), ("i4", group size) for Int4Linear projections (one group size, kernel-ready buffers) with fp32 norms;
-    None for anything else."""
+    None for anything else, and for a layer with a feature or weight kind LAYER_SUPPORT does not declare."""
+    if LAYER_SUPPORT.missing(layer):
+        return None
+    kind = _weight_kind(layer)
+    return kind if kind is not None and kind[0] in LAYER_SUPPORT.weights else None
+
+
+def _weight_kind(layer: torch.nn.Module) -> tuple[str, int] | None:
     from polyspec.decode.int4 import Int4Linear
 
     lins = _projections(layer)
@@ -397,7 +436,8 @@ def _plan_kind(layer: torch.nn.Module) -> tuple[str, int] | None:
 
 def layer_plan(layer: torch.nn.Module) -> LayerPlan | None:
     """The layer's cached :class:`LayerPlan`, built on first use; None when the layer is not one the kernel runs
-    (other dtypes, mixed projection kinds, int4 shapes the kernel does not take, ...)."""
+    (a feature LAYER_SUPPORT does not declare, other dtypes, mixed projection kinds, int4 shapes the kernel does not
+    take, ...)."""
     plan = layer.__dict__.get("_cpu_plan")
     if plan is None:
         kind = _plan_kind(layer)
@@ -415,13 +455,13 @@ def drop_plans(module: torch.nn.Module) -> None:
 
 
 def block_supported(x: torch.Tensor, cos: torch.Tensor, cache, mask: torch.Tensor | None) -> bool:
-    """Whether a block of layers may run through :func:`run_layers` (each layer also needs a plan of its dtype): fp32
-    or bf16 input [1, T <= MAX_ROWS, H] on the CPU, a batch-1 KV cache of the same dtype, a bool mask or none, no
-    autograd, no tracer or compiler, the library loaded."""
+    """Whether a block of layers may run through :func:`run_layers` (each layer also needs a plan of its dtype): input
+    [1, T, H] of a LAYER_SUPPORT dtype and width on the CPU, a batch-1 KV cache of the same dtype, a bool mask or
+    none, no autograd, no tracer or compiler, the library loaded."""
     if not _ready() or cache is None:
         return False
-    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or x.dim() != 3 or x.shape[0] != 1 \
-            or not 0 < x.shape[1] <= MAX_ROWS:
+    if x.dtype not in LAYER_SUPPORT.activations or not x.is_cpu or x.dim() != 3 or x.shape[0] != 1 \
+            or not 0 < x.shape[1] <= LAYER_SUPPORT.max_rows:
         return False
     if cache.batch_size != 1 or cache.k[0].dtype != x.dtype or not cache.k[0].is_cpu:
         return False

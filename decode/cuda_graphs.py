@@ -12,6 +12,9 @@ every tensor address and shape. :class:`StaticRunner` therefore runs a forward o
   no shape depends on the cache length;
 * RoPE cos/sin come from a table over every cache position, gathered by the position tensor.
 
+Each layer of the step is the model's own :class:`~polyspec.decode.model.DecoderLayer` (the one reference definition
+of the maths), called with a :class:`SlotStore` as its KV store and the static mask.
+
 The same static step runs eagerly on any device (``graphs=False``): that is the pure-torch path the tests compare
 with the model's own forward on the CPU. With ``graphs=True`` (CUDA only) each width bucket is captured on first use
 (after two warm-up runs on a side stream, which also build the int4 kernels' packed weights) and replayed afterwards.
@@ -28,7 +31,6 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from polyspec.errors import PolyspecError
@@ -57,28 +59,23 @@ def bucket_for(t: int, max_width: int) -> int | None:
     return None
 
 
-def static_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """One :class:`~polyspec.decode.model.DecoderLayer` at static shapes.
+class SlotStore:
+    """The static step's KV store, handed to each :class:`~polyspec.decode.model.DecoderLayer` in place of the
+    dynamic cache (same ``store`` method): a layer's block K/V [1, kv, W, D] go to the cache slots held in the tensor
+    ``slots`` [W] (``index_copy_``: fixed addresses, no host sync), and attention reads the layer's whole cache
+    [1, kv, S, D] under the step's mask [W, S], which hides every slot not yet valid."""
 
-    x [1, W, H]; cos/sin [W, D]; positions long [W] (cache slots written); mask bool [W, S]; k/v_cache [1, kv, S, D]
-    (written in place at ``positions``). Returns [1, W, H].
-    """
-    from polyspec.decode.model import apply_rope
+    __slots__ = ("k", "v", "slots")
 
-    att = layer.self_attn
-    b, t, _ = x.shape
-    h, kv, d = att.num_heads, att.num_kv_heads, att.head_dim
-    y = layer.input_layernorm(x)
-    q = apply_rope(att.q_proj(y).view(b, t, h, d).transpose(1, 2), cos, sin)  # [1, h, W, D]
-    k = apply_rope(att.k_proj(y).view(b, t, kv, d).transpose(1, 2), cos, sin)  # [1, kv, W, D]
-    v = att.v_proj(y).view(b, t, kv, d).transpose(1, 2)  # [1, kv, W, D]
-    k_cache.index_copy_(2, positions, k)
-    v_cache.index_copy_(2, positions, v)
-    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask[None, None],
-                                         enable_gqa=h != kv)  # [1, h, W, D]
-    x = x + att.o_proj(out.transpose(1, 2).reshape(b, t, h * d))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    def __init__(self, cache: Any, slots: torch.Tensor):
+        self.k, self.v, self.slots = cache.k, cache.v, slots
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``start`` is unused: the positions are in ``slots`` (a tensor, so a captured graph replays anywhere)."""
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        k_cache.index_copy_(2, self.slots, k)
+        v_cache.index_copy_(2, self.slots, v)
+        return k_cache, v_cache
 
 
 class _Bucket:
@@ -204,10 +201,10 @@ class StaticRunner:
         """The static forward over bucket ``bk``'s buffers -> (logits [1, W, V] float32, hidden [1, W, H])."""
         model = self.model
         cache = model._cache
-        cos, sin = bk.cos, bk.sin
-        x = model._embed(bk.ids, bk.feats)
-        for i, layer in enumerate(model._layers()):
-            x = static_layer(layer, x, cos, sin, bk.positions, bk.mask, cache.k[i], cache.v[i])
+        store = SlotStore(cache, bk.positions)
+        x = model._embed(bk.ids, bk.feats)  # [1, W, H]
+        for i, layer in enumerate(model._layers()):  # the reference layer, on the static store and mask
+            x = layer(x, bk.cos, bk.sin, bk.mask, store, i, 0)
         return model._out(x, last_only=False)
 
     def _run(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:

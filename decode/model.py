@@ -59,7 +59,7 @@ class ModelArgs:
     model_type: str = "llama"
     o_proj_bias: bool | None = None  # None: same as attention_bias (Llama); Qwen2 has q/k/v bias only
     sliding_window: int | None = None  # Mistral: longer caches than this would not match the reference model
-    extra: dict = field(default_factory=dict)  # informational (e.g. hidden_act), not used by the maths
+    extra: dict = field(default_factory=dict)  # informational, except hidden_act (silu only, see layer_features)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -72,6 +72,9 @@ class ModelArgs:
                 f"rope scaling type {rope_type!r} is not supported by polyspec's engine (supported: "
                 f"{', '.join(ROPE_TYPES)}); load this model with transformers instead"
             )
+        if _hidden_act(self) != "silu":
+            raise PolyspecError(f"hidden_act {self.extra['hidden_act']!r} is not supported by polyspec's engine (only "
+                                "silu); load this model with transformers instead")
 
     @property
     def has_o_bias(self) -> bool:
@@ -158,6 +161,41 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+# Where each ModelArgs field enters a decoder layer's maths. A fast layer backend (cpu_kernels.LAYER_SUPPORT) runs a
+# layer only when it declares every name layer_features gives; a new field must be placed here (tests/test_model.py
+# checks that every field is), and one that changes what a layer computes must add a feature in layer_features.
+LAYER_FIELDS = {
+    # features: layer_features names what they switch on (extra: its hidden_act)
+    "features": ("attention_bias", "o_proj_bias", "mlp_bias", "extra"),
+    # sizes and constants every backend reads from the layer itself (its weights, its norms' eps)
+    "sizes": ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps"),
+    # outside the layer: embeddings, lm_head, the RoPE tables (computed once in Python and handed to every backend),
+    # the cache length (setup_cache keeps it within sliding_window, so no layer ever masks by the window)
+    "outside": ("vocab_size", "num_layers", "max_position_embeddings", "tie_word_embeddings", "model_type",
+                "rope_theta", "rope_scaling", "sliding_window"),
+}
+
+
+def layer_features(args: ModelArgs) -> frozenset[str]:
+    """The operations a :class:`DecoderLayer` built from ``args`` performs, by name (see LAYER_FIELDS): pre-norm
+    RMSNorm, rotate-half RoPE over the whole head, softmax attention, a gated MLP, and the optional parts."""
+    feats = {"rms_norm", "rope_rotate_half", "softmax_attention", f"{_hidden_act(args)}_glu_mlp"}
+    if args.num_kv_heads != args.num_heads:
+        feats.add("gqa")
+    if args.attention_bias:
+        feats.add("qkv_bias")
+    if args.has_o_bias:
+        feats.add("o_bias")
+    if args.mlp_bias:
+        feats.add("mlp_bias")
+    return frozenset(feats)
+
+
+def _hidden_act(args: ModelArgs) -> str:
+    act = str(args.extra.get("hidden_act", "silu"))
+    return "silu" if act == "swish" else act
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Rotary position embedding (the Hugging Face "rotate half" convention)
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,7 +271,10 @@ class RMSNorm(nn.Module):
 
 
 class StaticKVCache:
-    """Per-layer K/V tensors (B, kv_heads, max_seq_len, head_dim) plus the number of positions held."""
+    """Per-layer K/V tensors (B, kv_heads, max_seq_len, head_dim) plus the number of positions held.
+
+    It is the dynamic path's KV store: :meth:`store` is what a :class:`DecoderLayer` calls with its block's K/V (the
+    static step in polyspec.decode.cuda_graphs hands the layers a store of its own with the same method)."""
 
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, slack: int = 0):
@@ -244,6 +285,14 @@ class StaticKVCache:
         self.length = 0
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``layer``'s block k/v [B, kv, T, D] at positions start .. start + T - 1; return the keys and
+        values attention reads, positions 0 .. start + T - 1 ([B, kv, start + T, D] each)."""
+        end = start + k.shape[2]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class Attention(nn.Module):
@@ -256,26 +305,28 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
         self.o_proj = Linear(args.num_heads * d, h, bias=args.has_o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: StaticKVCache | None, layer_idx: int, start: int) -> torch.Tensor:
-        """x [B, T, H]; cos/sin [T, D]; mask bool [T, start + T] (None: see everything held) -> [B, T, H]."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, H]; cos/sin [T, D] -> q [B, h, T, D] and k [B, kv, T, D] (RoPE applied), v [B, kv, T, D]."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = cpu_kernels.fused_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # [B, T, (h + 2 kv) D]
         if qkv is not None:  # one kernel call for q, k, v; one RoPE call for q and k
             qk = apply_rope(qkv[..., :(h + kv) * d].view(b, t, h + kv, d).transpose(1, 2), cos, sin)
-            q, k = qk[:, :h], qk[:, h:]  # [B, h, T, D], [B, kv, T, D]
-            v = qkv[..., (h + kv) * d:].view(b, t, kv, d).transpose(1, 2)
-        else:
-            q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)  # [B, h, T, D]
-            k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, kv, T, D]
-            v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, kv, T, D]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            return qk[:, :h], qk[:, h:], qkv[..., (h + kv) * d:].view(b, t, kv, d).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)  # [B, h, T, D]
+        k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, kv, T, D]
+        v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, kv, T, D]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: Any, layer_idx: int, start: int) -> torch.Tensor:
+        """x [B, T, H]; cos/sin [T, D]; ``cache``: a KV store (``store(layer_idx, start, k, v)`` keeps the block's
+        K/V and returns the [B, kv, S, D] keys/values to attend over; None: the block's own); mask bool [T, S]
+        over those keys (None: all of them) -> [B, T, H]."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
-            end = start + t
-            cache.k[layer_idx][:, :, start:end] = k
-            cache.v[layer_idx][:, :, start:end] = v
-            k, v = cache.k[layer_idx][:, :, :end], cache.v[layer_idx][:, :, :end]  # [B, kv, end, D]
+            k, v = cache.store(layer_idx, start, k, v)  # [B, kv, S, D] each
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -299,17 +350,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP with residuals; parameter names match Hugging Face's Llama layer."""
+    """Pre-norm attention + SwiGLU MLP with residuals; parameter names match Hugging Face's Llama layer.
+
+    The one reference definition of a layer's maths: the dynamic-cache forward, the stateless one (head training,
+    ONNX export) and the static CUDA-graph step all call :meth:`forward`, each with its own KV store. A fast backend
+    (cpu_kernels) takes the layer instead only when it declares every one of ``features`` (:func:`layer_features`).
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.features = layer_features(args)
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: StaticKVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+                cache: Any = None, layer_idx: int = 0, start: int = 0) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]; cos/sin [T, D]; ``cache`` the KV store (StaticKVCache, the static step's, or
+        None: attend within the block), written for layer ``layer_idx`` at positions from ``start``; mask as in
+        :meth:`Attention.forward`."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer_idx, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 

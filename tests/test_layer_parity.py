@@ -1,0 +1,243 @@
+"""One decoder layer, three ways to run it: every architecture ModelArgs.from_hf_config accepts x {the reference
+Python layer, the C++ CPU kernel, the static (CUDA-graph) step}, on tiny random models at fp32, bf16 and int4 and as
+an EAGLE head's layer; and the CPU kernel's declared support (cpu_kernels.LAYER_SUPPORT) deciding which layers it
+may take."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from polyspec.decode import cpu_kernels as ck
+from polyspec.decode import cuda_graphs
+from polyspec.decode.head import EagleHead
+from polyspec.decode.int4 import quantize_model_rtn
+from polyspec.decode.model import LAYER_FIELDS, ModelArgs, Transformer, layer_features, rope_inv_freq
+from polyspec.errors import PolyspecError
+
+needs_kernels = pytest.mark.skipif(not ck.available(), reason=f"no CPU kernel library: {ck.failure()}")
+
+VOCAB = 256
+_BASE = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+         "hidden_act": "silu"}
+
+# Tiny configs of every model type from_hf_config accepts, and the optional layer features each brings.
+ARCHS = {
+    "llama": {"model_type": "llama"},  # GQA, no biases
+    "llama-mha": {"model_type": "llama", "num_key_value_heads": 4},
+    "llama-biases": {"model_type": "llama", "attention_bias": True, "mlp_bias": True},  # q/k/v/o and MLP biases
+    "llama3-rope": {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 16}},
+    "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True, "rms_norm_eps": 1e-6},  # q/k/v bias, no o bias
+    "mistral": {"model_type": "mistral", "sliding_window": 64},
+    # SmolLM2's proportions: 3 query heads per kv head, head_dim 64, tied embeddings
+    "smollm2": {"model_type": "smollm2", "hidden_size": 192, "intermediate_size": 512, "num_attention_heads": 3,
+                "num_key_value_heads": 1, "tie_word_embeddings": True},
+}
+
+# (tokens, tree mask, position offsets) per forward: a prefill that fits the kernel's and the static step's widths,
+# two decode steps, a causal verification of 5 (a static bucket of 8 with 3 padding rows), a draft tree, a decode step
+_TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+BLOCKS = [(12, None, None), (1, None, None), (1, None, None), (5, None, None),
+          (4, _TREE, torch.tensor([0, 1, 1, 2])), (1, None, None)]
+
+
+def _args(arch: str) -> ModelArgs:
+    return ModelArgs.from_hf_config({**_BASE, **ARCHS[arch]})
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Random init leaves norms at 1 and biases small: make every parameter matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def _model(arch: str, level: str) -> torch.nn.Module:
+    """A tiny random model of ``arch`` at ``level``: fp32, bf16, int4 (RTN, group 64) or an fp32 EAGLE head."""
+    args = _args(arch)
+    torch.manual_seed(0)
+    target = Transformer(args).eval()
+    _randomise(target, 1)
+    if level == "head":
+        torch.manual_seed(2)
+        head = EagleHead(args, target.embed_tokens, target.lm_head).eval()
+        _randomise(head, 3)
+        return head
+    if level == "int4":
+        quantize_model_rtn(target, group_size=64, sym=False)
+    if level == "bf16":
+        target.to(torch.bfloat16)
+        target.inv_freq = rope_inv_freq(args)  # as from_pretrained keeps it: float32
+    return target
+
+
+def _script(model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """Run BLOCKS through a fresh cache: (logits, hidden of every row, K and V of every position held)."""
+    g = torch.Generator().manual_seed(5)
+    n = sum(t for t, _, _ in BLOCKS)
+    ids = torch.randint(0, VOCAB, (n,), generator=g)
+    feats = torch.randn(n, model.args.hidden_size, generator=g) if isinstance(model, EagleHead) else None
+    model.setup_cache(48)
+    logits, hidden, pos = [], [], 0
+    with torch.inference_mode():
+        for t, mask, offsets in BLOCKS:
+            extra = () if feats is None else (feats[pos:pos + t].to(model._compute_dtype()),)
+            out = model(ids[pos:pos + t], *extra, tree_mask=mask, position_offsets=offsets)
+            logits.append(out[0].float())
+            hidden.append(out[1].float())
+            pos += t
+        cache = model._cache
+        k = torch.cat([k[:, :, :cache.length].float() for k in cache.k])
+        v = torch.cat([v[:, :, :cache.length].float() for v in cache.v])
+    return torch.cat(logits), torch.cat(hidden), k, v
+
+
+def _int4_reference_mode() -> str:
+    """The POLYSPEC_INT4_REFERENCE value whose dequantised matmul takes the activations as the kernel does."""
+    return "bf16" if ck.int4_path() == "avx512-bf16" else "1"
+
+
+def _reference(model, monkeypatch, static: bool = False) -> tuple[torch.Tensor, ...]:
+    """The reference layer's outputs (the fast path off; int4 as the dequantised matmul), on the dynamic cache or,
+    with ``static``, on static steps (each BLOCKS forward must be one)."""
+    model = copy.deepcopy(model)
+    runner = cuda_graphs.enable(model, graphs=False) if static else None
+    old = ck.set_enabled(False)
+    monkeypatch.setenv("POLYSPEC_INT4_REFERENCE", _int4_reference_mode())
+    try:
+        out = _script(model)
+    finally:
+        ck.set_enabled(old)
+        monkeypatch.delenv("POLYSPEC_INT4_REFERENCE")
+    if static:
+        assert runner.replays == len(BLOCKS)
+    return out
+
+
+def _kernel(model, monkeypatch) -> tuple[torch.Tensor, ...]:
+    """The outputs with every layer of every forward on the C++ layer kernel (asserted, not assumed)."""
+    model = copy.deepcopy(model)
+    layers = model._layers()
+    assert all(ck.layer_plan(layer) is not None for layer in layers)
+    calls = []
+    real = ck.run_layers
+
+    def counted(plans, *a, **kw):
+        calls.append(len(plans))
+        return real(plans, *a, **kw)
+
+    monkeypatch.setattr(ck, "run_layers", counted)
+    out = _script(model)
+    assert calls == [len(layers)] * len(BLOCKS)
+    return out
+
+
+def _close(got, ref, rtol: float) -> None:
+    """Each output within rtol of the largest magnitude of its reference (logits, hidden, K, V)."""
+    for name, a, b in zip(("logits", "hidden", "k", "v"), got, ref, strict=True):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err <= rtol, (name, err)
+
+
+# Tolerances, relative to each output's largest magnitude. fp32: 1e-5 — the paths differ only in summation order (the
+# kernel's dot products, torch's GEMM and SDPA), ~1e-7 per op, through 2 layers; a missing bias, a wrong RoPE or mask
+# is off by O(1e-2) or more. bf16: the reference rounds every intermediate to bf16, the kernel keeps an fp32 residual
+# stream inside a block, so they differ by bf16 roundings (2^-8 each): 3e-2. int4 on the kernel: with the
+# AVX512-BF16 rows the activations are rounded to bf16 per linear (the reference rounds them likewise), and a last-bit
+# fp32 difference upstream can move a rounding step, hence 1e-2; on the portable rows fp32's 1e-5. The static step
+# runs the reference layer itself: same ops except attention over the whole cache under a mask, so fp32's 1e-5
+# everywhere but bf16 (3e-2).
+def _tol(level: str, path: str) -> float:
+    if level == "bf16":
+        return 3e-2
+    if level == "int4" and path == "kernel" and ck.int4_path() == "avx512-bf16":
+        return 1e-2
+    return 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ["fp32", "bf16", "int4", "head"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_reference_kernel_and_static_step_agree(arch, level, monkeypatch):
+    model = _model(arch, level)
+    ref = _reference(model, monkeypatch)
+    _close(_kernel(model, monkeypatch), ref, _tol(level, "kernel"))
+    _close(_reference(model, monkeypatch, static=True), ref, _tol(level, "static"))
+
+
+def test_every_model_type_is_covered():
+    from polyspec.decode.model import SUPPORTED_MODEL_TYPES
+
+    assert {cfg["model_type"] for cfg in ARCHS.values()} == set(SUPPORTED_MODEL_TYPES)
+    feats = set().union(*(layer_features(_args(a)) for a in ARCHS))
+    assert feats == ck.LAYER_SUPPORT.features  # every feature the kernel declares is exercised above
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Declared support: what decides that a layer may run on the kernel
+
+
+def test_every_model_args_field_is_placed():
+    """A new ModelArgs field must say where it enters the layer (LAYER_FIELDS); a feature field must change
+    layer_features, so a backend that does not declare it stops taking the layer."""
+    placed = [f for group in LAYER_FIELDS.values() for f in group]
+    assert sorted(placed) == sorted(f.name for f in dataclasses.fields(ModelArgs))
+    base = _args("llama")
+    for name in LAYER_FIELDS["features"]:
+        if name == "extra":
+            continue
+        flipped = dataclasses.replace(base, **{name: True})
+        assert layer_features(flipped) != layer_features(base), name
+
+
+def test_an_unsupported_activation_is_refused():
+    with pytest.raises(PolyspecError, match="hidden_act 'gelu'"):
+        ModelArgs.from_hf_config({**_BASE, "model_type": "llama", "hidden_act": "gelu"})
+    with pytest.raises(PolyspecError, match="hidden_act 'gelu'"):
+        dataclasses.replace(_args("llama"), extra={"hidden_act": "gelu"})
+
+
+@needs_kernels
+def test_a_feature_the_kernel_does_not_declare_takes_the_reference_layer(monkeypatch):
+    """A kernel without MLP biases never runs a layer that has them (layer_plan None, run_layers not called), and
+    the forward still equals the reference; a layer naming a feature nobody declared (a new flag) likewise."""
+    model = _model("llama-biases", "fp32")
+    ref = _reference(model, monkeypatch)
+    no_mlp_bias = dataclasses.replace(ck.LAYER_SUPPORT, features=ck.LAYER_SUPPORT.features - {"mlp_bias"})
+    with monkeypatch.context() as mp:
+        mp.setattr(ck, "LAYER_SUPPORT", no_mlp_bias)
+        fast = copy.deepcopy(model)
+        assert all(ck.layer_plan(layer) is None for layer in fast.layers)
+        assert no_mlp_bias.missing(fast.layers[0]) == {"mlp_bias"}
+        mp.setattr(ck, "run_layers", lambda *a, **k: pytest.fail("the kernel ran an undeclared layer"))
+        _close(_script(fast), ref, 1e-5)
+    fresh = copy.deepcopy(model)
+    assert ck.layer_plan(fresh.layers[0]) is not None
+    fresh.layers[1].features = fresh.layers[1].features | {"qk_norm"}
+    assert ck.layer_plan(fresh.layers[1]) is None and ck.LAYER_SUPPORT.missing(fresh.layers[1]) == {"qk_norm"}
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ["fp32", "bf16", "int4"])
+def test_smollm2_shaped_layers_take_the_kernel(level):
+    """The performance case: a layer of SmolLM2-135M's real shape (its config.json values) runs on the kernel."""
+    cfg = {"model_type": "llama", "vocab_size": 512, "hidden_size": 576, "intermediate_size": 1536,
+           "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+           "rope_theta": 100000, "tie_word_embeddings": True, "hidden_act": "silu", "max_position_embeddings": 8192}
+    model = Transformer(ModelArgs.from_hf_config(cfg)).eval()
+    if level == "int4":
+        quantize_model_rtn(model, group_size=128)
+    if level == "bf16":
+        model.to(torch.bfloat16)
+    plan = ck.layer_plan(model.layers[0])
+    assert plan is not None and plan.kind == {"fp32": "f32", "bf16": "bf16", "int4": "i4"}[level]

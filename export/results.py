@@ -211,7 +211,7 @@ class Decision:
 class LevelInfo:
     name: str  # key in costs / per_level
     tag: str  # short name in labels (e.g. int4, head)
-    path: str | None = None
+    folder: str | None = None  # where the level was loaded from
 
 
 @dataclass

@@ -228,7 +228,7 @@ def profile_folders(parts: Parts, out_dir: Path, settings: ProfileSettings, *, p
     finally:
         torch.set_num_threads(old_threads)
     for info, folder in zip(p.levels, folders, strict=True):
-        info.path = str(folder)
+        info.folder = str(folder)
     p.key, p.device, p.dtype, p.torch_threads = key, lv.device, lv.dtype, threads_used
     p.prompt_sources, p.notes, p.seconds = sources, dict(notes or {}), time.perf_counter() - t0
     p.stamps = {**stamps(), "load_average_before": before["load_average"]}

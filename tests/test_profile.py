@@ -192,7 +192,7 @@ def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
     assert first.prompts.count == 2 and first.torch_threads == 1
     assert {p["source"] for p in first.prompt_sources} <= {"mtbench", "sharegpt"}
     assert Path(first.path).parent == tmp_path / "w" / "profile"
-    assert [lv.path for lv in first.levels] == [str(tiny_parts[k]) for k in ("target", "int4", "head")]
+    assert [lv.folder for lv in first.levels] == [str(tiny_parts[k]) for k in ("target", "int4", "head")]
     assert any(k == "artifact" and p == Path(first.path) for k, p in logged)
     metrics = next(m for k, m in logged if k == "metrics")
     assert metrics["profile/pays"] == float(first.insertions[0].pays)
@@ -291,3 +291,25 @@ def test_tree_joins_the_grid_and_the_decision(tiny_parts, tmp_path):
         prof.decision.tree = chosen_tree
         out = export_chain(tmp_path / f"chain-{bool(chosen_tree)}", tiny_parts, prof, decode, onnx=False)
         assert read_manifest(out).decode.tree.enabled is bool(chosen_tree)
+
+
+def test_cli_profile_verb_with_given_and_rtn_levels(tiny_parts, tmp_path, capsys):
+    """`polyspec profile RECIPE --head DIR --rtn-int4`: the CLI hands typed level folders to the stage, which makes
+    the RTN copy under <workdir>/profile, notes it, and prints the verdict table."""
+    from polyspec.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
+        "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},
+        "target": {"source": str(tiny_parts["target"]), "device": "cpu"},
+        "profile": {"prompts": 1, "max_new_tokens": 4, "warmup": 0, "repeats": 1, "kv_length": 16,
+                    "draft_k_grid": [2], "mu_grid": [4]}}))
+    rc = main(["profile", str(recipe), "profile.grid_prompts=1", "--head", str(tiny_parts["head"]), "--rtn-int4",
+               "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "| cond1: " in out and "profile folder:" in out
+    folder = Path(out.strip().splitlines()[-1].split("profile folder: ")[1])
+    saved = json.loads((folder / "profile.json").read_text())
+    assert saved["notes"]["int4"].startswith("RTN int4") and saved["torch_threads"] == 1
+    assert saved["levels"][1]["folder"] == str(tmp_path / "w" / "profile" / "rtn_int4")

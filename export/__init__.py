@@ -1,9 +1,13 @@
-"""polyspec.export: profile a chain on the device (T_i, L_i, verdicts), export it as a validated chain folder.
+"""polyspec.export: profile a chain on the device -> verdict -> package it as a validated chain folder.
 
-``profile_stage(recipe, tracker=None) -> dict`` and ``export_stage(recipe, tracker=None) -> Path`` are the pipeline's
-profile and export stages (:mod:`polyspec.export.stage`; torch loads only when they run). They are resolved lazily
-(PEP 562) so that ``python -m polyspec.export.stage`` does not find its own module pre-imported.
-Serving lives in :mod:`polyspec.export.serve`.
+Data flow, one module each: :mod:`~polyspec.export.timing` (T_i) and :mod:`~polyspec.export.acceptance` (L_i) feed
+:mod:`~polyspec.export.profile` (the n-level grid, final runs, typed :mod:`~polyspec.export.results`), which
+:mod:`~polyspec.export.verdict` judges (Theorem 3.2, Lemma 3.1, stability); :mod:`~polyspec.export.report` writes the
+profile folder (tables, verdict.md, :mod:`~polyspec.export.plots`); :mod:`~polyspec.export.package` writes the chain
+folder (manifest, :mod:`~polyspec.export.onnx_head`); :mod:`~polyspec.export.stage` is the recipe-level glue.
+
+``profile_stage(recipe, tracker=None) -> Profile`` and ``export_stage(recipe, tracker=None) -> Path`` are the
+pipeline's profile and export stages (torch loads only when they run), resolved lazily (PEP 562).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """PNG plots of a profile: the insertion region and the acceptance-length histograms (matplotlib, Agg backend).
 
-Both take the profile dict written by :func:`polyspec.export.stage.profile_stage` pieces (verdicts, configs) and write
+Both take pieces of a :class:`~polyspec.export.results.Profile` (insertion verdicts, acceptance histograms) and write
 the file atomically; matplotlib is imported inside the functions.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -58,35 +59,43 @@ def region_lines(inputs: dict[str, float], xs: list[float]) -> dict[str, list[fl
     return {"cond1": y1, "cond2": y2, "exact": y3}
 
 
-def plot_insertion_region(verdict: dict[str, Any], candidates: list[dict[str, Any]], out: Path,
-                          title: str = "") -> Path:
-    """The insertion plane of ``verdict`` (cond1 / cond2 / exact Lemma 3.1 boundaries) with every candidate verdict
-    (``{"label", "inputs": {...}, "pays"}``) as a point at (T_new / T_i, L_new)."""
-    plt = _pyplot()
-    inp = verdict["inputs"]
-    pts = [(c["inputs"]["T_new"] / c["inputs"]["T_i"], c["inputs"]["L_new"], c) for c in [verdict, *candidates]]
+def _region_panel(ax: Any, v: Any, tags: dict[str, str]) -> None:
+    """One insertion's plane: cond1 / cond2 / exact Lemma 3.1 boundaries, the verdict as a star, its candidates
+    (the same insertion at every grid chain point) as dots at (T_new / T_i, L_new)."""
+    inp = asdict(v.inputs)
+    new, above, below = tags.get(v.level, v.level), tags.get(v.above, v.above), tags.get(v.below, v.below)
+    pts = [(c.inputs.T_new / c.inputs.T_i, c.inputs.L_new, c) for c in [v, *v.candidates]]
     xmax = max(1.0, 1.3 * max(p[0] for p in pts))
     ymax = 1.1 * max(inp["L_i_new"], 1.2 * max(p[1] for p in pts), inp["L_i"] * 1.4)
     xs = [xmax * i / 200 for i in range(201)]
     lines = region_lines(inp, xs)
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
     ax.fill_between(xs, [min(y, ymax) for y in lines["exact"]], ymax, color="tab:green", alpha=0.12,
                     label="inserting pays (exact, Lemma 3.1)")
     ax.plot(xs, lines["cond1"], color="tab:blue", label="cond1 boundary (holds above)")
     ax.plot(xs, lines["cond2"], color="tab:orange", label="cond2 boundary (holds above)")
-    ax.axhline(inp["L_i"], color="grey", lw=0.8, ls=":", label="L_i (target over head)")
-    ax.axhline(inp["L_i_new"], color="grey", lw=0.8, ls="--", label="L_i_new (target over int4)")
+    ax.axhline(inp["L_i"], color="grey", lw=0.8, ls=":", label=f"L_i ({above} over {below})")
+    ax.axhline(inp["L_i_new"], color="grey", lw=0.8, ls="--", label=f"L_i_new ({above} over {new})")
     for x, y, c in pts:
-        main = c is verdict
+        main = c is v
         ax.scatter([x], [y], marker="*" if main else "o", s=140 if main else 30,
-                   color=("tab:green" if c["pays"] else "tab:red"), edgecolor="black", zorder=3)
-        ax.annotate(c.get("label", ""), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                   color=("tab:green" if c.pays else "tab:red"), edgecolor="black", zorder=3)
+        ax.annotate(c.label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlim(0, xmax)
     ax.set_ylim(0, ymax)
-    ax.set_xlabel("T_new / T_i  (int4 forward cost relative to the target's)")
-    ax.set_ylabel("L_new  (tokens per int4 verification; grid points: N / int4 forwards)")
-    ax.set_title(title or "Inserting the int4 level between target and head")
+    ax.set_xlabel(f"T_new / T_i  ({new} forward cost relative to {above}'s)")
+    ax.set_ylabel(f"L_new  (tokens per {new} verification; grid points: N / {new} forwards)")
+    ax.set_title(f"Inserting the {new} level between {above} and {below}")
     ax.legend(fontsize=7, loc="upper right")
+
+
+def plot_insertion_regions(insertions: list[Any], tags: dict[str, str], out: Path) -> Path:
+    """One panel per insertion verdict (:class:`~polyspec.export.results.Insertion`); see :func:`_region_panel`."""
+    plt = _pyplot()
+    if not insertions:
+        raise PolyspecError("no insertion verdicts to plot")
+    fig, axes = plt.subplots(1, len(insertions), figsize=(6.4 * len(insertions), 4.8), squeeze=False)
+    for ax, v in zip(axes[0], insertions, strict=True):
+        _region_panel(ax, v, tags)
     try:
         return _save(fig, out)
     finally:

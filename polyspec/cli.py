@@ -109,32 +109,37 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stage_argv(verb: str, args: argparse.Namespace) -> list[str]:
-    argv = [verb, str(args.recipe), *args.overrides]
-    for flag in ("head", "int4", "threads"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag}", str(getattr(args, flag))]
-    if args.untrained_head:
-        argv.append("--untrained-head")
-    if args.rtn_int4:
-        argv.append("--rtn-int4")
-    return argv
+def _stage_inputs(args: argparse.Namespace):
+    """The recipe and the level folders the profile / export verbs were given (None: the pipeline's stages)."""
+    from polyspec.export.stage import stand_in_parts
+
+    recipe = _load(args)
+    parts, notes = stand_in_parts(recipe, head=args.head, int4=args.int4, untrained_head=args.untrained_head,
+                                  rtn_int4=args.rtn_int4)
+    return recipe, parts, notes
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure T_i (forward cost per level at decode shapes) and L_i (acceptance lengths) on this device, then decide
-    with Theorem 3.2 and the exact Lemma 3.1 cost whether the int4 level pays; prints the verdict table."""
-    from polyspec.export.stage import main as stage_main
+    with Theorem 3.2 and the exact Lemma 3.1 cost whether each intermediate level pays; prints the verdict table."""
+    from polyspec.export.stage import profile_stage
 
-    return stage_main(_stage_argv("profile", args))
+    recipe, parts, notes = _stage_inputs(args)
+    prof = profile_stage(recipe, parts=parts, notes=notes, threads=args.threads)
+    print(Path(prof.path, "verdict.md").read_text(encoding="utf-8"))
+    print(f"profile folder: {prof.path}")
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Profile (or reuse the profile) and write the validated chain folder: levels, manifest with hashes and
     measurements, the draft head as ONNX with an onnxruntime parity check."""
-    from polyspec.export.stage import main as stage_main
+    from polyspec.export.stage import export_stage
 
-    return stage_main(_stage_argv("export", args))
+    recipe, parts, notes = _stage_inputs(args)
+    out = export_stage(recipe, parts=parts, notes=notes, threads=args.threads)
+    print(f"chain folder: {out}")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

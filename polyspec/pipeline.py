@@ -92,11 +92,11 @@ def run_pipeline(recipe: Recipe, command: list[str] | None = None) -> int:
         int4 = stage("quantize", lambda tr: quantize_stage(recipe, tracker=tr), lambda d: f"int4 intermediate {d}")
         parts = {"target": Path(target_dir), "int4": Path(int4), "head": Path(head)}
         prof = stage("profile", lambda tr: profile_stage(recipe, tracker=tr, parts=parts),
-                     lambda p: f"profile {p.get('path')}")
+                     lambda p: f"profile {p.path}")
         chain = stage("export", lambda tr: export_stage(recipe, tracker=tr, parts=parts, profile=prof),
                       lambda d: f"chain {d}")
 
-        verdict = Path(prof["path"]) / "verdict.md"
+        verdict = Path(prof.path) / "verdict.md"
         if verdict.is_file():
             console.rule("[bold]verdicts")
             console.print(verdict.read_text(encoding="utf-8"), markup=False)

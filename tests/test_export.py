@@ -28,25 +28,28 @@ def parts(tiny_parts):
 
 @pytest.fixture(scope="module")
 def profile(parts, tmp_path_factory):
+    from polyspec.export.profile import ProfileSettings
     from polyspec.export.stage import profile_folders
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (12,), generator=g).tolist()]
-    return profile_folders(parts, tmp_path_factory.mktemp("prof") / "p", prompts=1, max_new_tokens=8, kv_length=16,
-                           warmup=0, repeats=2, device="cpu", draft_ks=(2,), mus=(4,), prompt_ids=prompts, threads=1,
-                           say=lambda _m: None)
+    s = ProfileSettings(max_new_tokens=8, kv_length=16, warmup=0, repeats=2, draft_ks=(2,), mus=(4,))
+    return profile_folders(parts, tmp_path_factory.mktemp("prof") / "p", s, device="cpu", prompt_ids=prompts,
+                           threads=1, say=lambda _m: None)
 
 
 @pytest.fixture(scope="module")
 def chain(parts, profile, tmp_path_factory):
     from polyspec.config import DecodeConfig
-    from polyspec.export.stage import export_chain
+    from polyspec.export.package import export_chain
 
     out = tmp_path_factory.mktemp("export") / "chain"
     return export_chain(out, parts, profile, DecodeConfig(max_new_tokens=16), onnx=True, opset=18)
 
 
 def test_exported_chain_validates_and_describes_itself(chain, profile):
+    from polyspec.export.report import summary_L, verdict_json
+
     m = validate_chain(chain)
     assert [lv.kind for lv in m.levels] == ["target", "int4", "head"]
     assert m.levels[1].quantization["bits"] == 4 and m.levels[1].quantization["group_size"] == 128
@@ -56,11 +59,14 @@ def test_exported_chain_validates_and_describes_itself(chain, profile):
     meas = m.measurements
     assert meas["schema"] == "polyspec.measurements/1"
     assert set(meas["T"]) == {"target", "intermediate", "draft"} and meas["T"]["draft"][0]["median_s"] > 0
-    assert meas["L"] == profile["L"] and meas["verdict"] == json.loads(json.dumps(profile["verdict"]))
+    assert meas["L"] == summary_L(profile) and meas["verdict"] == json.loads(json.dumps(verdict_json(profile.insertions[0])))
+    assert len(meas["insertions"]) == 1 and meas["insertions"][0]["level"] == "intermediate"
+    assert meas["candidates"] == meas["insertions"][0]["candidates"] and meas["candidates"]
+    assert set(meas["acceptance_hist"]["chain"]) == {"target", "intermediate"}
     assert {"wall", "steady", "vs_ar"} <= set(meas["speedup"])
     assert meas["speedup"]["wall"]["configs"]["chain"]["predicted"] > 0
-    dec = profile["decision"]
-    assert (m.decode.mode, m.decode.draft_k, m.decode.mu) == (dec["mode"], dec["draft_k"], dec["mu"])
+    dec = profile.decision
+    assert (m.decode.mode, m.decode.draft_k, m.decode.mu) == (dec.mode, dec.draft_k, dec.mu)
     assert m.decode.max_new_tokens == 16  # the other decode defaults come from the recipe
     assert m.schema_version == 1 and m.polyspec_version
     assert {"software", "hardware", "git_sha", "packages"} <= set(m.stamps)
@@ -107,7 +113,7 @@ def test_decoder_loads_and_runs_the_exported_chain(chain):
 def test_interrupted_export_leaves_no_half_written_folder(parts, profile, tmp_path, monkeypatch, exc):
     import polyspec.manifest as manifest
     from polyspec.config import DecodeConfig
-    from polyspec.export.stage import export_chain
+    from polyspec.export.package import export_chain
 
     real = manifest.write_manifest
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyspec.export.profile import cost_at, mean_cost, summarize_times
+from polyspec.export.profile import ProfileSettings
+from polyspec.export.results import CostRow, GridRow, Profile, from_json, to_json
+from polyspec.export.timing import cost_at, mean_cost, summarize_times
 from polyspec.export.verdict import choose_config, fit_alpha, lengths_from_hist, variance_check
 from polyspec.theory import acceptance_length_moments, chain_time_per_token, insertion
 
@@ -35,95 +37,105 @@ def profile(tiny_parts, tmp_path_factory):
     from polyspec.export.stage import profile_folders
 
     out = tmp_path_factory.mktemp("profile") / "p"
-    return profile_folders(tiny_parts, out, prompts=2, max_new_tokens=10, kv_length=32, warmup=1, repeats=3,
-                           device="cpu", draft_ks=(2, 3), mus=(4,), prompt_ids=_prompts(), threads=1,
-                           say=lambda _m: None)
+    s = ProfileSettings(max_new_tokens=10, kv_length=32, warmup=1, repeats=3, draft_ks=(2, 3), mus=(4,))
+    return profile_folders(tiny_parts, out, s, device="cpu", prompt_ids=_prompts(), threads=1, say=lambda _m: None)
 
 
 def test_costs_have_the_right_shape_and_are_positive(profile):
-    costs = profile["costs"]
+    costs = profile.costs
     assert set(costs) == {"target", "intermediate", "draft"}
+    assert [(lv.name, lv.tag) for lv in profile.levels] == [("target", "target"), ("intermediate", "int4"),
+                                                            ("draft", "head")]
     for name, rows in costs.items():
-        widths = [r["width"] for r in rows]
+        widths = [r.width for r in rows]
         assert widths == sorted(set(widths)) and widths[0] == 1, name
         for r in rows:
-            assert r["kv_length"] == 32 and r["repeats"] == 3
-            assert 0 < r["min_s"] <= r["p10_s"] <= r["median_s"] <= r["p90_s"]
+            assert r.kv_length == 32 and r.repeats == 3
+            assert 0 < r.min_s <= r.p10_s <= r.median_s <= r.p90_s
     # the verifiers were timed at the widths the decoder ran: draft_k + 1 for the target in dual mode
-    assert {3, 4} <= {r["width"] for r in costs["target"]}
+    assert {3, 4} <= {r.width for r in costs["target"]}
 
 
 def test_acceptance_tables(profile):
-    L = profile["L"]
+    from polyspec.export.report import summary_L
+
+    L = summary_L(profile)
     for key in ("L_i", "L_new", "L_i_new"):
         assert L[key] >= 1.0
     assert L["beta_dual"] > 0 and L["beta_chain"] > 0
-    final = profile["final"]
+    final = profile.final
     assert set(final) == {"ar", "dual", "chain", "dual_at_chain_k", "int4_over_head"}
-    for name, cfg in final.items():
-        assert cfg["new_tokens"] > 0 and cfg["tokens_per_second"] > 0, name
-        for d in cfg["per_level"].values():
-            if "accept_hist" in d:  # a full distribution: counts add up to the verifications, mean is L
-                lengths = lengths_from_hist(d["accept_hist"])
-                assert len(lengths) == d["verifications"] > 0
-                assert sum(lengths) / len(lengths) == pytest.approx(d["L"])
+    for name, run in final.items():
+        assert run.new_tokens > 0 and run.tokens_per_second > 0, name
+        assert len(run.betas) == len(run.levels) - 1 and run.beta == (run.betas[-1] if run.betas else None)
+        for lv in run.per_level.values():
+            if lv.accept_hist is not None:  # a full distribution: counts add up to the verifications, mean is L
+                lengths = lengths_from_hist(lv.accept_hist)
+                assert len(lengths) == lv.verifications > 0
+                assert sum(lengths) / len(lengths) == pytest.approx(lv.L)
     # the RTN copy agrees with the target far more than a random head does
     assert L["L_i_new"] > L["L_i"]
     # greedy ar, dual and chain emit the same tokens
-    assert profile["lossless_greedy"] is True
+    assert profile.lossless_greedy is True
 
 
 def test_verdict_is_theory_insertion_on_the_measured_numbers(profile):
-    v = profile["verdict"]
-    i = v["inputs"]
-    again = insertion(i["T_i"], i["T_new"], i["T_next"], i["L_i"], i["L_new"], i["L_i_new"], i["beta"]).to_dict()
+    (v,) = profile.insertions
+    assert (v.level, v.above, v.below) == ("intermediate", "target", "draft")
+    i = v.inputs
+    again = insertion(i.T_i, i.T_new, i.T_next, i.L_i, i.L_new, i.L_i_new, i.beta).to_dict()
     for key, value in again.items():
-        assert v[key] == pytest.approx(value) if isinstance(value, float) else v[key] == value, key
-    assert i["L_i"] == profile["L"]["L_i"] and i["L_new"] == profile["L"]["L_new"]
-    assert i["L_i_new"] == profile["L"]["L_i_new"]
-    assert v["pays"] == (v["time_after"] < v["time_before"])
-    assert len(profile["candidates"]) == 2  # one per grid chain point
-    for c in profile["candidates"]:
-        assert {"cond1_holds", "cond2_holds", "valid_regime", "pays", "label"} <= set(c)
+        assert getattr(v, key) == pytest.approx(value) if isinstance(value, float) else getattr(v, key) == value, key
+    final = profile.final
+    assert i.L_i == final["dual_at_chain_k"].per_level["target"].L
+    assert i.L_new == final["int4_over_head"].per_level["intermediate"].L
+    assert i.L_i_new == final["chain"].per_level["target"].L
+    assert v.pays == (v.time_after < v.time_before)
+    assert v.time_before_own_widths == final["dual_at_chain_k"].predicted.time_per_token_s
+    assert v.pays_own_widths == (v.time_after_own_widths < v.time_before_own_widths)
+    assert len(v.candidates) == 2  # one per grid chain point
+    for c in v.candidates:
+        assert c.label.startswith("k=") and c.pays == (c.time_after < c.time_before)
 
 
 def test_decision_minimises_predicted_time(profile):
-    rows = profile["grid"]
+    rows = profile.grid
     assert len(rows) == 2 + 2 + 1  # dual per draft_k, chain per (draft_k, mu), ar
     for r in rows:
-        t = r["T_s"]
-        names = list(t)
+        names = list(r.T_s)
         if len(names) > 1:
-            expect = chain_time_per_token([t[n] for n in names], [r["L_eff"][n] for n in names[:-1]], r["beta"])
-            assert r["predicted_time_per_token_s"] == pytest.approx(expect)
-    dec = profile["decision"]
-    best = min((r for r in rows if r["mode"] in ("chain", "dual")), key=lambda r: r["predicted_time_per_token_s"])
-    assert (dec["speculative_mode"], dec["draft_k"]) == (best["mode"], best["draft_k"])
-    final = profile["final"]
-    ar_faster = final["ar"]["predicted"]["time_per_token_s"] < min(
-        final[n]["predicted"]["time_per_token_s"] for n in ("dual", "chain"))
-    assert dec["ar_predicted_faster"] is ar_faster
-    ar_measured = final["ar"]["tokens_per_second"] >= final[best["mode"]]["tokens_per_second"]
-    assert dec["ar_measured_faster"] is ar_measured
+            expect = chain_time_per_token([r.T_s[n] for n in names], [r.L_eff[n] for n in names[:-1]], r.beta)
+            assert r.predicted_time_per_token_s == pytest.approx(expect)
+    dec = profile.decision
+    best = min((r for r in rows if r.mode in ("chain", "dual")), key=lambda r: r.predicted_time_per_token_s)
+    assert (dec.speculative_mode, dec.draft_k) == (best.mode, best.draft_k)
+    final = profile.final
+    ar_faster = final["ar"].predicted.time_per_token_s < min(
+        final[n].predicted.time_per_token_s for n in ("dual", "chain"))
+    assert dec.ar_predicted_faster is ar_faster
+    ar_measured = final["ar"].tokens_per_second >= final[best.mode].tokens_per_second
+    assert dec.ar_measured_faster is ar_measured
     # the fastest predicted way to decode this chain, unless ar measured at least as fast
-    assert dec["mode"] == ("ar" if ar_faster or ar_measured else best["mode"])
-    assert dec["predicted_time_per_token_s"] == best["predicted_time_per_token_s"]
-    sp = profile["speedup"]["wall"]["configs"]
-    assert sp["dual"]["predicted"] == pytest.approx(1.0) and sp["dual"]["measured"] == pytest.approx(1.0)
-    assert all(row["predicted"] > 0 and row["measured"] > 0 for row in sp.values())
+    assert dec.mode == ("ar" if ar_faster or ar_measured else best.mode)
+    assert dec.predicted_time_per_token_s == best.predicted_time_per_token_s
+    sp = profile.speedup["wall"].configs
+    assert sp["dual"].predicted == pytest.approx(1.0) and sp["dual"].measured == pytest.approx(1.0)
+    assert all(row.predicted > 0 and row.measured > 0 for row in sp.values())
 
 
 def test_variance_check_uses_the_exact_formula(profile):
-    for name, vc in profile["variance"].items():
-        if not vc["count"]:
+    assert list(profile.variance) == ["dual_target", "int4_over_head", "chain_intermediate", "chain_target"]
+    assert [vc.approximate for vc in profile.variance.values()] == [False, False, False, True]
+    for name, vc in profile.variance.items():
+        if not vc.count:
             continue
-        mean, var = acceptance_length_moments(vc["alpha"], vc["n"])
-        assert mean == pytest.approx(min(max(vc["mean"], 1.0), vc["n"]), abs=1e-6), name
-        assert var == pytest.approx(vc["var_theory"])
+        mean, var = acceptance_length_moments(vc.alpha, vc.n)
+        assert mean == pytest.approx(min(max(vc.mean, 1.0), vc.n), abs=1e-6), name
+        assert var == pytest.approx(vc.var_theory)
 
 
 def test_tables_are_stamped_and_plots_written(profile):
-    folder = Path(profile["path"])
+    folder = Path(profile.path)
     for name in ("costs", "acceptance", "grid", "verdict", "speedup", "variance"):
         table = json.loads((folder / "tables" / f"{name}.json").read_text())
         assert table["stamps"]["software"]["polyspec"] and table["stamps"]["hardware"]["logical_cores"] >= 1
@@ -131,8 +143,29 @@ def test_tables_are_stamped_and_plots_written(profile):
     for png in ("insertion_region.png", "acceptance_hist.png"):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (folder / "verdict.md").read_text()
-    assert "cond1" in md and "cond2" in md and "Hardware:" in md
+    for row in ("| T_target / T_int4 / T_head (ms, chain widths) |", "| L_i (target over head, dual k=",
+                "| L_new (int4 over head, k=", "| L_i_new (target over int4 blocks, mu=4) |", "| beta (dual / chain) |",
+                "| cond1: ", "| cond2: ", "| valid regime ", "| Lemma 3.1 ms/token before -> after |", "| chosen | ",
+                "| tokens/s int4_over_head (int4<-head k=", "| Var[accept] chain_target (n=", "Hardware:"):
+        assert row in md, row
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_profile_json_round_trips_and_old_formats_say_rerun(profile, tmp_path):
+    from polyspec.errors import PolyspecError
+    from polyspec.export.report import PROFILE_JSON, read_profile
+
+    back = read_profile(Path(profile.path))
+    assert isinstance(back, Profile) and back.format == 3
+    assert to_json(back) == json.loads(json.dumps(to_json(profile)))
+    assert back.final["chain"].per_level["target"].accept_hist == profile.final["chain"].per_level["target"].accept_hist
+    assert from_json(CostRow, to_json(profile.costs["draft"][0])) == profile.costs["draft"][0]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / PROFILE_JSON).write_text(json.dumps({"format": 2, "verdict": {}}))
+    with pytest.raises(PolyspecError, match="rerun the profile stage"):
+        read_profile(old)
+    assert read_profile(tmp_path / "none") is None
 
 
 def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
@@ -143,7 +176,8 @@ def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
                             "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},
                             "target": {"device": "cpu"},
                             "profile": {"prompts": 2, "max_new_tokens": 6, "warmup": 0, "repeats": 2,
-                                        "kv_length": 16}}, "test")
+                                        "kv_length": 16, "draft_k_grid": [2], "mu_grid": [4], "threads": 1}},
+                           "test")
     logged = []
 
     class Tracker:
@@ -153,15 +187,19 @@ def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
         def log_artifact(self, path, artifact_path=None):
             logged.append(("artifact", Path(path)))
 
-    kw = {"parts": tiny_parts, "draft_ks": (2,), "mus": (4,), "threads": 1, "say": lambda _m: None}
+    kw = {"parts": tiny_parts, "say": lambda _m: None}
     first = profile_stage(recipe, Tracker(), **kw)
-    assert first["prompts"]["count"] == 2
-    assert {p["source"] for p in first["prompt_sources"]} <= {"mtbench", "sharegpt"}
-    assert Path(first["path"]).parent == tmp_path / "w" / "profile"
-    assert any(k == "artifact" and p == Path(first["path"]) for k, p in logged)
+    assert first.prompts.count == 2 and first.torch_threads == 1
+    assert {p["source"] for p in first.prompt_sources} <= {"mtbench", "sharegpt"}
+    assert Path(first.path).parent == tmp_path / "w" / "profile"
+    assert [lv.folder for lv in first.levels] == [str(tiny_parts[k]) for k in ("target", "int4", "head")]
+    assert any(k == "artifact" and p == Path(first.path) for k, p in logged)
+    metrics = next(m for k, m in logged if k == "metrics")
+    assert metrics["profile/pays"] == float(first.insertions[0].pays)
     t0 = time.perf_counter()
     second = profile_stage(recipe, None, **kw)
-    assert time.perf_counter() - t0 < 5 and second["key"] == first["key"] and second["path"] == first["path"]
+    assert time.perf_counter() - t0 < 5 and second.key == first.key and second.path == first.path
+    assert to_json(second) == json.loads(json.dumps(to_json(first)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -178,13 +216,14 @@ def test_fit_alpha_inverts_the_exact_mean(alpha, n):
 def test_variance_check_on_an_exact_distribution():
     # alpha = 0.5, n = 3: P(1) = .5, P(2) = .25, P(3) = .25 -> 8 samples in those proportions
     vc = variance_check([1, 1, 1, 1, 2, 2, 3, 3], 3)
-    assert vc["alpha"] == pytest.approx(0.5, abs=1e-9)
-    assert vc["var_measured"] == pytest.approx(vc["var_theory"])
-    assert vc["var_ratio"] == pytest.approx(1.0)
+    assert vc.alpha == pytest.approx(0.5, abs=1e-9)
+    assert vc.var_measured == pytest.approx(vc.var_theory)
+    assert vc.var_ratio == pytest.approx(1.0)
 
 
 def test_cost_interpolation_and_summary():
-    table = [{"width": 1, "median_s": 1.0}, {"width": 3, "median_s": 2.0}, {"width": 7, "median_s": 6.0}]
+    table = [CostRow(width=w, kv_length=8, median_s=t, p10_s=t, p90_s=t, mean_s=t, min_s=t, repeats=1)
+             for w, t in ((1, 1.0), (3, 2.0), (7, 6.0))]
     assert cost_at(table, 2) == pytest.approx(1.5)
     assert cost_at(table, 5) == pytest.approx(4.0)
     assert cost_at(table, 9) == pytest.approx(8.0)  # extrapolated from the last segment
@@ -196,10 +235,14 @@ def test_cost_interpolation_and_summary():
 
 
 def test_choose_config_picks_the_fastest_allowed_mode():
-    rows = [{"mode": "ar", "predicted_time_per_token_s": 0.1}, {"mode": "dual", "predicted_time_per_token_s": 0.3},
-            {"mode": "chain", "predicted_time_per_token_s": 0.2}]
-    assert choose_config(rows)["mode"] == "chain"
-    assert choose_config(rows, ("dual",))["mode"] == "dual"
+    def row(mode, t):
+        return GridRow(label=mode, mode=mode, draft_k=2, mu=[], tree=None, L={}, L_eff={}, beta=1.0, T_s={},
+                       predicted_time_per_token_s=t, measured_tokens_per_second=1.0,
+                       measured_tokens_per_second_steady=1.0, new_tokens=1)
+
+    rows = [row("ar", 0.1), row("dual", 0.3), row("chain", 0.2)]
+    assert choose_config(rows).mode == "chain"
+    assert choose_config(rows, ("dual",)).mode == "dual"
 
 
 def test_region_boundaries_agree_with_theory():
@@ -227,24 +270,46 @@ def test_tree_joins_the_grid_and_the_decision(tiny_parts, tmp_path):
     from polyspec.export.stage import profile_folders
 
     tp = TreeParams(top_k=2, depth=3, total_tokens=6)
-    prof = profile_folders(tiny_parts, tmp_path / "p", prompts=2, max_new_tokens=10, kv_length=32, warmup=1,
-                           repeats=2, device="cpu", draft_ks=(2,), mus=(4,), prompt_ids=_prompts(), threads=1,
-                           tree=tp, say=lambda _m: None)
-    rows = prof["grid"]
-    tree_rows = [r for r in rows if r["tree"]]
-    assert {r["mode"] for r in tree_rows} == {"dual", "chain"} and len(rows) == 1 + 1 + 2 + 1
-    assert all(r["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6} and r["draft_k"] == 3 for r in tree_rows)
-    best = min((r for r in rows if r["mode"] in ("chain", "dual")), key=lambda r: r["predicted_time_per_token_s"])
-    dec = prof["decision"]
-    assert (dec["speculative_mode"], dec["tree"]) == (best["mode"], best["tree"])
-    assert prof["decision"]["grid"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}
-    assert prof["lossless_greedy"]
+    s = ProfileSettings(max_new_tokens=10, kv_length=32, warmup=1, repeats=2, draft_ks=(2,), mus=(4,), tree=tp)
+    prof = profile_folders(tiny_parts, tmp_path / "p", s, device="cpu", prompt_ids=_prompts(), threads=1,
+                           say=lambda _m: None)
+    rows = prof.grid
+    tree_rows = [r for r in rows if r.tree]
+    assert {r.mode for r in tree_rows} == {"dual", "chain"} and len(rows) == 1 + 1 + 2 + 1
+    assert all(r.tree == {"top_k": 2, "depth": 3, "total_tokens": 6} and r.draft_k == 3 for r in tree_rows)
+    best = min((r for r in rows if r.mode in ("chain", "dual")), key=lambda r: r.predicted_time_per_token_s)
+    dec = prof.decision
+    assert (dec.speculative_mode, dec.tree) == (best.mode, best.tree)
+    assert dec.grid["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}
+    assert prof.lossless_greedy
     from polyspec.config import DecodeConfig
-    from polyspec.export.stage import export_chain
+    from polyspec.export.package import export_chain
     from polyspec.manifest import read_manifest
 
     decode = DecodeConfig.model_validate({"tree": {"enabled": True, "top_k": 2, "depth": 3, "total_tokens": 6}})
-    for chosen_tree in (None, dec["tree"] or tree_rows[0]["tree"]):
-        prof["decision"]["tree"] = chosen_tree
+    for chosen_tree in (None, dec.tree or tree_rows[0].tree):
+        prof.decision.tree = chosen_tree
         out = export_chain(tmp_path / f"chain-{bool(chosen_tree)}", tiny_parts, prof, decode, onnx=False)
         assert read_manifest(out).decode.tree.enabled is bool(chosen_tree)
+
+
+def test_cli_profile_verb_with_given_and_rtn_levels(tiny_parts, tmp_path, capsys):
+    """`polyspec profile RECIPE --head DIR --rtn-int4`: the CLI hands typed level folders to the stage, which makes
+    the RTN copy under <workdir>/profile, notes it, and prints the verdict table."""
+    from polyspec.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
+        "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},
+        "target": {"source": str(tiny_parts["target"]), "device": "cpu"},
+        "profile": {"prompts": 1, "max_new_tokens": 4, "warmup": 0, "repeats": 1, "kv_length": 16,
+                    "draft_k_grid": [2], "mu_grid": [4]}}))
+    rc = main(["profile", str(recipe), "profile.grid_prompts=1", "--head", str(tiny_parts["head"]), "--rtn-int4",
+               "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "| cond1: " in out and "profile folder:" in out
+    folder = Path(out.strip().splitlines()[-1].split("profile folder: ")[1])
+    saved = json.loads((folder / "profile.json").read_text())
+    assert saved["notes"]["int4"].startswith("RTN int4") and saved["torch_threads"] == 1
+    assert saved["levels"][1]["folder"] == str(tmp_path / "w" / "profile" / "rtn_int4")

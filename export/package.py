@@ -1,0 +1,126 @@
+"""Packaging: the chain folder (levels, the draft head also as ONNX, a manifest carrying the profile's measurements
+and decision), written atomically and validated before it replaces the old one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from polyspec.errors import PolyspecError
+from polyspec.export.report import summary_L, verdict_json
+from polyspec.export.results import Profile, to_json
+from polyspec.fsutil import atomic_folder
+
+Parts = Sequence[Path] | Mapping[str, Path]  # level folders, target first; or {"target", "int4", "head"}
+MEASUREMENTS_SCHEMA = "polyspec.measurements/1"
+_GRID_KEYS = ("label", "mode", "draft_k", "mu", "L", "beta", "predicted_time_per_token_s", "measured_tokens_per_second")
+
+
+def ordered_parts(parts: Parts) -> list[Path]:
+    """Level folders top first: a list as given, or the three of a ``{"target", "int4", "head"}`` mapping."""
+    if isinstance(parts, Mapping):
+        missing = {"target", "int4", "head"} - set(parts)
+        if missing:
+            raise PolyspecError(f"level folders {sorted(missing)} are missing; give target, int4 and head")
+        return [Path(parts["target"]), Path(parts["int4"]), Path(parts["head"])]
+    if len(parts) < 3:
+        raise PolyspecError(f"a profiled chain needs at least three level folders (target, ..., draft), got {parts}")
+    return [Path(x) for x in parts]
+
+
+def measurements_for_manifest(p: Profile, onnx: dict[str, Any] | None) -> dict[str, Any]:
+    """What the manifest's ``measurements`` carries: T and L tables, verdicts (``verdict`` / ``candidates``: the first
+    insertion's, ``insertions``: all), decision, speedups, ONNX parity."""
+    first = p.insertions[0]
+    return {
+        "schema": MEASUREMENTS_SCHEMA,
+        "profile_key": p.key,
+        "device": p.device,
+        "dtype": p.dtype,
+        "prompts": to_json(p.prompts),
+        "kv_length": p.kv_length,
+        "T": {name: [{"width": r.width, "median_s": r.median_s, "p10_s": r.p10_s, "p90_s": r.p90_s} for r in rows]
+              for name, rows in p.costs.items()},
+        "L": summary_L(p),
+        "acceptance_hist": {nm: {lv: to_json(d.accept_hist) for lv, d in c.per_level.items() if d.accept_hist}
+                            for nm, c in p.final.items()},
+        "grid": [{k: v for k, v in to_json(r).items() if k in _GRID_KEYS} for r in p.grid],
+        "verdict": verdict_json(first),
+        "candidates": to_json(first.candidates),
+        "insertions": [verdict_json(v) | {"candidates": to_json(v.candidates)} for v in p.insertions],
+        "decision": to_json(p.decision),
+        "tokens_per_second": {nm: c.tokens_per_second for nm, c in p.final.items()},
+        "speedup": to_json(p.speedup),
+        "variance": to_json(p.variance),
+        "lossless_greedy": p.lossless_greedy,
+        "notes": p.notes,
+        "onnx": onnx,
+    }
+
+
+def _decode_config(p: Profile, decode: Any) -> Any:
+    """``decode`` with the profile's decision (the tree stays on only when the profile chose it: a recipe's tree is a
+    candidate, not an order)."""
+    dec = p.decision
+    tree_cfg = decode.tree.model_copy(update={"enabled": bool(dec.tree)})
+    return decode.model_copy(update={"mode": dec.mode, "draft_k": int(dec.draft_k), "mu": [int(m) for m in dec.mu],
+                                     "tree": tree_cfg})
+
+
+def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True,
+                 opset: int = 18) -> Path:
+    """Write the chain folder ``out`` atomically: the levels ``parts`` (target first, draft last; a draft head gets
+    ``head.onnx``), and a manifest with the profile's measurements; validated before it replaces ``out``.
+
+    ``decode``: the DecodeConfig whose mode / draft_k / mu (and whether the tree is on) the decision replaces."""
+    from polyspec.manifest import _classify, assemble_chain, read_manifest, validate_chain, write_manifest
+    from polyspec.stamp import hardware_stamp, software_stamp
+
+    out, parts = Path(out), ordered_parts(parts)
+    decode_cfg = _decode_config(p, decode)
+
+    def write(tmp: Path) -> None:
+        draft, onnx_info = parts[-1], None
+        if _classify(draft)[0] == "head":  # the head's ONNX lives in its level folder, so the manifest hashes it
+            draft = tmp / "parts" / "head"
+            shutil.copytree(parts[-1], draft)
+            onnx_info = _export_onnx(parts[0], draft, opset) if onnx else None
+        chain = tmp / "chain"
+        assemble_chain(chain, parts[0], parts[1:-1], draft, decode=decode_cfg)
+        manifest = read_manifest(chain)
+        manifest.measurements = measurements_for_manifest(p, onnx_info)
+        sw = software_stamp()
+        manifest.stamps = {"software": sw, "hardware": hardware_stamp(), "git_sha": sw.get("git_sha"),
+                           "packages": sw.get("packages"), "profile": p.stamps}
+        write_manifest(chain, manifest)
+        validate_chain(chain)
+        for x in chain.iterdir():  # the chain's content becomes tmp's content
+            os.replace(x, tmp / x.name)
+        shutil.rmtree(tmp / "parts", ignore_errors=True)
+        chain.rmdir()
+
+    return atomic_folder(out, write)
+
+
+def _export_onnx(target_dir: Path, head_dir: Path, opset: int) -> dict[str, Any]:
+    """Export the head in ``head_dir`` (a copy being assembled) to ONNX next to its weights; parity-check it."""
+    import torch
+
+    from polyspec.decode.head import load_head
+    from polyspec.decode.model import Transformer
+    from polyspec.export.onnx_head import ONNX_FILE, export_head_onnx, onnx_parity
+
+    t0 = time.perf_counter()
+    target = Transformer.from_pretrained(target_dir, dtype=torch.float32, device="cpu")
+    head = load_head(head_dir, target).eval()
+    path = export_head_onnx(head, head_dir, opset=opset)
+    parity = onnx_parity(head, path)
+    files = sorted(x.name for x in head_dir.iterdir() if x.name.startswith(ONNX_FILE))
+    return {"file": ONNX_FILE, "files": files, "opset": opset, "exporter": "torch.onnx.export(dynamo=True)",
+            "inputs": {"input_ids": "int64 [batch, seq]", "features": "float32 [batch, seq, hidden]"},
+            "outputs": {"logits": "float32 [batch, seq, vocab]", "hidden": "float32 [batch, seq, hidden]"},
+            "seconds": time.perf_counter() - t0, **parity}

@@ -276,12 +276,16 @@ def _answerer(recipe: Recipe, tokenizer: Any, target_dir: Path | None) -> Any:
         return Endpoint(cfg)
     from polyspec.decode import cpu_kernels
     from polyspec.decode.generate import DTYPES, load_model, resolve_device
+    from polyspec.decode.hf_fallback import HFCausalLM
 
     if target_dir is None:
         from polyspec.pipeline import target_stage
 
         target_dir = target_stage(recipe)
     model = load_model(Path(target_dir), dtype=DTYPES[recipe.target.dtype], device=resolve_device(recipe.target.device))
+    if isinstance(model, HFCausalLM):
+        raise PolyspecError(f"data.responses=target answers in-process on polyspec's engine, but this target runs on "
+                            f"transformers ({model.why}); serve it with vLLM/SGLang and set data.regen.endpoint")
     cpu_kernels.pack_weights(model)
     return InProcess(model, tokenizer, cfg)
 

@@ -234,3 +234,26 @@ def test_endpoint_answers_equal_the_in_process_ones(tmp_path, tiny_chain, tokeni
     for k in ("turns", "tokens", "stopped_at_eos", "stopped_at_max_new_tokens"):
         assert remote_rep[k] == local_rep[k], k
     assert json.loads((Path(remote_rep["cache_dir"]) / "identity.json").read_text())["generator"]["endpoint"] == base
+
+
+def test_run_summary_and_mlflow_metrics_carry_the_counts(monkeypatch):
+    from polyspec import pipeline
+
+    report = {"train_sequences": 4, "cached": False, "regen": {"turns": 7, "tokens": 40, "tokens_per_second": 12.5,
+                                                                "stopped_at_eos": 5, "stopped_at_max_new_tokens": 2,
+                                                                "cache_dir": "x"}}
+    text = pipeline._fmt_counts(report)
+    assert "7 turns, 40 tokens at 12.5 tok/s, 5 ended at EOS, 2 at max_new_tokens" in text
+
+    class Tracker:
+        logged: dict = {}
+
+        def log_metrics(self, m):
+            self.logged.update(m)
+
+    monkeypatch.setattr(pipeline, "prepare_stage", lambda recipe, target_dir, progress=False: report)
+    tracker = Tracker()
+    pipeline._data_logged(None, Path("."), tracker)
+    assert tracker.logged == {"data/train_sequences": 4.0, "data/regen_turns": 7.0, "data/regen_tokens": 40.0,
+                              "data/regen_tokens_per_second": 12.5, "data/regen_stopped_at_eos": 5.0,
+                              "data/regen_stopped_at_max_new_tokens": 2.0}

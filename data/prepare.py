@@ -10,6 +10,9 @@ entry and an unchanged recipe loads the cache (``report["cached"] is True``). En
 folder and renamed into place, so a crash never leaves a half-written entry.
 
 Columns: ``input_ids`` (list of int32) and ``loss_mask`` (list of int8, 1 on assistant tokens).
+
+``data.responses: target`` replaces every assistant turn with the target's own answer first (:mod:`polyspec.data.regen`,
+cached and resumable on its own under ``<workdir>/cache/regen/``), so the loss mask covers generated tokens only.
 """
 
 from __future__ import annotations
@@ -100,13 +103,26 @@ def tokenizer_identity(tokenizer: Any, tokenizer_id: str) -> dict[str, Any]:
     return ident
 
 
+def data_identity(recipe: Recipe, tokenizer_id: str) -> dict[str, Any]:
+    """The data settings that change the prepared sequences. Under ``responses: dataset`` the regen settings play no
+    part (keys stay those of earlier versions); under ``target`` the answering target (``tokenizer_id`` is its content
+    id) or endpoint and the sampling settings do, but not batch size or concurrency, which only change speed."""
+    from polyspec.data.regen import generator_identity, sampling_identity
+
+    data = recipe.data.model_dump(mode="json", exclude={"responses", "regen"})
+    if recipe.data.responses == "target":
+        data["responses"] = "target"
+        data["regen"] = {**sampling_identity(recipe.data.regen), **generator_identity(recipe, tokenizer_id)}
+    return data
+
+
 def cache_key(recipe: Recipe, tokenizer: Any, tokenizer_id: str) -> tuple[str, dict[str, Any]]:
     """(hex key, the identity it hashes) for this recipe's data section and tokenizer."""
     identity = {
         "format_version": FORMAT_VERSION,
         "source": source_identity(recipe.data.source),
         "tokenizer": tokenizer_identity(tokenizer, tokenizer_id),
-        "data": recipe.data.model_dump(mode="json"),
+        "data": data_identity(recipe, tokenizer_id),
     }
     blob = json.dumps(identity, sort_keys=True, ensure_ascii=False).encode("utf-8")
     return hashlib.sha256(blob).hexdigest(), identity
@@ -216,8 +232,12 @@ def _load_cached(path: Path) -> PreparedData:
     return PreparedData(train=train, heldout=heldout, path=path, report=report)
 
 
-def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progress: bool = False) -> PreparedData:
-    """Tokenised train/held-out datasets for ``recipe.data``, from ``<workdir>/cache/data/<key>/`` when cached."""
+def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progress: bool = False,
+                    target_dir: Path | None = None) -> PreparedData:
+    """Tokenised train/held-out datasets for ``recipe.data``, from ``<workdir>/cache/data/<key>/`` when cached.
+
+    Under ``data.responses: target`` the target (loaded from ``target_dir``, default: the recipe's target stage)
+    first answers the user turns itself (:mod:`polyspec.data.regen`) and the loss mask covers those answers."""
     cfg = recipe.data
     key, identity = cache_key(recipe, tokenizer, tokenizer_id)
     root = Path(recipe.workdir) / "cache" / "data"
@@ -226,6 +246,12 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
         return _load_cached(final)
 
     conversations, load_report = load_conversations(cfg.source, max_conversations=cfg.max_conversations)
+    regen_report = None
+    if cfg.responses == "target":
+        from polyspec.data.regen import regenerate
+
+        conversations, regen_report = regenerate(recipe, conversations, tokenizer, target_id=tokenizer_id,
+                                                 target_dir=target_dir, progress=progress)
     train_idx, held_idx = split_indices(len(conversations), cfg.heldout_fraction, cfg.seed)
 
     splits = {"train": _Columns(), "heldout": _Columns()}
@@ -269,8 +295,11 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
         "total_tokens": len(splits["train"].ids) + len(splits["heldout"].ids),
         "assistant_tokens": sum(splits["train"].mask) + sum(splits["heldout"].mask),
         "max_length": cfg.max_length,
+        "responses": cfg.responses,
         "identity": identity,
     }
+    if regen_report is not None:
+        report["regen"] = regen_report
 
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:20]}-", dir=root))

@@ -46,7 +46,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from polyspec.pipeline import prepare_stage
 
     recipe = _load(args)
-    report = prepare_stage(recipe)
+    report = prepare_stage(recipe, progress=True)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -53,6 +53,34 @@ class TargetConfig(Section):
         raise ValueError(f"{v!r} is not a device; use auto, cpu, cuda or cuda:N")
 
 
+class EndpointConfig(Section):
+    """An OpenAI-compatible server that answers instead of the in-process target (docs/DATA.md)."""
+
+    url: str = Field(min_length=1, description="base URL, e.g. http://127.0.0.1:8000 (POST <url>/v1/chat/completions)")
+    model: str | None = Field(None, description="the 'model' field of each request (None: the server's only model)")
+    concurrency: int = Field(4, ge=1, description="requests in flight at once")
+    timeout_s: float = Field(600.0, gt=0, description="seconds one request may take")
+    api_key_env: str | None = Field(None, description="name of the environment variable that holds the API key")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class RegenConfig(Section):
+    """How the target answers the conversations' user turns when ``data.responses`` is ``target``."""
+
+    temperature: float = Field(0.0, ge=0, description="0 = greedy (what the chain serves most)")
+    max_new_tokens: int = Field(256, ge=1, description="most tokens per answer")
+    max_turns: int | None = Field(None, ge=1, description="user turns answered per conversation (None: all)")
+    batch_size: int = Field(16, ge=1, description="conversations answered together in-process (docs/DATA.md)")
+    seed: int = Field(0, description="seed for sampling (temperature > 0)")
+    endpoint: EndpointConfig | None = Field(None, description="an OpenAI-compatible server; None = in-process")
+
+
 class DataConfig(Section):
     """ShareGPT training conversations."""
 
@@ -65,6 +93,11 @@ class DataConfig(Section):
     max_length: int = Field(2048, ge=16, description="tokens per training sequence (longer ones are truncated)")
     heldout_fraction: float = Field(0.02, ge=0.0, lt=0.5, description="share of conversations held out for evaluation")
     seed: int = Field(0, description="seed for the held-out split")
+    responses: Literal["dataset", "target"] = Field(
+        "dataset", description="dataset: train on the conversations' own answers; target: the target answers the "
+        "user turns itself and the head trains on those answers (data.regen)",
+    )
+    regen: RegenConfig = Field(default_factory=RegenConfig)
 
     @field_validator("source")
     @classmethod

@@ -3,7 +3,7 @@
 ``profile_stage(recipe, tracker=None) -> dict`` and ``export_stage(recipe, tracker=None) -> Path`` are the pipeline's
 profile and export stages (:mod:`polyspec.export.stage`; torch loads only when they run). They are resolved lazily
 (PEP 562) so that ``python -m polyspec.export.stage`` does not find its own module pre-imported.
-Serving lives in :mod:`polyspec.export.serve`.
+Serving lives in :mod:`polyspec.decode.serve`.
 """
 
 from __future__ import annotations

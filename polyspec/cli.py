@@ -56,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from polyspec.pipeline import run_pipeline
 
     recipe = _load(args)
-    return run_pipeline(recipe, command=[sys.argv[0], *sys.argv[1:]])
+    return run_pipeline(recipe, command=args.command)
 
 
 def cmd_theory(args: argparse.Namespace) -> int:
@@ -100,7 +100,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from polyspec.tracking import start_run
 
     recipe = _load(args)
-    with start_run(recipe, "quantize", command=[sys.argv[0], *sys.argv[1:]]) as tracker:
+    with start_run(recipe, "quantize", command=args.command) as tracker:
         out = quantize_stage(recipe, tracker=tracker)
     print(f"intermediate model: {out}")
     report = Path(out).parent / "report.json"
@@ -139,7 +139,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a chain folder over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics)."""
-    from polyspec.export import serve
+    from polyspec.decode.serve import server as serve
 
     return serve.run(args)
 
@@ -147,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Spec-Bench-style benchmark of a chain: ar, dual, chain, hf and hf-assisted interleaved on the same prompts;
     tokens/s, speedup over ar, mean accepted tokens per level, mismatches against ar at temperature 0."""
-    from polyspec.decode import bench
+    from polyspec.bench import bench
 
     return bench.run(args)
 
@@ -155,7 +155,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_shape_bench(args: argparse.Namespace) -> int:
     """Random-weight model at a named shape (default Llama-2-7B): ar tokens/s against the memory roofline, int4 g128
     and draft-head forward times relative to the target, and a Lemma 3.1 projection from a profiled chain's L_i."""
-    from polyspec.decode import shape_bench
+    from polyspec.bench import shape_bench
 
     return shape_bench.run(args)
 
@@ -172,7 +172,7 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
 def tree_choice(args: argparse.Namespace) -> bool | dict[str, int] | None:
     """From --tree / --no-tree and the shape flags: None (the manifest's choice), False (linear drafts), True (a
     tree of the manifest's or the default shape) or a dict of shape overrides (see generate.resolve_tree)."""
-    from polyspec.decode.bench import tree_shape  # light: no torch at import
+    from polyspec.bench.bench import tree_shape  # light: no torch at import
 
     shape = tree_shape(args) or {}
     if args.tree is False:
@@ -266,14 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--rtn-int4", action="store_true", help="use an RTN int4 copy of the target")
         p.add_argument("--threads", type=int, help="torch threads while profiling (default: profile.threads)")
 
-    from polyspec.export import serve as _serve  # light: no fastapi/torch at import
+    from polyspec.decode.serve import server as _serve  # light: no fastapi/torch at import
 
     _serve.configure_parser(verb("serve", cmd_serve))
 
-    from polyspec.decode import bench as _bench  # light: no torch at import
+    from polyspec.bench import bench as _bench  # light: no torch at import
 
     _bench.configure_parser(verb("bench", cmd_bench))
-    from polyspec.decode import shape_bench as _shape_bench  # light: no torch at import
+    from polyspec.bench import shape_bench as _shape_bench  # light: no torch at import
 
     _shape_bench.configure_parser(verb("shape-bench", cmd_shape_bench))
 
@@ -335,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the command this run records (stamps, tracking); a caller's argv is the same as the shell's `polyspec ...`
+    args.command = [sys.argv[0], *sys.argv[1:]] if argv is None else ["polyspec", *argv]
     try:
         return int(args.func(args) or 0)
     except PolyspecError as exc:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -541,8 +540,8 @@ def tree_shape(args: argparse.Namespace) -> dict[str, int] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Benchmark ar, dual, chain, hf and hf-assisted on the same prompts, interleaved; JSON, table and plots."""
-    from polyspec.decode.bench_prompts import load_prompts
-    from polyspec.decode.bench_report import print_report, write_json, write_plots
+    from polyspec.bench.prompts import load_prompts
+    from polyspec.bench.report import print_report, write_json, write_plots
     from polyspec.decode.cpu_kernels import state as cpu_kernel_state
     from polyspec.decode.cuda_graphs import runner_of
     from polyspec.stamp import command_line, hardware_stamp, software_stamp
@@ -584,7 +583,7 @@ def run(args: argparse.Namespace) -> int:
         report["forward_times"] = forward_times(chain, widths=default_widths(chain, args.draft_k, args.mu),
                                                 prefix=args.forward_prefix, repeats=args.forward_repeats)
     if args.roofline:
-        from polyspec.decode.roofline import measure_bandwidth, roofline
+        from polyspec.bench.roofline import measure_bandwidth, roofline
 
         top = chain.models[chain.order[0]]
         bw = measure_bandwidth(next(top.parameters()).device)
@@ -593,7 +592,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     report.update({
-        "command": getattr(args, "command", None) or command_line(),
+        "command": command_line(getattr(args, "command", None)),
         "settings": {**settings.__dict__, "prompts": args.prompts, "limit": args.limit,
                      "categories": args.categories, "chain": str(args.chain), "draft_k": args.draft_k or chain.draft_k,
                      "mu": args.mu or list(chain.mu), "levels": list(chain.order), "torch_threads":
@@ -614,21 +613,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {path}", file=sys.stderr)
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="polyspec bench", description=(run.__doc__ or "").strip())
-    configure_parser(parser)
-    args = parser.parse_args(argv)
-    if argv is not None:
-        args.command = shlex.join(["polyspec", "bench", *argv])
-    elif Path(sys.argv[0]).name == "bench.py":  # python -m polyspec.decode.bench ...
-        args.command = shlex.join(["python", "-m", "polyspec.decode.bench", *sys.argv[1:]])
-    try:
-        return run(args)
-    except PolyspecError as exc:
-        print(f"polyspec bench: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """``polyspec serve DIR``: an OpenAI-compatible HTTP API over a validated chain folder (see docs/SERVE.md).
 
 This module stays light (argparse, sockets): fastapi, uvicorn and torch are imported only when a server is built, so
-``polyspec --help`` does not pay for them. The app itself lives in :mod:`polyspec.export.serve_app`, the wire format
-in :mod:`polyspec.export.serve_api`, the Prometheus counters in :mod:`polyspec.export.serve_metrics`.
+``polyspec --help`` does not pay for them. The app itself lives in :mod:`polyspec.decode.serve.app`, the wire format
+in :mod:`polyspec.decode.serve.api`, the Prometheus counters in :mod:`polyspec.decode.serve.metrics`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def build_app(chain_dir: Path, *, mode: str | None = None, device: str = "auto",
     except ImportError:
         raise missing_extra("fastapi", "serve") from None
     from polyspec.decode.generate import load_chain
-    from polyspec.export.serve_app import ServeDefaults, create_app
+    from polyspec.decode.serve.app import ServeDefaults, create_app
     from polyspec.manifest import read_manifest
 
     chain = load_chain(Path(chain_dir), device=device, dtype=dtype)  # validates schema and every sha256 first

@@ -2,7 +2,7 @@
 
 Requests are validated and tokenised on the event loop, then queue for the one generation worker thread (a
 single-thread executor: FIFO, one generation at a time), so the loop keeps answering /health, /metrics and new requests
-while a generation runs. Importing this module imports fastapi and torch: ``polyspec.export.serve`` imports it only
+while a generation runs. Importing this module imports fastapi and torch: ``polyspec.decode.serve`` imports it only
 when a server is built.
 """
 
@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from polyspec.decode.chain import GenerationResult, SamplingParams
 from polyspec.decode.generate import LoadedChain, build_decoder, eos_ids
 from polyspec.errors import PolyspecError
-from polyspec.export.serve_api import (
+from polyspec.decode.serve.api import (
     SSE_DONE,
     AnswerStream,
     ApiError,
@@ -44,7 +44,7 @@ from polyspec.export.serve_api import (
     sse,
     token_pieces,
 )
-from polyspec.export.serve_metrics import CONTENT_TYPE, Metrics
+from polyspec.decode.serve.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("polyspec.serve")
 

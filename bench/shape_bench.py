@@ -4,7 +4,7 @@ What the GPU items of issues 3 and 7 ask for, in one command:
 
 * **AR against the memory roofline.** A random-weight target at the shape (bf16 on a GPU), decoded greedily by our
   engine (CUDA graphs on a GPU) for ``--new-tokens`` tokens, several times: tokens/s, and the fraction of the
-  batch-1 roofline (measured read bandwidth / weight bytes, :mod:`polyspec.decode.roofline`) it reaches.
+  batch-1 roofline (measured read bandwidth / weight bytes, :mod:`polyspec.bench.roofline`) it reaches.
 * **int4 g128 relative to the full-precision target.** A copy of the shape with random GPTQ-layout int4 codes in
   every q/k/v/o/gate/up/down (embeddings, norms and lm_head stay in the compute dtype, as GPTQ leaves them), and a
   random EAGLE head; the median forward time of each level at each width (1 = a decode step, k + 1 and mu + 1 =
@@ -133,7 +133,7 @@ def random_head(args: Any, target: Any, *, dtype: Any, seed: int = 1):
 
 @dataclass
 class ShapeChain:
-    """What :func:`polyspec.decode.bench.forward_times` needs from a loaded chain."""
+    """What :func:`polyspec.bench.bench.forward_times` needs from a loaded chain."""
 
     models: dict[str, Any]
     order: list[str] = field(default_factory=lambda: ["target", "intermediate", "draft"])
@@ -280,10 +280,10 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
     import torch
 
     from polyspec.decode import cpu_kernels, cuda_graphs
-    from polyspec.decode.bench import forward_times
+    from polyspec.bench.bench import forward_times
     from polyspec.decode.generate import DTYPES as DT
     from polyspec.decode.generate import GRAPH_WIDTH, resolve_device
-    from polyspec.decode.roofline import measure_bandwidth, roofline, weight_bytes
+    from polyspec.bench.roofline import measure_bandwidth, roofline, weight_bytes
 
     say = say or (lambda msg: print(msg, file=sys.stderr))
     measurements = None
@@ -415,11 +415,11 @@ def run(args: argparse.Namespace) -> int:
                              graphs=False if args.no_cuda_graphs else None)
     from polyspec.stamp import command_line, hardware_stamp, software_stamp
 
-    report["command"] = command_line()
+    report["command"] = command_line(getattr(args, "command", None))
     report["stamp"] = {"hardware": hardware_stamp(), "software": software_stamp()}
     print_report(report)
     if args.json is not None:
-        from polyspec.decode.bench_report import write_json
+        from polyspec.bench.report import write_json
 
         write_json(report, args.json)
         print(f"wrote {args.json}", file=sys.stderr)

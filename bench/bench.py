@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError
+from polyspec.modes import MODES as DECODE_MODES
 
-MODES = ("ar", "dual", "chain", "dual-tree", "chain-tree", "hf", "hf-assisted")
-ENGINE_MODES = ("ar", "dual", "chain", "dual-tree", "chain-tree")  # *-tree: the EAGLE-2 draft tree at the bottom
-_SLACK = 64  # cache room beyond prompt + max_new_tokens (as polyspec generate allows)
+ENGINE_MODES = (*DECODE_MODES, "dual-tree", "chain-tree")  # *-tree: the EAGLE-2 draft tree at the bottom
+MODES = (*ENGINE_MODES, "hf", "hf-assisted")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -75,9 +75,9 @@ class EngineRunner:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
                  eos: set[int]) -> Generation:
-        from polyspec.decode.generate import build_decoder
+        from polyspec.decode.generate import KV_SLACK, build_decoder
 
-        size = min(self.chain.context, len(prompt_ids) + max_new_tokens) + _SLACK
+        size = min(self.chain.context, len(prompt_ids) + max_new_tokens) + KV_SLACK
         dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu,
                             tree=self.tree)
         t0 = time.perf_counter()
@@ -289,12 +289,10 @@ def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[d
                 runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu, tree=tree)
                 continue
             if hf_model is None:
-                import torch
-
-                from polyspec.decode.generate import DTYPES, resolve_device
+                from polyspec.device import resolve_device, resolve_dtype
 
                 dev = resolve_device(s.device)
-                dtype = DTYPES[s.dtype] if s.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+                dtype = resolve_dtype(s.dtype, dev)
                 t0 = time.perf_counter()
                 hf_model = HFRunner.load(_target_folder(chain_dir), str(dev), dtype)
                 log(f"loaded the target with transformers in {time.perf_counter() - t0:.1f} s")

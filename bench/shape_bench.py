@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polyspec.device import DTYPE_NAMES
 from polyspec.errors import PolyspecError
 
 # Architectures (Hugging Face configs of the public checkpoints); "tiny" is for tests.
@@ -45,7 +46,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 # The paper's measured speedups of its chain at 7B (Wang et al., ICML 2025), for the side-by-side.
 PAPER_SPEEDUPS = {"Vicuna-7B": 3.48, "LLaMA2-Chat-7B": 3.66}
 PAPER_INT4_RATIO = 0.318
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 def shape_args(name: str):
@@ -279,11 +279,11 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
     """Build the shape's target, int4 copy and head; measure AR speed, the roofline and forward times; project."""
     import torch
 
-    from polyspec.decode import cpu_kernels, cuda_graphs
     from polyspec.bench.bench import forward_times
-    from polyspec.decode.generate import DTYPES as DT
-    from polyspec.decode.generate import GRAPH_WIDTH, resolve_device
     from polyspec.bench.roofline import measure_bandwidth, roofline, weight_bytes
+    from polyspec.decode import cpu_kernels, cuda_graphs
+    from polyspec.decode.generate import GRAPH_WIDTH
+    from polyspec.device import resolve_device, resolve_dtype
 
     say = say or (lambda msg: print(msg, file=sys.stderr))
     measurements = None
@@ -298,10 +298,8 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
             raise PolyspecError(f"{chain_dir}/manifest.json has no profile measurements (measurements.grid); export "
                                 "the chain with `polyspec export` (which profiles it) first")
     dev = resolve_device(device)
-    name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise PolyspecError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-    tdtype = DT[name]
+    tdtype = resolve_dtype(dtype, dev)
+    name = str(tdtype).removeprefix("torch.")
     args = shape_args(shape)
     if prompt_len + new_tokens + 8 > args.max_position_embeddings:
         raise PolyspecError(f"prompt ({prompt_len}) + new tokens ({new_tokens}) exceed the {shape} context "
@@ -385,7 +383,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("shape", nargs="?", default="llama2-7b", choices=sorted(SHAPES),
                    help="architecture to build with random weights (default llama2-7b)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens per ar generation (default 128)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="random prompt length (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="timed ar generations after one warm-up (default 3)")

@@ -94,7 +94,7 @@ def resolve_parts(recipe: Any, tracker: Any = None) -> dict[str, Path]:
     """{"target", "int4", "head"} folders for a recipe, from the pipeline's target, quantize and train stages."""
     import importlib
 
-    from polyspec.pipeline import target_stage
+    from polyspec.sources import target_stage
 
     parts = {"target": Path(target_stage(recipe))}
     for name, module, fn in (("int4", "polyspec.quantize", "quantize_stage"), ("head", "polyspec.train", "train_stage")):
@@ -594,7 +594,7 @@ def _cli_parts(recipe: Any, args: Any) -> tuple[dict[str, Path] | None, dict[str
     notes: dict[str, Any] = {}
     if not (args.head or args.int4 or args.untrained_head or args.rtn_int4):
         return None, notes
-    from polyspec.pipeline import target_stage
+    from polyspec.sources import target_stage
 
     target = Path(target_stage(recipe))
     work = Path(recipe.workdir) / "profile"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from polyspec import __version__
 from polyspec.errors import PolyspecError
+from polyspec.modes import MODES
 
 
 def _load(args: argparse.Namespace):
@@ -87,10 +88,22 @@ def cmd_theory(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or find, when its inputs are unchanged) the recipe's EAGLE draft head; print its folder and metrics."""
-    from polyspec.train.__main__ import main as train_main
+    import time
 
-    extra = ["--no-progress"] if args.no_progress else []
-    return train_main([str(args.recipe), *args.overrides, *extra])
+    from polyspec.device import is_global_rank_zero
+    from polyspec.tracking import start_run
+    from polyspec.train.stage import train_stage, training_summary
+
+    recipe = _load(args)
+    t0 = time.perf_counter()
+    if not is_global_rank_zero():
+        # Lightning's ddp launcher re-runs this command on the other ranks: they only join the training.
+        train_stage(recipe, tracker=None, progress=False)
+        return 0
+    with start_run(recipe, "train", command=args.command) as tracker:
+        out = train_stage(recipe, tracker=tracker, progress=not args.no_progress)
+    print(json.dumps(training_summary(out, time.perf_counter() - t0), indent=1))
+    return 0
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -280,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("generate", cmd_generate)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
     p.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
-    p.add_argument("--mode", choices=["ar", "dual", "chain"], default=None,
+    p.add_argument("--mode", choices=MODES, default=None,
                    help="default: the mode the manifest chose when the chain was profiled")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

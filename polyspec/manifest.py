@@ -67,19 +67,6 @@ class ChainManifest(BaseModel):
                 return lv
         raise PolyspecError(f"the chain has no level named {name!r}; it has {[lv.name for lv in self.levels]}")
 
-    def levels_for_mode(self, mode: str) -> list[LevelEntry]:
-        """The levels a decode mode uses: ar = the target; dual = target + draft; chain = all."""
-        top, bottom = self.levels[0], self.levels[-1]
-        if mode == "ar":
-            return [top]
-        if mode == "dual":
-            if bottom.kind != "head" and len(self.levels) < 2:
-                raise PolyspecError("dual mode needs a draft level; this chain has only the target")
-            return [top, bottom]
-        if mode == "chain":
-            return list(self.levels)
-        raise PolyspecError(f"unknown decode mode {mode!r}; use ar, dual or chain")
-
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()

@@ -22,9 +22,9 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from polyspec.errors import PolyspecError  # noqa: E402
 from polyspec.decode.serve import server as serve  # noqa: E402
 from polyspec.decode.serve.api import make_answer, token_pieces  # noqa: E402
+from polyspec.errors import PolyspecError  # noqa: E402
 
 MODEL = "tiny"
 

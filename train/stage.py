@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.config import Recipe, TrainConfig
+from polyspec.device import device_name, is_global_rank_zero
 from polyspec.errors import PolyspecError, missing_extra
 
 TRAIN_FORMAT = 1
@@ -37,11 +38,6 @@ TRAINING_JSON = "training.json"
 LOG_EVERY = 10  # optimizer steps between MLflow logs of loss components, lr and tokens/s
 # train settings that do not change the trained weights (left out of the key)
 OPERATIONAL_KEYS = ("checkpoint_every", "num_workers", "cache_budget_gb")
-
-
-def is_global_rank_zero() -> bool:
-    """True unless the launcher environment says this process is another rank (RANK, LOCAL_RANK, NODE_RANK)."""
-    return all(int(os.environ.get(v, "0") or 0) == 0 for v in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
 def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
@@ -107,31 +103,25 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return best[1] if best else None
 
 
-def _target_device(recipe: Recipe) -> str:
-    import torch
-
-    dev = recipe.target.device
-    if dev == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return dev
-
-
 def _teacher_dir(recipe: Recipe, target_dir: Path) -> tuple[Path, str]:
     """(folder, identity) of the model the head learns from."""
     from polyspec.sources import model_id
 
     if recipe.train.teacher == "target":
         return target_dir, "target"
-    try:
-        from polyspec.quantize import quantize_stage  # type: ignore[attr-defined]
-    except ImportError:
-        quantize_stage = None
-    if quantize_stage is None:
-        raise PolyspecError(
-            "train.teacher=intermediate learns from the int4 intermediate model written by the quantize stage, "
-            "which this polyspec does not provide yet; use train.teacher=target", exit_code=2)
+    from polyspec.quantize import quantize_stage
+
     folder = Path(quantize_stage(recipe, target_dir=target_dir))  # keyed by its inputs: skips when already done
     return folder, "intermediate:" + model_id("local", folder)
+
+
+def training_summary(head_dir: Path, stage_seconds: float) -> dict[str, Any]:
+    """What ``polyspec train`` prints: the head folder and the headline numbers of its training.json."""
+    info = json.loads((Path(head_dir) / TRAINING_JSON).read_text(encoding="utf-8"))
+    keys = ("steps", "epochs_completed", "fit_seconds", "tokens_per_second", "heldout_top1_agreement",
+            "acceptance_length_estimate", "train_loss_first", "train_loss_last", "resumed_from", "draft_k",
+            "offline_cache")
+    return {"head": str(head_dir), "stage_seconds": round(stage_seconds, 1), **{k: info.get(k) for k in keys}}
 
 
 def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
@@ -145,14 +135,13 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     import torch
 
     from polyspec.data.prepare import cache_key, prepare_dataset
-    from polyspec.pipeline import target_stage
-    from polyspec.sources import load_tokenizer, model_id
+    from polyspec.sources import load_tokenizer, model_id, target_stage
     from polyspec.tracking import Tracker
 
     cfg = recipe.train
     tracker = tracker if tracker is not None else Tracker()
     rank0 = is_global_rank_zero()
-    target_device = _target_device(recipe)
+    target_device = device_name(recipe.target.device)
     runtime = runtime_settings(cfg, target_device)  # refuses DeepSpeed without CUDA before any work
 
     target_dir = target_stage(recipe)

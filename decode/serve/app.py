@@ -25,8 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from polyspec.decode.chain import GenerationResult, SamplingParams
-from polyspec.decode.generate import LoadedChain, build_decoder, eos_ids
-from polyspec.errors import PolyspecError
+from polyspec.decode.generate import KV_SLACK, LoadedChain, build_decoder, eos_ids
 from polyspec.decode.serve.api import (
     SSE_DONE,
     AnswerStream,
@@ -45,11 +44,11 @@ from polyspec.decode.serve.api import (
     token_pieces,
 )
 from polyspec.decode.serve.metrics import CONTENT_TYPE, Metrics
+from polyspec.errors import PolyspecError
 
 log = logging.getLogger("polyspec.serve")
 
 MAX_BODY_BYTES = 4 << 20
-SLACK = 64  # KV room beyond prompt + max_tokens for blocks that run past the end before the target cuts them
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
@@ -98,7 +97,7 @@ class Engine:
         """Runs on the worker thread: a decoder sized for this request, then one generation (``on_tokens``: see
         :meth:`ChainDecoder.generate`)."""
         dec = build_decoder(self.chain, self.mode,
-                            max_seq_len=min(self.chain.context, len(job.prompt_ids) + job.max_new_tokens) + SLACK)
+                            max_seq_len=min(self.chain.context, len(job.prompt_ids) + job.max_new_tokens) + KV_SLACK)
         sampling = SamplingParams(temperature=job.temperature, top_p=job.top_p)
         return dec.generate(job.prompt_ids, job.max_new_tokens, sampling, seed=job.seed, eos_token_ids=self.eos,
                             on_tokens=on_tokens)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError, missing_extra
+from polyspec.modes import MODES
 
 API_KEY_ENV = "POLYSPEC_API_KEY"
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
@@ -26,7 +27,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json); it must validate")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    p.add_argument("--mode", choices=["chain", "dual", "ar"], default=None,
+    p.add_argument("--mode", choices=MODES[::-1], default=None,
                    help="decoding mode (default: the manifest's, or the most levels the chain has)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -54,7 +55,7 @@ def pick_mode(chain: Any, asked: str | None, manifest_mode: str | None) -> str:
     if asked:
         chain.levels_for(asked)
         return asked
-    candidates = ([manifest_mode] if manifest_mode else []) + ["chain", "dual", "ar"]
+    candidates = ([manifest_mode] if manifest_mode else []) + list(MODES[::-1])
     for mode in candidates:
         try:
             chain.levels_for(mode)

@@ -76,13 +76,14 @@ class EngineRunner:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
                  eos: set[int]) -> Generation:
         from polyspec.decode.generate import KV_SLACK, build_decoder
+        from polyspec.decode.timing import timed
 
         size = min(self.chain.context, len(prompt_ids) + max_new_tokens) + KV_SLACK
         dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu,
                             tree=self.tree)
-        t0 = time.perf_counter()
-        res = dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos)
-        seconds = time.perf_counter() - t0
+        device = next(self.chain.models[self.chain.order[0]].parameters()).device
+        res, seconds = timed(lambda: dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos),
+                             device)
         levels = [{"name": s.name, "forward_passes": s.forward_passes, "tokens_emitted": s.tokens_emitted}
                   for s in res.level_stats]
         accept = {s.name: list(s.accept_lengths) for s in res.level_stats if s.accept_lengths and self.mode != "ar"}
@@ -108,6 +109,8 @@ class HFRunner:
         import torch
         from transformers import GenerationConfig
 
+        from polyspec.decode.timing import timed
+
         device = next(self.model.parameters()).device
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T]
         eos_list = sorted(eos) or None
@@ -121,9 +124,8 @@ class HFRunner:
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
         torch.manual_seed(seed)
         with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **extra)
-            seconds = time.perf_counter() - t0
+            out, seconds = timed(lambda: self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                                             generation_config=config, **extra), ids.device)
         new = [int(t) for t in out[0, len(prompt_ids):].tolist()]
         for j, t in enumerate(new):  # keep up to and including the first EOS (as the engine does)
             if t in eos:
@@ -159,21 +161,6 @@ def load_hf_assistant(chain_dir: Path, device: str, tokenizer: Any) -> Any:
         raise NotApplicable(f"transformers cannot run the intermediate {folder.name} as an assistant here: "
                             f"{type(exc).__name__}: {msg}") from None
     return model
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Prompts -> token ids (chat template, history)
-
-
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]], *, chat: bool = True) -> list[int]:
-    """A conversation as prompt token ids through the tokenizer's chat template (generation prompt added)."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    text = "\n\n".join(m["content"] for m in messages)
-    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -318,7 +305,7 @@ def run_benchmark(chain_dir: Path, questions: list[Any], settings: BenchSettings
     """Run every question (each turn, each repeat) through every mode, interleaved; return the report dict
     (overall, by_category, mismatches, not_applicable, acceptance histograms, per-generation records)."""
     from polyspec.decode.chain import SamplingParams
-    from polyspec.decode.generate import eos_ids, load_chain
+    from polyspec.decode.generate import encode_messages, eos_ids, load_chain
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
@@ -400,19 +387,11 @@ def _timed_forward(model: Any, kind: str, prefix: int, ids: Any, feats: Any) -> 
     """Seconds of one forward of ids [T] after a cache holding ``prefix`` positions (truncated back first)."""
     import torch
 
+    from polyspec.decode.timing import timed
+
     model.truncate(prefix)
-    cuda = ids.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(ids.device)
-    t0 = time.perf_counter()
     with torch.inference_mode():
-        if kind == "head":
-            model.forward(ids, feats)
-        else:
-            model.forward(ids)
-    if cuda:
-        torch.cuda.synchronize(ids.device)
-    return time.perf_counter() - t0
+        return timed(lambda: model.forward(ids, feats) if kind == "head" else model.forward(ids), ids.device)[1]
 
 
 def forward_times(chain: Any, *, widths: list[int], prefix: int = 128, repeats: int = 20,

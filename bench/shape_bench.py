@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,13 +140,6 @@ class ShapeChain:
                                                            "draft": "head"})
 
 
-def _sync(device: Any) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def ar_speed(target: Any, *, prompt_len: int, new_tokens: int, repeats: int, seed: int = 0) -> dict[str, Any]:
     """Greedy ``ar`` decoding with our engine: tokens/s per repeat (after one warm-up generation), and the median;
     the prompt's prefill is timed apart and left out of the decode rate. Each generation is followed by the same
@@ -156,6 +148,7 @@ def ar_speed(target: Any, *, prompt_len: int, new_tokens: int, repeats: int, see
 
     from polyspec.decode.chain import ChainDecoder
     from polyspec.decode.levels import ModelLevel
+    from polyspec.decode.timing import timed
 
     dev = target.inv_freq.device
     gen = torch.Generator().manual_seed(seed)
@@ -164,9 +157,7 @@ def ar_speed(target: Any, *, prompt_len: int, new_tokens: int, repeats: int, see
     dec = ChainDecoder([level], max_seq_len=prompt_len + new_tokens + 8)
     runs, steps = [], []
     for r in range(repeats + 1):
-        _sync(dev)
-        res = dec.generate(prompt, new_tokens)
-        _sync(dev)
+        res, _ = timed(lambda: dec.generate(prompt, new_tokens), dev)
         step = _step_seconds(target, prompt, len(res.token_ids))
         if r:
             runs.append((len(res.token_ids), float(res.stats["seconds"])))
@@ -187,34 +178,27 @@ def _step_seconds(model: Any, prompt: list[int], n: int) -> float:
     """Median seconds of ``n`` bare one-token forwards after the prompt (the decode step without the loop)."""
     import torch
 
+    from polyspec.decode.timing import timed
+
     dev = model.inv_freq.device
     model.setup_cache(len(prompt) + n + 8)
     ids = torch.tensor(prompt, device=dev)
     one = torch.tensor([1], device=dev)
-    times = []
     with torch.inference_mode():
         model(ids)
-        for _ in range(max(n, 1)):
-            _sync(dev)
-            t0 = time.perf_counter()
-            model(one)
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return statistics.median(timed(lambda: model(one), dev)[1] for _ in range(max(n, 1)))
 
 
 def _prefill_seconds(model: Any, prompt: list[int]) -> float:
     import torch
 
+    from polyspec.decode.timing import timed
+
     dev = model.inv_freq.device
     model.setup_cache(len(prompt) + 8)
     ids = torch.tensor(prompt, device=dev)
-    _sync(dev)
-    t0 = time.perf_counter()
     with torch.inference_mode():
-        model(ids)
-    _sync(dev)
-    return time.perf_counter() - t0
+        return timed(lambda: model(ids), dev)[1]
 
 
 def _config_widths(cfg: dict[str, Any], tree: dict[str, int] | None) -> dict[str, int] | None:

@@ -146,17 +146,28 @@ def eos_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The messages through the tokenizer's own chat template, ending with the assistant's generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]], *, chat: bool = True) -> list[int]:
+    """A conversation as prompt token ids: through the chat template when asked and the tokenizer has one, else the
+    contents joined by blank lines (the tokenizer's own special tokens, e.g. BOS, added as it is configured)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return chat_token_ids(tokenizer, messages)
+    text = "\n\n".join(m["content"] for m in messages)
+    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+
 def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = True) -> list[int]:
-    """The prompt as token ids; chat prompts go through the tokenizer's own chat template."""
+    """One user message as prompt token ids (see :func:`encode_messages`)."""
     if not prompt:
         raise PolyspecError("the prompt is empty")
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+    return encode_messages(tokenizer, [{"role": "user", "content": prompt}], chat=chat)
 
 
 def resolve_tree(choice: bool | dict[str, int] | None, base: TreeParams | None) -> TreeParams | bool | None:

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from polyspec import __version__
 from polyspec.config import DecodeConfig
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import write_text
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -85,13 +86,7 @@ def hash_folder(folder: Path) -> dict[str, str]:
 
 def write_manifest(chain_dir: Path, manifest: ChainManifest) -> Path:
     """Write ``manifest.json`` atomically (temp file, then rename)."""
-    chain_dir = Path(chain_dir)
-    path = chain_dir / MANIFEST
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=chain_dir)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(manifest.model_dump_json(indent=2))
-    os.replace(tmp, path)
-    return path
+    return write_text(Path(chain_dir) / MANIFEST, manifest.model_dump_json(indent=2))
 
 
 def read_manifest(chain_dir: Path) -> ChainManifest:

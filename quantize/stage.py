@@ -15,25 +15,16 @@ same inputs returns at once and any change makes a new folder. Returns the ``mod
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from polyspec.device import device_name
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import write_json
 
 HELDOUT_SEQUENCES = 32  # held-out conversations scored for perplexity / agreement / KL (bounded for CPU runs)
 REPORT_FILE = "report.json"
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps(data, indent=1) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = None) -> Path:
@@ -95,7 +86,7 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
         "quantize_seconds": (record.get("run") or {}).get("seconds"),
         "group_layout": {k: v for k, v in (record.get("group_layout") or {}).items() if k != "layers"},
     })
-    _write_json(report_path, report)
+    write_json(report_path, report)
     _log(tracker, report, report_path, flat_metrics, cached=False)
     return model_dir
 

@@ -32,6 +32,7 @@ from typing import Any
 from polyspec.config import Recipe, TrainConfig
 from polyspec.device import device_name, is_global_rank_zero
 from polyspec.errors import PolyspecError, missing_extra
+from polyspec.fsutil import atomic_file
 
 TRAIN_FORMAT = 1
 TRAINING_JSON = "training.json"
@@ -256,9 +257,7 @@ def _add_token_counts(out_dir: Path, recipe: Recipe, tokenizer: Any, target_id: 
         return
     vocab = int(json.loads((out_dir / "config.json").read_text(encoding="utf-8"))["args"]["vocab_size"])
     counts = _token_counts(prepare_dataset(recipe, tokenizer, tokenizer_id=target_id), vocab)
-    tmp = out_dir / f".{TOKEN_COUNTS_FILE}.tmp"
-    save_file({"counts": counts}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    atomic_file(path, lambda tmp: save_file({"counts": counts}, str(tmp), metadata={"format": "pt"}))
 
 
 def _token_counts(prepared: Any, vocab_size: int) -> Any:

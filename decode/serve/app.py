@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from polyspec.decode.chain import GenerationResult, SamplingParams
-from polyspec.decode.generate import KV_SLACK, LoadedChain, build_decoder, eos_ids
+from polyspec.decode.generate import KV_SLACK, LoadedChain, build_decoder, chat_token_ids, eos_ids
 from polyspec.decode.serve.api import (
     SSE_DONE,
     AnswerStream,
@@ -138,12 +138,9 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     from jinja2.exceptions import TemplateError
 
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return chat_token_ids(tokenizer, messages)
     except (TemplateError, ValueError, TypeError) as exc:
         raise ApiError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 def encode_text(tokenizer: Any, prompt: str) -> list[int]:

@@ -125,6 +125,45 @@ def training_summary(head_dir: Path, stage_seconds: float) -> dict[str, Any]:
     return {"head": str(head_dir), "stage_seconds": round(stage_seconds, 1), **{k: info.get(k) for k in keys}}
 
 
+def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: str, data_key: str,
+                   teacher_dtype: Any, extract_device: str, rank0: bool, progress: bool) -> dict[str, Any]:
+    """Build (rank 0) or read (other ranks) the teacher's feature cache for ``train.features=offline``; return its
+    description for training.json. The teacher keeps only its embedding and lm_head afterwards."""
+    import torch
+
+    from polyspec.train.features import build_feature_cache, check_cache_budget
+
+    cfg, workdir = recipe.train, Path(recipe.workdir)
+    tokens = int(prepared.report.get("total_tokens") or sum(len(r) for r in prepared.train["input_ids"]))
+    rows = len(prepared.train) + len(prepared.heldout)
+    estimate = check_cache_budget(tokens, rows, teacher.args.hidden_size, cfg.cache_budget_gb,
+                                  "train.features=offline")
+    fkey = hashlib.sha256(json.dumps({"teacher": teacher_id, "data": data_key, "dtype": str(teacher_dtype)},
+                                     sort_keys=True).encode()).hexdigest()[:20]
+    cache_dir = workdir / "cache" / "features" / fkey
+    splits = {"train": prepared.train}
+    if len(prepared.heldout):
+        splits["heldout"] = prepared.heldout
+    t0 = time.perf_counter()
+    if rank0:
+        teacher.to(extract_device)
+        index = build_feature_cache(teacher, splits, cache_dir, batch_size=cfg.batch_size, device=extract_device,
+                                    progress=progress, info={"teacher": teacher_id, "data_key": data_key,
+                                                             "dtype": "bfloat16"})
+        teacher.to("cpu")
+    else:  # other ranks start after rank 0 has built it (Lightning launches them at fit time)
+        from polyspec.train.features import read_cache_index
+
+        index = read_cache_index(cache_dir)
+    cache_info = {"cache_dir": str(cache_dir), "estimate_bytes": estimate, "bytes": index["bytes"],
+                  "tokens": index["tokens"], "bytes_per_token": index["bytes_per_token"],
+                  "extract_seconds": time.perf_counter() - t0}
+    _say(progress and rank0, f"train: feature cache {cache_dir}: {index['bytes'] / 1e6:.1f} MB, "
+                             f"{index['bytes_per_token']:.1f} bytes/token (estimate {estimate / 1e6:.1f} MB)")
+    teacher.layers = torch.nn.ModuleList()  # only the shared embedding and lm_head are needed from here on
+    return cache_info
+
+
 def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
                 callbacks: Sequence[Any] = (), log_every: int = LOG_EVERY) -> Path:
     """Train (or find) the recipe's draft head and return its folder ``<workdir>/head/<key>/``.
@@ -165,38 +204,12 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     teacher_dtype = torch.float32 if runtime["precision"] == "32-true" else getattr(torch, recipe.target.dtype)
     extract_device = runtime["device"] if runtime["device"] == "cpu" else "cuda"
     teacher = _load(teacher_dir, teacher_dtype, "cpu")
-    hidden_size = teacher.args.hidden_size
 
     cache_info: dict[str, Any] = {}
     if cfg.features == "offline":
-        from polyspec.train.features import build_feature_cache, check_cache_budget
-
-        tokens = int(prepared.report.get("total_tokens") or sum(len(r) for r in prepared.train["input_ids"]))
-        rows = len(prepared.train) + len(prepared.heldout)
-        estimate = check_cache_budget(tokens, rows, hidden_size, cfg.cache_budget_gb, "train.features=offline")
-        fkey = hashlib.sha256(json.dumps({"teacher": teacher_id, "data": data_key, "dtype": str(teacher_dtype)},
-                                         sort_keys=True).encode()).hexdigest()[:20]
-        cache_dir = workdir / "cache" / "features" / fkey
-        splits = {"train": prepared.train}
-        if len(prepared.heldout):
-            splits["heldout"] = prepared.heldout
-        t0 = time.perf_counter()
-        if rank0:
-            teacher.to(extract_device)
-            index = build_feature_cache(teacher, splits, cache_dir, batch_size=cfg.batch_size, device=extract_device,
-                                        progress=progress, info={"teacher": teacher_id, "data_key": data_key,
-                                                                 "dtype": "bfloat16"})
-            teacher.to("cpu")
-        else:  # other ranks start after rank 0 has built it (Lightning launches them at fit time)
-            from polyspec.train.features import read_cache_index
-
-            index = read_cache_index(cache_dir)
-        cache_info = {"cache_dir": str(cache_dir), "estimate_bytes": estimate, "bytes": index["bytes"],
-                      "tokens": index["tokens"], "bytes_per_token": index["bytes_per_token"],
-                      "extract_seconds": time.perf_counter() - t0}
-        _say(progress and rank0, f"train: feature cache {cache_dir}: {index['bytes'] / 1e6:.1f} MB, "
-                                 f"{index['bytes_per_token']:.1f} bytes/token (estimate {estimate / 1e6:.1f} MB)")
-        teacher.layers = torch.nn.ModuleList()  # only the shared embedding and lm_head are needed from here on
+        cache_info = _offline_cache(recipe, teacher, prepared, teacher_id=teacher_id, data_key=data_key,
+                                    teacher_dtype=teacher_dtype, extract_device=extract_device, rank0=rank0,
+                                    progress=progress)
     result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every)
     head = result.pop("_head")
     if not rank0:

@@ -182,6 +182,17 @@ def _authorized(header: str | None, key: str) -> bool:
     return hmac.compare_digest(header[len("Bearer "):].strip().encode(), key.encode())
 
 
+@dataclass
+class _Served:
+    """What a request handler needs: the chain, its engine and counters, the served name and the defaults."""
+
+    chain: LoadedChain
+    engine: Engine
+    metrics: Metrics
+    model_name: str
+    defaults: ServeDefaults
+
+
 def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str | None = None,
                defaults: ServeDefaults | None = None) -> FastAPI:
     """An OpenAI-compatible app over a loaded chain. ``app.state.engine`` / ``app.state.metrics`` are the engine and
@@ -247,108 +258,113 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
                           param="model", code="model_not_found")
         return model_card()
 
-    async def complete(request: Request, kind: Literal["chat", "text"]) -> Any:
-        try:
-            declared = request.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-            raw = await request.body()
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-            req = parse_request(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-            if req.model is not None and req.model != model_name:
-                raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{model_name}' "
-                               "(or leave 'model' out)", param="model", code="model_not_found")
-            if kind == "chat":
-                ids = encode_chat(chain.tokenizer, [m.as_template_dict() for m in req.messages])
-                budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            else:
-                ids = encode_text(chain.tokenizer, req.prompt)
-                budget_name = "max_tokens"
-            max_new = token_budget(len(ids), req.token_budget(), defaults.max_tokens, chain.context, budget_name,
-                                   "messages" if kind == "chat" else "prompt")
-            job = Job(prompt_ids=ids, max_new_tokens=max_new,
-                      temperature=defaults.temperature if req.temperature is None else float(req.temperature),
-                      top_p=defaults.top_p if req.top_p is None else float(req.top_p),
-                      seed=secrets.randbits(63) if req.seed is None else int(req.seed))
-            if req.stream:
-                return stream_response(kind, req, job, ids, max_new)
-            result = await engine.submit(job)
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except PolyspecError as exc:  # bad input the decoder caught
-            return _error(400, str(exc))
-        except Exception as exc:  # the server answers and stays up
-            log.exception("generation failed")
-            return _error(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
-        metrics.observe_generation(len(ids), result.stats)
-        pieces = token_pieces(chain.tokenizer, result.token_ids)
-        answer = make_answer(pieces, result.token_ids, engine.eos, req.stop_list(), max_new)
-        rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-        stats = result.stats
-        extra = {"polyspec": {"mode": stats.get("mode"), "seconds": finite(stats.get("seconds", 0.0)),
-                              "tokens_per_second": finite(stats.get("tokens_per_second", 0.0)),
-                              "mean_accepted": {lv["name"]: lv["mean_accepted"] for lv in stats.get("levels", [])}}}
-        return JSONResponse(completion_object(kind, rid, model_name, answer, len(ids), extra))
-
-    def stream_response(kind: Literal["chat", "text"], req: Any, job: Job, ids: list[int],
-                        max_new: int) -> StreamingResponse:
-        """Server-sent events as the target commits tokens: each verification round's text goes out at once (minus
-        the few characters a stop string could still begin in); a stop string ends the generation early."""
-        rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-        chunks = ChunkMaker(kind, rid, model_name, bool(req.stream_options and req.stream_options.include_usage))
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        halt = threading.Event()  # set when a stop string appeared or the client went away
-
-        def on_tokens(tokens: list[int]) -> bool:  # the worker thread
-            loop.call_soon_threadsafe(queue.put_nowait, tokens)
-            return halt.is_set()
-
-        task = asyncio.ensure_future(engine.submit(job, on_tokens))
-        task.add_done_callback(lambda _t: queue.put_nowait(None))
-
-        async def events():  # noqa: ANN202
-            pieces, answer_stream, generated = PieceDecoder(chain.tokenizer), AnswerStream(req.stop_list()), []
-            try:
-                if kind == "chat":
-                    yield sse(chunks.delta({"role": "assistant", "content": ""}))
-                while (tokens := await queue.get()) is not None:
-                    generated += tokens
-                    text = answer_stream.push(pieces.push(tokens))
-                    if answer_stream.stopped is not None:
-                        halt.set()
-                    if text:
-                        yield sse(chunks.delta({"content": text} if kind == "chat" else text))
-                try:
-                    result = task.result()
-                except Exception as exc:  # the headers are out: report in the stream, keep serving
-                    log.exception("generation failed")
-                    yield sse(error_body(f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
-                    yield SSE_DONE
-                    return
-                metrics.observe_generation(len(ids), result.stats)
-                text = answer_stream.push([], tail=pieces.tail())
-                rest, answer = answer_stream.finish(generated, engine.eos, max_new)
-                rest = text + rest
-                if rest:
-                    yield sse(chunks.delta({"content": rest} if kind == "chat" else rest))
-                yield sse(chunks.delta({} if kind == "chat" else "", answer.finish_reason))
-                if chunks.include_usage:
-                    yield sse(chunks.usage(len(ids), answer.completion_tokens))
-                yield SSE_DONE
-            finally:
-                halt.set()  # the client is gone (or we are done): stop generating at the next round
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    served = _Served(chain, engine, metrics, model_name, defaults)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await complete(request, "chat")
+        return await _complete(served, request, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await complete(request, "text")
+        return await _complete(served, request, "text")
 
     return app
+
+
+async def _complete(s: _Served, request: Request, kind: Literal["chat", "text"]) -> Any:
+    """A chat or text completion request -> its JSON answer, or its event stream when it asks for one."""
+    try:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        req = parse_request(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        if req.model is not None and req.model != s.model_name:
+            raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{s.model_name}' "
+                           "(or leave 'model' out)", param="model", code="model_not_found")
+        if kind == "chat":
+            ids = encode_chat(s.chain.tokenizer, [m.as_template_dict() for m in req.messages])
+            budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        else:
+            ids = encode_text(s.chain.tokenizer, req.prompt)
+            budget_name = "max_tokens"
+        max_new = token_budget(len(ids), req.token_budget(), s.defaults.max_tokens, s.chain.context, budget_name,
+                               "messages" if kind == "chat" else "prompt")
+        job = Job(prompt_ids=ids, max_new_tokens=max_new,
+                  temperature=s.defaults.temperature if req.temperature is None else float(req.temperature),
+                  top_p=s.defaults.top_p if req.top_p is None else float(req.top_p),
+                  seed=secrets.randbits(63) if req.seed is None else int(req.seed))
+        if req.stream:
+            return _stream_response(s, kind, req, job, ids, max_new)
+        result = await s.engine.submit(job)
+    except ApiError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    except PolyspecError as exc:  # bad input the decoder caught
+        return _error(400, str(exc))
+    except Exception as exc:  # the server answers and stays up
+        log.exception("generation failed")
+        return _error(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
+    s.metrics.observe_generation(len(ids), result.stats)
+    pieces = token_pieces(s.chain.tokenizer, result.token_ids)
+    answer = make_answer(pieces, result.token_ids, s.engine.eos, req.stop_list(), max_new)
+    rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+    stats = result.stats
+    extra = {"polyspec": {"mode": stats.get("mode"), "seconds": finite(stats.get("seconds", 0.0)),
+                          "tokens_per_second": finite(stats.get("tokens_per_second", 0.0)),
+                          "mean_accepted": {lv["name"]: lv["mean_accepted"] for lv in stats.get("levels", [])}}}
+    return JSONResponse(completion_object(kind, rid, s.model_name, answer, len(ids), extra))
+
+
+def _stream_response(s: _Served, kind: Literal["chat", "text"], req: Any, job: Job, ids: list[int],
+                     max_new: int) -> StreamingResponse:
+    """Server-sent events as the target commits tokens: each verification round's text goes out at once (minus
+    the few characters a stop string could still begin in); a stop string ends the generation early."""
+    rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+    chunks = ChunkMaker(kind, rid, s.model_name, bool(req.stream_options and req.stream_options.include_usage))
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    halt = threading.Event()  # set when a stop string appeared or the client went away
+
+    def on_tokens(tokens: list[int]) -> bool:  # the worker thread
+        loop.call_soon_threadsafe(queue.put_nowait, tokens)
+        return halt.is_set()
+
+    task = asyncio.ensure_future(s.engine.submit(job, on_tokens))
+    task.add_done_callback(lambda _t: queue.put_nowait(None))
+
+    async def events():  # noqa: ANN202
+        pieces, answer_stream, generated = PieceDecoder(s.chain.tokenizer), AnswerStream(req.stop_list()), []
+        try:
+            if kind == "chat":
+                yield sse(chunks.delta({"role": "assistant", "content": ""}))
+            while (tokens := await queue.get()) is not None:
+                generated += tokens
+                text = answer_stream.push(pieces.push(tokens))
+                if answer_stream.stopped is not None:
+                    halt.set()
+                if text:
+                    yield sse(chunks.delta({"content": text} if kind == "chat" else text))
+            try:
+                result = task.result()
+            except Exception as exc:  # the headers are out: report in the stream, keep serving
+                log.exception("generation failed")
+                yield sse(error_body(f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
+                yield SSE_DONE
+                return
+            s.metrics.observe_generation(len(ids), result.stats)
+            text = answer_stream.push([], tail=pieces.tail())
+            rest, answer = answer_stream.finish(generated, s.engine.eos, max_new)
+            rest = text + rest
+            if rest:
+                yield sse(chunks.delta({"content": rest} if kind == "chat" else rest))
+            yield sse(chunks.delta({} if kind == "chat" else "", answer.finish_reason))
+            if chunks.include_usage:
+                yield sse(chunks.usage(len(ids), answer.completion_tokens))
+            yield SSE_DONE
+        finally:
+            halt.set()  # the client is gone (or we are done): stop generating at the next round
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -247,6 +247,29 @@ def cmd_validate_chain(args: argparse.Namespace) -> int:
 # parser
 
 
+def _add_theory(p: argparse.ArgumentParser) -> None:
+    """The three questions of `polyspec theory`: insertion, stability, time."""
+    tsub = p.add_subparsers(dest="theory_verb", metavar="WHAT", required=True)
+    ins = tsub.add_parser("insertion", help="does inserting M_new between M_i and M_{i+1} pay? (Thm 3.2, Lemma 3.1)")
+    for flag, hlp in (("--t-i", "forward cost of M_i"), ("--t-new", "forward cost of M_new"),
+                      ("--t-next", "forward cost of M_{i+1} (the draft)"),
+                      ("--l-i", "accepted tokens per M_i forward with M_{i+1} directly below"),
+                      ("--l-new", "accepted tokens per M_new forward (M_{i+1} below)"),
+                      ("--l-i-new", "accepted tokens per M_i forward with M_new below")):
+        ins.add_argument(flag, type=float, required=True, help=hlp)
+    ins.add_argument("--beta", type=float, default=1.0, help="draft forwards per verification (default 1)")
+    ins.add_argument("--json", action="store_true", help="print one JSON object")
+    st = tsub.add_parser("stability", help="exact mean and variance of the acceptance length min(G, n)")
+    st.add_argument("--alpha", type=float, required=True, help="per-token acceptance probability, in [0, 1]")
+    st.add_argument("--n", type=int, required=True, help="block length (most tokens accepted per verification)")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    tm = tsub.add_parser("time", help="Lemma 3.1 time per token of a chain")
+    tm.add_argument("--costs", type=float, nargs="+", required=True, help="T_1 .. T_n, target first")
+    tm.add_argument("--accept", type=float, nargs="*", default=[], help="L_1 .. L_{n-1}")
+    tm.add_argument("--beta", type=float, default=1.0)
+    tm.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polyspec",
@@ -322,26 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("validate-chain", cmd_validate_chain)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
 
-    p = verb("theory", cmd_theory)
-    tsub = p.add_subparsers(dest="theory_verb", metavar="WHAT", required=True)
-    ins = tsub.add_parser("insertion", help="does inserting M_new between M_i and M_{i+1} pay? (Thm 3.2, Lemma 3.1)")
-    for flag, hlp in (("--t-i", "forward cost of M_i"), ("--t-new", "forward cost of M_new"),
-                      ("--t-next", "forward cost of M_{i+1} (the draft)"),
-                      ("--l-i", "accepted tokens per M_i forward with M_{i+1} directly below"),
-                      ("--l-new", "accepted tokens per M_new forward (M_{i+1} below)"),
-                      ("--l-i-new", "accepted tokens per M_i forward with M_new below")):
-        ins.add_argument(flag, type=float, required=True, help=hlp)
-    ins.add_argument("--beta", type=float, default=1.0, help="draft forwards per verification (default 1)")
-    ins.add_argument("--json", action="store_true", help="print one JSON object")
-    st = tsub.add_parser("stability", help="exact mean and variance of the acceptance length min(G, n)")
-    st.add_argument("--alpha", type=float, required=True, help="per-token acceptance probability, in [0, 1]")
-    st.add_argument("--n", type=int, required=True, help="block length (most tokens accepted per verification)")
-    st.add_argument("--json", action="store_true", help="print one JSON object")
-    tm = tsub.add_parser("time", help="Lemma 3.1 time per token of a chain")
-    tm.add_argument("--costs", type=float, nargs="+", required=True, help="T_1 .. T_n, target first")
-    tm.add_argument("--accept", type=float, nargs="*", default=[], help="L_1 .. L_{n-1}")
-    tm.add_argument("--beta", type=float, default=1.0)
-    tm.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_theory(verb("theory", cmd_theory))
     return parser
 
 

@@ -75,10 +75,10 @@ class EngineRunner:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
                  eos: set[int]) -> Generation:
-        from polyspec.decode.generate import KV_SLACK, build_decoder
+        from polyspec.decode.generate import build_decoder, cache_size
         from polyspec.decode.timing import timed
 
-        size = min(self.chain.context, len(prompt_ids) + max_new_tokens) + KV_SLACK
+        size = cache_size(self.chain, len(prompt_ids), max_new_tokens)
         dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu,
                             tree=self.tree)
         device = next(self.chain.models[self.chain.order[0]].parameters()).device

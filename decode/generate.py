@@ -26,6 +26,11 @@ GRAPH_WIDTH = 64  # widest block a CUDA graph serves: a verification of the defa
 KV_SLACK = 64
 
 
+def cache_size(chain: LoadedChain, prompt_len: int, max_new_tokens: int) -> int:
+    """KV positions to allocate for a generation: prompt + new tokens (within the chain's context) + KV_SLACK."""
+    return min(chain.context, prompt_len + max_new_tokens) + KV_SLACK
+
+
 @dataclass
 class LoadedChain:
     """Every level of a chain, loaded (top first), plus what generation needs."""
@@ -212,7 +217,7 @@ def generate_text(chain: LoadedChain, prompt: str, *, mode: str | None = None, m
         raise PolyspecError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
                             f"the target's context of {chain.context} tokens: shorten the prompt or lower "
                             "--max-new-tokens")
-    dec = build_decoder(chain, mode, max_seq_len=min(chain.context, len(ids) + max_new_tokens) + KV_SLACK,
+    dec = build_decoder(chain, mode, max_seq_len=cache_size(chain, len(ids), max_new_tokens),
                         draft_k=draft_k, mu=mu, tree=tree)
     res = dec.generate(ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos_ids(chain.tokenizer))
     text = chain.tokenizer.decode(res.token_ids, skip_special_tokens=True)

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from polyspec.decode.chain import GenerationResult, SamplingParams
-from polyspec.decode.generate import KV_SLACK, LoadedChain, build_decoder, chat_token_ids, eos_ids
+from polyspec.decode.generate import LoadedChain, build_decoder, cache_size, chat_token_ids, eos_ids
 from polyspec.decode.serve.api import (
     SSE_DONE,
     AnswerStream,
@@ -97,7 +97,7 @@ class Engine:
         """Runs on the worker thread: a decoder sized for this request, then one generation (``on_tokens``: see
         :meth:`ChainDecoder.generate`)."""
         dec = build_decoder(self.chain, self.mode,
-                            max_seq_len=min(self.chain.context, len(job.prompt_ids) + job.max_new_tokens) + KV_SLACK)
+                            max_seq_len=cache_size(self.chain, len(job.prompt_ids), job.max_new_tokens))
         sampling = SamplingParams(temperature=job.temperature, top_p=job.top_p)
         return dec.generate(job.prompt_ids, job.max_new_tokens, sampling, seed=job.seed, eos_token_ids=self.eos,
                             on_tokens=on_tokens)

@@ -145,6 +145,37 @@ def split_indices(n: int, heldout_fraction: float, seed: int) -> tuple[list[int]
     return sorted(order[n_held:]), sorted(order[:n_held])
 
 
+@dataclass
+class Split:
+    """A source's conversations, how they loaded, and the train / held-out indices into them."""
+
+    conversations: list[list[dict[str, str]]]
+    report: Any  # polyspec.data.sharegpt.LoadReport
+    train: list[int]
+    heldout: list[int]
+
+
+def load_split(source: str, *, max_conversations: int | None, heldout_fraction: float, seed: int) -> Split:
+    """Load ``source`` and split it as every stage does (data, quantize calibration, bench and profile prompts), so
+    that held-out means held out everywhere."""
+    conversations, report = load_conversations(source, max_conversations=max_conversations)
+    train, heldout = split_indices(len(conversations), heldout_fraction, seed)
+    return Split(conversations, report, train, heldout)
+
+
+def heldout_first_turns(source: str, *, max_conversations: int | None, heldout_fraction: float,
+                        seed: int) -> list[tuple[int, str]]:
+    """(conversation index, first user message) of each held-out conversation that has one: prompts that neither the
+    draft head nor the quantiser saw."""
+    split = load_split(source, max_conversations=max_conversations, heldout_fraction=heldout_fraction, seed=seed)
+    out = []
+    for i in split.heldout:
+        first = next((m["content"] for m in split.conversations[i] if m["role"] == "user"), None)
+        if first:
+            out.append((i, first))
+    return out
+
+
 class _Columns:
     """Flat growing buffers for one split: token ids, mask and row offsets (no per-token Python objects kept)."""
 
@@ -245,14 +276,15 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
     if (final / REPORT_FILE).is_file():
         return _load_cached(final)
 
-    conversations, load_report = load_conversations(cfg.source, max_conversations=cfg.max_conversations)
+    split = load_split(cfg.source, max_conversations=cfg.max_conversations, heldout_fraction=cfg.heldout_fraction,
+                       seed=cfg.seed)
+    conversations, load_report, train_idx, held_idx = split.conversations, split.report, split.train, split.heldout
     regen_report = None
     if cfg.responses == "target":
         from polyspec.data.regen import regenerate
 
         conversations, regen_report = regenerate(recipe, conversations, tokenizer, target_id=tokenizer_id,
                                                  target_dir=target_dir, progress=progress)
-    train_idx, held_idx = split_indices(len(conversations), cfg.heldout_fraction, cfg.seed)
 
     splits = {"train": _Columns(), "heldout": _Columns()}
     dropped_no_assistant = truncated = 0

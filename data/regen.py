@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from polyspec.data.chat import render_chat
 from polyspec.errors import PolyspecError
-from polyspec.fsutil import atomic_write_text
+from polyspec.fsutil import write_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from polyspec.config import Recipe, RegenConfig
@@ -275,14 +275,14 @@ def _answerer(recipe: Recipe, tokenizer: Any, target_dir: Path | None) -> Any:
     if cfg.endpoint is not None:
         return Endpoint(cfg)
     from polyspec.decode import cpu_kernels
-    from polyspec.decode.generate import DTYPES, load_model, resolve_device
+    from polyspec.decode.generate import load_model
     from polyspec.decode.hf_fallback import HFCausalLM
+    from polyspec.device import resolve_device, resolve_dtype
+    from polyspec.sources import target_stage
 
-    if target_dir is None:
-        from polyspec.pipeline import target_stage
-
-        target_dir = target_stage(recipe)
-    model = load_model(Path(target_dir), dtype=DTYPES[recipe.target.dtype], device=resolve_device(recipe.target.device))
+    device = resolve_device(recipe.target.device)
+    target_dir = target_dir if target_dir is not None else target_stage(recipe)
+    model = load_model(Path(target_dir), dtype=resolve_dtype(recipe.target.dtype, device), device=device)
     if isinstance(model, HFCausalLM):
         raise PolyspecError(f"data.responses=target answers in-process on polyspec's engine, but this target runs on "
                             f"transformers ({model.why}); serve it with vLLM/SGLang and set data.regen.endpoint")
@@ -316,7 +316,7 @@ def regenerate(recipe: Recipe, conversations: list[list[Message]], tokenizer: An
     key, identity = regen_key(recipe, target_id, conversations)
     folder = Path(recipe.workdir) / "cache" / "regen" / key[:20]
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(folder / "identity.json", json.dumps(identity, indent=1, ensure_ascii=False) + "\n")
+    write_text(folder / "identity.json", json.dumps(identity, indent=1, ensure_ascii=False) + "\n")
     starts = range(0, len(conversations), SHARD_SIZE)
     paths = [folder / f"shard-{j // SHARD_SIZE:06d}.json" for j in starts]
     shards: dict[int, dict[str, Any]] = {j: _read_shard(p) for j, p in zip(starts, paths, strict=True) if p.is_file()}
@@ -330,7 +330,7 @@ def regenerate(recipe: Recipe, conversations: list[list[Message]], tokenizer: An
         with _bar(progress, total, done_turns) as advance:
             for j in todo:
                 shard = answer_shard(conversations[j:j + SHARD_SIZE], j, answerer, tokenizer, recipe, advance)
-                atomic_write_text(paths[j // SHARD_SIZE], json.dumps(shard, ensure_ascii=False) + "\n")
+                write_text(paths[j // SHARD_SIZE], json.dumps(shard, ensure_ascii=False) + "\n")
                 shards[j] = shard
     ordered = [shards[j] for j in starts]
     out = [c["messages"] for sh in ordered for c in sh["conversations"]]

@@ -58,8 +58,7 @@ from polyspec.decode.sampling import (
     warp,
 )
 from polyspec.errors import PolyspecError
-
-MODES = {1: "ar", 2: "dual"}  # three or more levels: "chain"
+from polyspec.modes import mode_of
 
 
 @dataclass
@@ -198,7 +197,7 @@ class ChainDecoder:
         self.mu = mu
         self.tree = tree
         self.max_seq_len = max_seq_len
-        self.mode = MODES.get(len(levels), "chain")
+        self.mode = mode_of(len(levels))
         # A tree sits in the draft's and its verifier's caches beyond the committed context before it is pruned.
         slack = max(tree.total_tokens, tree.top_k * tree.depth) + 1 if tree is not None else 0
         for lv in levels:

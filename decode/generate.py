@@ -16,12 +16,19 @@ from polyspec.decode import cpu_kernels, cuda_graphs
 from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
 from polyspec.decode.hf_fallback import HFCausalLM
 from polyspec.decode.levels import HeadLevel, ModelLevel
+from polyspec.device import DTYPE_NAMES, resolve_device, resolve_dtype
 from polyspec.errors import PolyspecError
+from polyspec.modes import AR, CHAIN, DUAL, MODES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 GRAPH_WIDTH = 64  # widest block a CUDA graph serves: a verification of the default 32-token tree fits
-# Room beyond prompt + max_new_tokens for blocks that run past the committed end before the target cuts them.
-_SLACK = 64
+# KV room beyond prompt + max_new_tokens for blocks that run past the committed end before the target cuts them.
+KV_SLACK = 64
+
+
+def cache_size(chain: LoadedChain, prompt_len: int, max_new_tokens: int) -> int:
+    """KV positions to allocate for a generation: prompt + new tokens (within the chain's context) + KV_SLACK."""
+    return min(chain.context, prompt_len + max_new_tokens) + KV_SLACK
 
 
 @dataclass
@@ -41,33 +48,18 @@ class LoadedChain:
 
     def levels_for(self, mode: str) -> list[str]:
         """ar = the target; dual = target + the bottom level; chain = all levels."""
-        if mode == "ar":
+        if mode == AR:
             return self.order[:1]
-        if mode == "dual":
+        if mode == DUAL:
             if len(self.order) < 2:
                 raise PolyspecError("dual mode needs a draft level; this chain has only the target")
             return [self.order[0], self.order[-1]]
-        if mode == "chain":
+        if mode == CHAIN:
             if len(self.order) < 3:
                 raise PolyspecError(f"chain mode needs at least 3 levels; this chain has {len(self.order)} "
                                     f"({', '.join(self.order)}): use --mode dual or ar")
             return list(self.order)
-        raise PolyspecError(f"unknown mode {mode!r}; use ar, dual or chain")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise PolyspecError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
-    return torch.device(device)
-
-
-def _dtype(name: str | None, dev: torch.device) -> torch.dtype:
-    name = name or ("bfloat16" if dev.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise PolyspecError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[name]
+        raise PolyspecError(f"unknown mode {mode!r}; use {', '.join(MODES)}")
 
 
 def _context(model_dir: Path) -> int:
@@ -100,7 +92,7 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
     chain_dir = Path(chain_dir)
     manifest = validate_chain(chain_dir)
     dev = resolve_device(device)
-    tdtype = _dtype(dtype, dev)
+    tdtype = resolve_dtype(dtype, dev)
     top = manifest.levels[0]
     models: dict[str, Any] = {}
     for lv in manifest.levels:
@@ -140,7 +132,7 @@ def load_model_folder(model_dir: Path, *, device: str = "auto", dtype: str | Non
     from polyspec.sources import load_tokenizer
 
     dev = resolve_device(device)
-    model = load_model(Path(model_dir), dtype=_dtype(dtype, dev), device=dev)
+    model = load_model(Path(model_dir), dtype=resolve_dtype(dtype, dev), device=dev)
     if not isinstance(model, HFCausalLM):
         cpu_kernels.pack_weights(model)
     cuda_graphs.enable_for_device({"target": model}, dev, max_width=GRAPH_WIDTH)
@@ -159,17 +151,28 @@ def eos_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The messages through the tokenizer's own chat template, ending with the assistant's generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]], *, chat: bool = True) -> list[int]:
+    """A conversation as prompt token ids: through the chat template when asked and the tokenizer has one, else the
+    contents joined by blank lines (the tokenizer's own special tokens, e.g. BOS, added as it is configured)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return chat_token_ids(tokenizer, messages)
+    text = "\n\n".join(m["content"] for m in messages)
+    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+
 def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = True) -> list[int]:
-    """The prompt as token ids; chat prompts go through the tokenizer's own chat template."""
+    """One user message as prompt token ids (see :func:`encode_messages`)."""
     if not prompt:
         raise PolyspecError("the prompt is empty")
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+    return encode_messages(tokenizer, [{"role": "user", "content": prompt}], chat=chat)
 
 
 def resolve_tree(choice: bool | dict[str, int] | None, base: TreeParams | None) -> TreeParams | bool | None:
@@ -214,7 +217,7 @@ def generate_text(chain: LoadedChain, prompt: str, *, mode: str | None = None, m
         raise PolyspecError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
                             f"the target's context of {chain.context} tokens: shorten the prompt or lower "
                             "--max-new-tokens")
-    dec = build_decoder(chain, mode, max_seq_len=min(chain.context, len(ids) + max_new_tokens) + _SLACK,
+    dec = build_decoder(chain, mode, max_seq_len=cache_size(chain, len(ids), max_new_tokens),
                         draft_k=draft_k, mu=mu, tree=tree)
     res = dec.generate(ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos_ids(chain.tokenizer))
     text = chain.tokenizer.decode(res.token_ids, skip_special_tokens=True)

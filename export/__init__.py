@@ -8,6 +8,7 @@ folder (manifest, :mod:`~polyspec.export.onnx_head`); :mod:`~polyspec.export.sta
 
 ``profile_stage(recipe, tracker=None) -> Profile`` and ``export_stage(recipe, tracker=None) -> Path`` are the
 pipeline's profile and export stages (torch loads only when they run), resolved lazily (PEP 562).
+Serving lives in :mod:`polyspec.decode.serve`.
 """
 
 from __future__ import annotations

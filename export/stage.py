@@ -73,7 +73,7 @@ def stamps() -> dict[str, Any]:
 
 def resolve_parts(recipe: Any) -> list[Path]:
     """[target, int4, head] folders of a recipe, from the pipeline's target, quantize and train stages."""
-    from polyspec.pipeline import target_stage
+    from polyspec.sources import target_stage
     from polyspec.quantize import quantize_stage
     from polyspec.train import train_stage
 
@@ -103,7 +103,7 @@ def stand_in_parts(recipe: Any, *, head: Path | None = None, int4: Path | None =
     notes: dict[str, Any] = {}
     if not (head or int4 or untrained_head or rtn_int4):
         return None, notes
-    from polyspec.pipeline import target_stage
+    from polyspec.sources import target_stage
 
     target = Path(target_stage(recipe))
     work = Path(recipe.workdir) / "profile"
@@ -144,16 +144,16 @@ def load_levels(folders: list[Path], *, device: str = "auto", dtype: str | None 
     """Load ``folders`` (target first) as chain levels; a head reads the target's embedding and lm_head, and
     ``draft_vocab`` > 0 restricts its logits to that many tokens (EagleHead.set_draft_vocab)."""
     from polyspec.decode import cpu_kernels, cuda_graphs
-    from polyspec.decode.generate import DTYPES, GRAPH_WIDTH, resolve_device
+    from polyspec.decode.generate import GRAPH_WIDTH
     from polyspec.decode.head import load_head
     from polyspec.decode.levels import HeadLevel, ModelLevel
     from polyspec.decode.model import Transformer
+    from polyspec.device import resolve_device, resolve_dtype
     from polyspec.sources import load_tokenizer
 
     dev = resolve_device(device)
-    name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise PolyspecError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    torch_dtype = resolve_dtype(dtype, dev)
+    name = str(torch_dtype).removeprefix("torch.")
     names, tags = level_names(folders)
     models: dict[str, Any] = {}
     for nm, tag, folder in zip(names, tags, folders, strict=True):
@@ -161,7 +161,7 @@ def load_levels(folders: list[Path], *, device: str = "auto", dtype: str | None 
             models[nm] = load_head(folder, models["target"]).to(dev).eval()
             models[nm].set_draft_vocab(draft_vocab)
         else:
-            models[nm] = Transformer.from_pretrained(folder, dtype=DTYPES[name], device=dev).eval()
+            models[nm] = Transformer.from_pretrained(folder, dtype=torch_dtype, device=dev).eval()
         cpu_kernels.pack_weights(models[nm])  # as load_chain does: CPU weights in read order, one block each
     cuda_graphs.enable_for_device(models, dev, max_width=GRAPH_WIDTH)
     levels = [HeadLevel(m, nm) if tg.startswith("head") else ModelLevel(m, nm)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from polyspec import __version__
 from polyspec.errors import PolyspecError
+from polyspec.modes import MODES
 
 
 def _load(args: argparse.Namespace):
@@ -56,7 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from polyspec.pipeline import run_pipeline
 
     recipe = _load(args)
-    return run_pipeline(recipe, command=[sys.argv[0], *sys.argv[1:]])
+    return run_pipeline(recipe, command=args.command)
 
 
 def cmd_theory(args: argparse.Namespace) -> int:
@@ -87,10 +88,22 @@ def cmd_theory(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or find, when its inputs are unchanged) the recipe's EAGLE draft head; print its folder and metrics."""
-    from polyspec.train.__main__ import main as train_main
+    import time
 
-    extra = ["--no-progress"] if args.no_progress else []
-    return train_main([str(args.recipe), *args.overrides, *extra])
+    from polyspec.device import is_global_rank_zero
+    from polyspec.tracking import start_run
+    from polyspec.train.stage import train_stage, training_summary
+
+    recipe = _load(args)
+    t0 = time.perf_counter()
+    if not is_global_rank_zero():
+        # Lightning's ddp launcher re-runs this command on the other ranks: they only join the training.
+        train_stage(recipe, tracker=None, progress=False)
+        return 0
+    with start_run(recipe, "train", command=args.command) as tracker:
+        out = train_stage(recipe, tracker=tracker, progress=not args.no_progress)
+    print(json.dumps(training_summary(out, time.perf_counter() - t0), indent=1))
+    return 0
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -100,7 +113,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from polyspec.tracking import start_run
 
     recipe = _load(args)
-    with start_run(recipe, "quantize", command=[sys.argv[0], *sys.argv[1:]]) as tracker:
+    with start_run(recipe, "quantize", command=args.command) as tracker:
         out = quantize_stage(recipe, tracker=tracker)
     print(f"intermediate model: {out}")
     report = Path(out).parent / "report.json"
@@ -144,7 +157,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a chain folder over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics)."""
-    from polyspec.export import serve
+    from polyspec.decode.serve import server as serve
 
     return serve.run(args)
 
@@ -152,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Spec-Bench-style benchmark of a chain: ar, dual, chain, hf and hf-assisted interleaved on the same prompts;
     tokens/s, speedup over ar, mean accepted tokens per level, mismatches against ar at temperature 0."""
-    from polyspec.decode import bench
+    from polyspec.bench import bench
 
     return bench.run(args)
 
@@ -160,7 +173,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_shape_bench(args: argparse.Namespace) -> int:
     """Random-weight model at a named shape (default Llama-2-7B): ar tokens/s against the memory roofline, int4 g128
     and draft-head forward times relative to the target, and a Lemma 3.1 projection from a profiled chain's L_i."""
-    from polyspec.decode import shape_bench
+    from polyspec.bench import shape_bench
 
     return shape_bench.run(args)
 
@@ -177,7 +190,7 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
 def tree_choice(args: argparse.Namespace) -> bool | dict[str, int] | None:
     """From --tree / --no-tree and the shape flags: None (the manifest's choice), False (linear drafts), True (a
     tree of the manifest's or the default shape) or a dict of shape overrides (see generate.resolve_tree)."""
-    from polyspec.decode.bench import tree_shape  # light: no torch at import
+    from polyspec.bench.bench import tree_shape  # light: no torch at import
 
     shape = tree_shape(args) or {}
     if args.tree is False:
@@ -239,6 +252,29 @@ def cmd_validate_chain(args: argparse.Namespace) -> int:
 # parser
 
 
+def _add_theory(p: argparse.ArgumentParser) -> None:
+    """The three questions of `polyspec theory`: insertion, stability, time."""
+    tsub = p.add_subparsers(dest="theory_verb", metavar="WHAT", required=True)
+    ins = tsub.add_parser("insertion", help="does inserting M_new between M_i and M_{i+1} pay? (Thm 3.2, Lemma 3.1)")
+    for flag, hlp in (("--t-i", "forward cost of M_i"), ("--t-new", "forward cost of M_new"),
+                      ("--t-next", "forward cost of M_{i+1} (the draft)"),
+                      ("--l-i", "accepted tokens per M_i forward with M_{i+1} directly below"),
+                      ("--l-new", "accepted tokens per M_new forward (M_{i+1} below)"),
+                      ("--l-i-new", "accepted tokens per M_i forward with M_new below")):
+        ins.add_argument(flag, type=float, required=True, help=hlp)
+    ins.add_argument("--beta", type=float, default=1.0, help="draft forwards per verification (default 1)")
+    ins.add_argument("--json", action="store_true", help="print one JSON object")
+    st = tsub.add_parser("stability", help="exact mean and variance of the acceptance length min(G, n)")
+    st.add_argument("--alpha", type=float, required=True, help="per-token acceptance probability, in [0, 1]")
+    st.add_argument("--n", type=int, required=True, help="block length (most tokens accepted per verification)")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    tm = tsub.add_parser("time", help="Lemma 3.1 time per token of a chain")
+    tm.add_argument("--costs", type=float, nargs="+", required=True, help="T_1 .. T_n, target first")
+    tm.add_argument("--accept", type=float, nargs="*", default=[], help="L_1 .. L_{n-1}")
+    tm.add_argument("--beta", type=float, default=1.0)
+    tm.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polyspec",
@@ -271,21 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--rtn-int4", action="store_true", help="use an RTN int4 copy of the target")
         p.add_argument("--threads", type=int, help="torch threads while profiling (default: profile.threads)")
 
-    from polyspec.export import serve as _serve  # light: no fastapi/torch at import
+    from polyspec.decode.serve import server as _serve  # light: no fastapi/torch at import
 
     _serve.configure_parser(verb("serve", cmd_serve))
 
-    from polyspec.decode import bench as _bench  # light: no torch at import
+    from polyspec.bench import bench as _bench  # light: no torch at import
 
     _bench.configure_parser(verb("bench", cmd_bench))
-    from polyspec.decode import shape_bench as _shape_bench  # light: no torch at import
+    from polyspec.bench import shape_bench as _shape_bench  # light: no torch at import
 
     _shape_bench.configure_parser(verb("shape-bench", cmd_shape_bench))
 
     p = verb("generate", cmd_generate)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
     p.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
-    p.add_argument("--mode", choices=["ar", "dual", "chain"], default=None,
+    p.add_argument("--mode", choices=MODES, default=None,
                    help="default: the mode the manifest chose when the chain was profiled")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -314,32 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("validate-chain", cmd_validate_chain)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
 
-    p = verb("theory", cmd_theory)
-    tsub = p.add_subparsers(dest="theory_verb", metavar="WHAT", required=True)
-    ins = tsub.add_parser("insertion", help="does inserting M_new between M_i and M_{i+1} pay? (Thm 3.2, Lemma 3.1)")
-    for flag, hlp in (("--t-i", "forward cost of M_i"), ("--t-new", "forward cost of M_new"),
-                      ("--t-next", "forward cost of M_{i+1} (the draft)"),
-                      ("--l-i", "accepted tokens per M_i forward with M_{i+1} directly below"),
-                      ("--l-new", "accepted tokens per M_new forward (M_{i+1} below)"),
-                      ("--l-i-new", "accepted tokens per M_i forward with M_new below")):
-        ins.add_argument(flag, type=float, required=True, help=hlp)
-    ins.add_argument("--beta", type=float, default=1.0, help="draft forwards per verification (default 1)")
-    ins.add_argument("--json", action="store_true", help="print one JSON object")
-    st = tsub.add_parser("stability", help="exact mean and variance of the acceptance length min(G, n)")
-    st.add_argument("--alpha", type=float, required=True, help="per-token acceptance probability, in [0, 1]")
-    st.add_argument("--n", type=int, required=True, help="block length (most tokens accepted per verification)")
-    st.add_argument("--json", action="store_true", help="print one JSON object")
-    tm = tsub.add_parser("time", help="Lemma 3.1 time per token of a chain")
-    tm.add_argument("--costs", type=float, nargs="+", required=True, help="T_1 .. T_n, target first")
-    tm.add_argument("--accept", type=float, nargs="*", default=[], help="L_1 .. L_{n-1}")
-    tm.add_argument("--beta", type=float, default=1.0)
-    tm.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_theory(verb("theory", cmd_theory))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the command this run records (stamps, tracking); a caller's argv is the same as the shell's `polyspec ...`
+    args.command = [sys.argv[0], *sys.argv[1:]] if argv is None else ["polyspec", *argv]
     try:
         return int(args.func(args) or 0)
     except PolyspecError as exc:

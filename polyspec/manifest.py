@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from polyspec import __version__
 from polyspec.config import DecodeConfig
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import write_text
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -67,19 +68,6 @@ class ChainManifest(BaseModel):
                 return lv
         raise PolyspecError(f"the chain has no level named {name!r}; it has {[lv.name for lv in self.levels]}")
 
-    def levels_for_mode(self, mode: str) -> list[LevelEntry]:
-        """The levels a decode mode uses: ar = the target; dual = target + draft; chain = all."""
-        top, bottom = self.levels[0], self.levels[-1]
-        if mode == "ar":
-            return [top]
-        if mode == "dual":
-            if bottom.kind != "head" and len(self.levels) < 2:
-                raise PolyspecError("dual mode needs a draft level; this chain has only the target")
-            return [top, bottom]
-        if mode == "chain":
-            return list(self.levels)
-        raise PolyspecError(f"unknown decode mode {mode!r}; use ar, dual or chain")
-
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
@@ -98,13 +86,7 @@ def hash_folder(folder: Path) -> dict[str, str]:
 
 def write_manifest(chain_dir: Path, manifest: ChainManifest) -> Path:
     """Write ``manifest.json`` atomically (temp file, then rename)."""
-    chain_dir = Path(chain_dir)
-    path = chain_dir / MANIFEST
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=chain_dir)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(manifest.model_dump_json(indent=2))
-    os.replace(tmp, path)
-    return path
+    return write_text(Path(chain_dir) / MANIFEST, manifest.model_dump_json(indent=2))
 
 
 def read_manifest(chain_dir: Path) -> ChainManifest:

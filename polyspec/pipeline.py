@@ -12,24 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.config import Recipe
+from polyspec.device import is_global_rank_zero
+from polyspec.sources import target_stage
 
 
 def _console():
     from rich.console import Console
 
     return Console(highlight=False)
-
-
-def model_cache_dir(recipe: Recipe) -> Path:
-    return Path(recipe.workdir) / "cache" / "models"
-
-
-def target_stage(recipe: Recipe) -> Path:
-    """Resolve the recipe's target to a local Hugging Face folder (converting the packaged GGUF once)."""
-    from polyspec.sources import resolve_model_source
-
-    return resolve_model_source(recipe.target.source, cache_dir=model_cache_dir(recipe),
-                                revision=recipe.target.revision)
 
 
 def prepare_stage(recipe: Recipe, target_dir: Path | None = None, progress: bool = False) -> dict[str, Any]:
@@ -45,18 +35,12 @@ def prepare_stage(recipe: Recipe, target_dir: Path | None = None, progress: bool
     return dict(prepared.report)
 
 
-def _is_rank_zero() -> bool:
-    import os
-
-    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK", "NODE_RANK"))
-
-
 def run_pipeline(recipe: Recipe, command: list[str] | None = None) -> int:
     """Run every stage in order (each skips when its inputs are unchanged); print what was done and the verdicts."""
     from polyspec.config import recipe_to_yaml
     from polyspec.tracking import start_run
 
-    if not _is_rank_zero():
+    if not is_global_rank_zero():
         # Lightning's ddp launcher re-runs this command on the other ranks: they only join the training.
         from polyspec.train import train_stage
 

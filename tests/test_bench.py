@@ -1,4 +1,4 @@
-"""`polyspec bench` (polyspec.decode.bench) on a tiny assembled chain: target + RTN int4 copy + random EAGLE head.
+"""`polyspec bench` (polyspec.bench.bench) on a tiny assembled chain: target + RTN int4 copy + random EAGLE head.
 
 The JSON report has the documented shape, greedy ar/dual/chain agree token for token (no mismatches), modes are
 interleaved with a rotating order, bad prompt files give one clear error naming the line, the builtin prompt mix loads
@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from polyspec.decode import bench
-from polyspec.decode.bench_prompts import builtin_questions, doc_passages, faq_questions, load_prompts
+from polyspec import cli
+from polyspec.bench import bench
+from polyspec.bench.prompts import builtin_questions, doc_passages, faq_questions, load_prompts
 from polyspec.errors import PolyspecError
 
 
@@ -61,7 +62,7 @@ def prompts_file(tmp_path):
 
 
 def _bench(capsys, *argv):
-    code = bench.main([str(a) for a in argv] + ["--threads", "1"])
+    code = cli.main(["bench", *(str(a) for a in argv), "--threads", "1"])
     return code, capsys.readouterr()
 
 
@@ -261,7 +262,7 @@ numbers, booleans and None, following a conversion table documented below.
 
 
 def test_python_doc_parsing(tmp_path):
-    from polyspec.decode.bench_prompts import read_info_nodes
+    from polyspec.bench.prompts import read_info_nodes
 
     path = tmp_path / "python3.11.info"
     path.write_text(INFO)

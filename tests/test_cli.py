@@ -39,6 +39,14 @@ def test_top_level_help_is_fast_and_imports_nothing_heavy():
     assert time.perf_counter() - t0 < 2.0
 
 
+@pytest.mark.parametrize("module, verb", [("polyspec.train", "train"), ("polyspec.quantize", "quantize"),
+                                          ("polyspec.bench", "bench")])
+def test_python_m_entries_are_the_cli_verbs(module, verb):
+    """``python -m polyspec.<stage>`` is a shim onto the one parser, not a parser of its own."""
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True).stdout
+    assert out.startswith(f"usage: polyspec {verb} ")
+
+
 def test_validate_prints_resolved_yaml(capsys):
     assert main(["validate", str(REPO / "recipes" / "smollm2_demo.yaml"), "train.lr=0.001"]) == 0
     out = capsys.readouterr().out

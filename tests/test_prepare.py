@@ -10,7 +10,7 @@ import pytest
 
 from polyspec.config import validate_tree
 from polyspec.data.chat import tokenize_conversation
-from polyspec.data.prepare import prepare_dataset, split_indices
+from polyspec.data.prepare import heldout_first_turns, load_split, prepare_dataset, split_indices
 from polyspec.data.sharegpt import load_conversations
 from polyspec.errors import PolyspecError
 
@@ -128,3 +128,15 @@ def test_split_indices(n, fraction, expect_held):
     assert split_indices(n, fraction, seed=0) == (train, held)
     if n >= 100:
         assert split_indices(n, fraction, seed=1) != (train, held)
+
+
+def test_heldout_first_turns_are_the_held_out_conversations_first_user_messages():
+    source = str(ASSETS / "sharegpt_sample.json")
+    convs, _ = load_conversations(source)
+    _, held = split_indices(len(convs), 0.5, 7)
+    turns = heldout_first_turns(source, max_conversations=None, heldout_fraction=0.5, seed=7)
+    assert turns and [i for i, _ in turns] == [i for i in held if any(m["role"] == "user" for m in convs[i])]
+    for i, text in turns:
+        assert text == next(m["content"] for m in convs[i] if m["role"] == "user")
+    split = load_split(source, max_conversations=None, heldout_fraction=0.5, seed=7)
+    assert split.heldout == held and not set(split.train) & set(held)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from polyspec.decode.roofline import measure_bandwidth, roofline, weight_bytes
+from polyspec.bench.roofline import measure_bandwidth, roofline, weight_bytes
 
 
 def test_weight_bytes_counts_tied_tensors_once():

@@ -22,9 +22,9 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from polyspec.decode.serve import server as serve  # noqa: E402
+from polyspec.decode.serve.api import make_answer, token_pieces  # noqa: E402
 from polyspec.errors import PolyspecError  # noqa: E402
-from polyspec.export import serve  # noqa: E402
-from polyspec.export.serve_api import make_answer, token_pieces  # noqa: E402
 
 MODEL = "tiny"
 
@@ -37,14 +37,14 @@ def loaded(tiny_chain):
 
 
 def _app(loaded, **kw):
-    from polyspec.export.serve_app import create_app
+    from polyspec.decode.serve.app import create_app
 
     return create_app(loaded, mode=kw.pop("mode", "chain"), model_name=MODEL, **kw)
 
 
 @pytest.fixture(scope="module")
 def client(loaded):
-    from polyspec.export.serve_app import ServeDefaults
+    from polyspec.decode.serve.app import ServeDefaults
 
     with TestClient(_app(loaded, defaults=ServeDefaults(temperature=0.0, top_p=1.0, max_tokens=6))) as c:
         yield c
@@ -201,7 +201,7 @@ def test_answer_text_pieces_and_stops():
 def test_answer_stream_sends_early_and_agrees_with_the_whole_answer(stops):
     """Fed piece by piece (any split), the streamed text equals make_answer's, no text that a stop string could still
     begin in is ever sent, and a stop string is reported on the piece that completes it."""
-    from polyspec.export.serve_api import AnswerStream
+    from polyspec.decode.serve.api import AnswerStream
 
     pieces = ["ab", "", "cd", "e", "fg", "h", "ij"]
     ids = list(range(len(pieces)))

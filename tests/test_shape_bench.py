@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from polyspec.bench import shape_bench
 from polyspec.cli import main
-from polyspec.decode import shape_bench
 from polyspec.decode.int4 import Int4Linear
 from polyspec.errors import PolyspecError
 from polyspec.theory import chain_time_per_token

@@ -90,5 +90,6 @@ def test_command_line():
         "polyspec run 'my recipe.yaml' train.lr=1e-4"
     )
     assert stamp.command_line(["/x/polyspec/__main__.py", "validate", "r.yaml"]) == "python -m polyspec validate r.yaml"
+    assert stamp.command_line(["/x/bench/__main__.py", "c", "--limit", "1"]) == "python -m polyspec.bench c --limit 1"
     assert stamp.command_line([]) == ""
     assert isinstance(stamp.command_line(), str) and stamp.command_line()

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import atomic_file
 
 TREE_KEY = "polyspec_checkpoint_tree"
 FORMAT_KEY = "polyspec_checkpoint_format"
@@ -84,15 +84,8 @@ def save_tree(tree: Any, path: str | Path) -> Path:
 
     path = Path(path)
     encoded, tensors = encode_tree(tree, where=str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata={TREE_KEY: json.dumps(encoded), FORMAT_KEY: FORMAT})
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    metadata = {TREE_KEY: json.dumps(encoded), FORMAT_KEY: FORMAT}
+    return atomic_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_tree(path: str | Path, device: str | torch.device = "cpu") -> Any:

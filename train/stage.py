@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.config import Recipe, TrainConfig
+from polyspec.device import device_name, is_global_rank_zero
 from polyspec.errors import PolyspecError, missing_extra
+from polyspec.fsutil import atomic_file
 
 TRAIN_FORMAT = 1
 TRAINING_JSON = "training.json"
@@ -38,11 +40,6 @@ LOG_EVERY = 10  # optimizer steps between MLflow logs of loss components, lr and
 # train settings that do not change the trained weights (left out of the key)
 OPERATIONAL_KEYS = ("checkpoint_every", "num_workers", "cache_budget_gb", "eval_every", "accept_prompts",
                     "accept_tokens")
-
-
-def is_global_rank_zero() -> bool:
-    """True unless the launcher environment says this process is another rank (RANK, LOCAL_RANK, NODE_RANK)."""
-    return all(int(os.environ.get(v, "0") or 0) == 0 for v in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
 def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
@@ -108,31 +105,65 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return best[1] if best else None
 
 
-def _target_device(recipe: Recipe) -> str:
-    import torch
-
-    dev = recipe.target.device
-    if dev == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return dev
-
-
 def _teacher_dir(recipe: Recipe, target_dir: Path) -> tuple[Path, str]:
     """(folder, identity) of the model the head learns from."""
     from polyspec.sources import model_id
 
     if recipe.train.teacher == "target":
         return target_dir, "target"
-    try:
-        from polyspec.quantize import quantize_stage  # type: ignore[attr-defined]
-    except ImportError:
-        quantize_stage = None
-    if quantize_stage is None:
-        raise PolyspecError(
-            "train.teacher=intermediate learns from the int4 intermediate model written by the quantize stage, "
-            "which this polyspec does not provide yet; use train.teacher=target", exit_code=2)
+    from polyspec.quantize import quantize_stage
+
     folder = Path(quantize_stage(recipe, target_dir=target_dir))  # keyed by its inputs: skips when already done
     return folder, "intermediate:" + model_id("local", folder)
+
+
+def training_summary(head_dir: Path, stage_seconds: float) -> dict[str, Any]:
+    """What ``polyspec train`` prints: the head folder and the headline numbers of its training.json."""
+    info = json.loads((Path(head_dir) / TRAINING_JSON).read_text(encoding="utf-8"))
+    keys = ("steps", "epochs_completed", "fit_seconds", "tokens_per_second", "heldout_top1_agreement",
+            "acceptance_length_estimate", "train_loss_first", "train_loss_last", "resumed_from", "draft_k",
+            "offline_cache")
+    return {"head": str(head_dir), "stage_seconds": round(stage_seconds, 1), **{k: info.get(k) for k in keys}}
+
+
+def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: str, data_key: str,
+                   teacher_dtype: Any, extract_device: str, rank0: bool, progress: bool) -> dict[str, Any]:
+    """Build (rank 0) or read (other ranks) the teacher's feature cache for ``train.features=offline``; return its
+    description for training.json. The teacher keeps only its embedding and lm_head afterwards."""
+    import torch
+
+    from polyspec.train.features import build_feature_cache, check_cache_budget
+
+    cfg, workdir = recipe.train, Path(recipe.workdir)
+    tokens = int(prepared.report.get("total_tokens") or sum(len(r) for r in prepared.train["input_ids"]))
+    rows = len(prepared.train) + len(prepared.heldout)
+    estimate = check_cache_budget(tokens, rows, teacher.args.hidden_size, cfg.cache_budget_gb,
+                                  "train.features=offline")
+    fkey = hashlib.sha256(json.dumps({"teacher": teacher_id, "data": data_key, "dtype": str(teacher_dtype)},
+                                     sort_keys=True).encode()).hexdigest()[:20]
+    cache_dir = workdir / "cache" / "features" / fkey
+    splits = {"train": prepared.train}
+    if len(prepared.heldout):
+        splits["heldout"] = prepared.heldout
+    t0 = time.perf_counter()
+    if rank0:
+        teacher.to(extract_device)
+        index = build_feature_cache(teacher, splits, cache_dir, batch_size=cfg.batch_size, device=extract_device,
+                                    progress=progress, info={"teacher": teacher_id, "data_key": data_key,
+                                                             "dtype": "bfloat16"})
+        teacher.to("cpu")
+    else:  # other ranks start after rank 0 has built it (Lightning launches them at fit time)
+        from polyspec.train.features import read_cache_index
+
+        index = read_cache_index(cache_dir)
+    cache_info = {"cache_dir": str(cache_dir), "estimate_bytes": estimate, "bytes": index["bytes"],
+                  "tokens": index["tokens"], "bytes_per_token": index["bytes_per_token"],
+                  "extract_seconds": time.perf_counter() - t0}
+    _say(progress and rank0, f"train: feature cache {cache_dir}: {index['bytes'] / 1e6:.1f} MB, "
+                             f"{index['bytes_per_token']:.1f} bytes/token (estimate {estimate / 1e6:.1f} MB)")
+    if not recipe.train.accept_prompts:  # only the shared embedding and lm_head are needed from here on
+        teacher.layers = torch.nn.ModuleList()
+    return cache_info
 
 
 def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
@@ -146,14 +177,13 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     import torch
 
     from polyspec.data.prepare import cache_key, prepare_dataset
-    from polyspec.pipeline import target_stage
-    from polyspec.sources import load_tokenizer, model_id
+    from polyspec.sources import load_tokenizer, model_id, target_stage
     from polyspec.tracking import Tracker
 
     cfg = recipe.train
     tracker = tracker if tracker is not None else Tracker()
     rank0 = is_global_rank_zero()
-    target_device = _target_device(recipe)
+    target_device = device_name(recipe.target.device)
     runtime = runtime_settings(cfg, target_device)  # refuses DeepSpeed without CUDA before any work
 
     target_dir = target_stage(recipe)
@@ -176,39 +206,12 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     teacher_dtype = torch.float32 if runtime["precision"] == "32-true" else getattr(torch, recipe.target.dtype)
     extract_device = runtime["device"] if runtime["device"] == "cpu" else "cuda"
     teacher = _load(teacher_dir, teacher_dtype, "cpu")
-    hidden_size = teacher.args.hidden_size
 
     cache_info: dict[str, Any] = {}
     if cfg.features == "offline":
-        from polyspec.train.features import build_feature_cache, check_cache_budget
-
-        tokens = int(prepared.report.get("total_tokens") or sum(len(r) for r in prepared.train["input_ids"]))
-        rows = len(prepared.train) + len(prepared.heldout)
-        estimate = check_cache_budget(tokens, rows, hidden_size, cfg.cache_budget_gb, "train.features=offline")
-        fkey = hashlib.sha256(json.dumps({"teacher": teacher_id, "data": data_key, "dtype": str(teacher_dtype)},
-                                         sort_keys=True).encode()).hexdigest()[:20]
-        cache_dir = workdir / "cache" / "features" / fkey
-        splits = {"train": prepared.train}
-        if len(prepared.heldout):
-            splits["heldout"] = prepared.heldout
-        t0 = time.perf_counter()
-        if rank0:
-            teacher.to(extract_device)
-            index = build_feature_cache(teacher, splits, cache_dir, batch_size=cfg.batch_size, device=extract_device,
-                                        progress=progress, info={"teacher": teacher_id, "data_key": data_key,
-                                                                 "dtype": "bfloat16"})
-            teacher.to("cpu")
-        else:  # other ranks start after rank 0 has built it (Lightning launches them at fit time)
-            from polyspec.train.features import read_cache_index
-
-            index = read_cache_index(cache_dir)
-        cache_info = {"cache_dir": str(cache_dir), "estimate_bytes": estimate, "bytes": index["bytes"],
-                      "tokens": index["tokens"], "bytes_per_token": index["bytes_per_token"],
-                      "extract_seconds": time.perf_counter() - t0}
-        _say(progress and rank0, f"train: feature cache {cache_dir}: {index['bytes'] / 1e6:.1f} MB, "
-                                 f"{index['bytes_per_token']:.1f} bytes/token (estimate {estimate / 1e6:.1f} MB)")
-        if not cfg.accept_prompts:  # only the shared embedding and lm_head are needed from here on
-            teacher.layers = torch.nn.ModuleList()
+        cache_info = _offline_cache(recipe, teacher, prepared, teacher_id=teacher_id, data_key=data_key,
+                                    teacher_dtype=teacher_dtype, extract_device=extract_device, rank0=rank0,
+                                    progress=progress)
     probe = _acceptance_probe(recipe, teacher, prepared, tokenizer) if rank0 else None
     result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every, probe)
     head = result.pop("_head")
@@ -270,9 +273,7 @@ def _add_token_counts(out_dir: Path, recipe: Recipe, tokenizer: Any, target_id: 
         return
     vocab = int(json.loads((out_dir / "config.json").read_text(encoding="utf-8"))["args"]["vocab_size"])
     counts = _token_counts(prepare_dataset(recipe, tokenizer, tokenizer_id=target_id), vocab)
-    tmp = out_dir / f".{TOKEN_COUNTS_FILE}.tmp"
-    save_file({"counts": counts}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    atomic_file(path, lambda tmp: save_file({"counts": counts}, str(tmp), metadata={"format": "pt"}))
 
 
 def _token_counts(prepared: Any, vocab_size: int) -> Any:

@@ -2,7 +2,7 @@
 
 Requests are validated and tokenised on the event loop, then queue for the one generation worker thread (a
 single-thread executor: FIFO, one generation at a time), so the loop keeps answering /health, /metrics and new requests
-while a generation runs. Importing this module imports fastapi and torch: ``polyspec.export.serve`` imports it only
+while a generation runs. Importing this module imports fastapi and torch: ``polyspec.decode.serve`` imports it only
 when a server is built.
 """
 
@@ -25,9 +25,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from polyspec.decode.chain import GenerationResult, SamplingParams
-from polyspec.decode.generate import LoadedChain, build_decoder, eos_ids
-from polyspec.errors import PolyspecError
-from polyspec.export.serve_api import (
+from polyspec.decode.generate import LoadedChain, build_decoder, cache_size, chat_token_ids, eos_ids
+from polyspec.decode.serve.api import (
     SSE_DONE,
     AnswerStream,
     ApiError,
@@ -44,12 +43,12 @@ from polyspec.export.serve_api import (
     sse,
     token_pieces,
 )
-from polyspec.export.serve_metrics import CONTENT_TYPE, Metrics
+from polyspec.decode.serve.metrics import CONTENT_TYPE, Metrics
+from polyspec.errors import PolyspecError
 
 log = logging.getLogger("polyspec.serve")
 
 MAX_BODY_BYTES = 4 << 20
-SLACK = 64  # KV room beyond prompt + max_tokens for blocks that run past the end before the target cuts them
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
@@ -98,7 +97,7 @@ class Engine:
         """Runs on the worker thread: a decoder sized for this request, then one generation (``on_tokens``: see
         :meth:`ChainDecoder.generate`)."""
         dec = build_decoder(self.chain, self.mode,
-                            max_seq_len=min(self.chain.context, len(job.prompt_ids) + job.max_new_tokens) + SLACK)
+                            max_seq_len=cache_size(self.chain, len(job.prompt_ids), job.max_new_tokens))
         sampling = SamplingParams(temperature=job.temperature, top_p=job.top_p)
         return dec.generate(job.prompt_ids, job.max_new_tokens, sampling, seed=job.seed, eos_token_ids=self.eos,
                             on_tokens=on_tokens)
@@ -139,12 +138,9 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     from jinja2.exceptions import TemplateError
 
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return chat_token_ids(tokenizer, messages)
     except (TemplateError, ValueError, TypeError) as exc:
         raise ApiError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 def encode_text(tokenizer: Any, prompt: str) -> list[int]:
@@ -184,6 +180,17 @@ def _authorized(header: str | None, key: str) -> bool:
     if not header or not header.startswith("Bearer "):
         return False
     return hmac.compare_digest(header[len("Bearer "):].strip().encode(), key.encode())
+
+
+@dataclass
+class _Served:
+    """What a request handler needs: the chain, its engine and counters, the served name and the defaults."""
+
+    chain: LoadedChain
+    engine: Engine
+    metrics: Metrics
+    model_name: str
+    defaults: ServeDefaults
 
 
 def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str | None = None,
@@ -251,108 +258,113 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
                           param="model", code="model_not_found")
         return model_card()
 
-    async def complete(request: Request, kind: Literal["chat", "text"]) -> Any:
-        try:
-            declared = request.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-            raw = await request.body()
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-            req = parse_request(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-            if req.model is not None and req.model != model_name:
-                raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{model_name}' "
-                               "(or leave 'model' out)", param="model", code="model_not_found")
-            if kind == "chat":
-                ids = encode_chat(chain.tokenizer, [m.as_template_dict() for m in req.messages])
-                budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            else:
-                ids = encode_text(chain.tokenizer, req.prompt)
-                budget_name = "max_tokens"
-            max_new = token_budget(len(ids), req.token_budget(), defaults.max_tokens, chain.context, budget_name,
-                                   "messages" if kind == "chat" else "prompt")
-            job = Job(prompt_ids=ids, max_new_tokens=max_new,
-                      temperature=defaults.temperature if req.temperature is None else float(req.temperature),
-                      top_p=defaults.top_p if req.top_p is None else float(req.top_p),
-                      seed=secrets.randbits(63) if req.seed is None else int(req.seed))
-            if req.stream:
-                return stream_response(kind, req, job, ids, max_new)
-            result = await engine.submit(job)
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except PolyspecError as exc:  # bad input the decoder caught
-            return _error(400, str(exc))
-        except Exception as exc:  # the server answers and stays up
-            log.exception("generation failed")
-            return _error(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
-        metrics.observe_generation(len(ids), result.stats)
-        pieces = token_pieces(chain.tokenizer, result.token_ids)
-        answer = make_answer(pieces, result.token_ids, engine.eos, req.stop_list(), max_new)
-        rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-        stats = result.stats
-        extra = {"polyspec": {"mode": stats.get("mode"), "seconds": finite(stats.get("seconds", 0.0)),
-                              "tokens_per_second": finite(stats.get("tokens_per_second", 0.0)),
-                              "mean_accepted": {lv["name"]: lv["mean_accepted"] for lv in stats.get("levels", [])}}}
-        return JSONResponse(completion_object(kind, rid, model_name, answer, len(ids), extra))
-
-    def stream_response(kind: Literal["chat", "text"], req: Any, job: Job, ids: list[int],
-                        max_new: int) -> StreamingResponse:
-        """Server-sent events as the target commits tokens: each verification round's text goes out at once (minus
-        the few characters a stop string could still begin in); a stop string ends the generation early."""
-        rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-        chunks = ChunkMaker(kind, rid, model_name, bool(req.stream_options and req.stream_options.include_usage))
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        halt = threading.Event()  # set when a stop string appeared or the client went away
-
-        def on_tokens(tokens: list[int]) -> bool:  # the worker thread
-            loop.call_soon_threadsafe(queue.put_nowait, tokens)
-            return halt.is_set()
-
-        task = asyncio.ensure_future(engine.submit(job, on_tokens))
-        task.add_done_callback(lambda _t: queue.put_nowait(None))
-
-        async def events():  # noqa: ANN202
-            pieces, answer_stream, generated = PieceDecoder(chain.tokenizer), AnswerStream(req.stop_list()), []
-            try:
-                if kind == "chat":
-                    yield sse(chunks.delta({"role": "assistant", "content": ""}))
-                while (tokens := await queue.get()) is not None:
-                    generated += tokens
-                    text = answer_stream.push(pieces.push(tokens))
-                    if answer_stream.stopped is not None:
-                        halt.set()
-                    if text:
-                        yield sse(chunks.delta({"content": text} if kind == "chat" else text))
-                try:
-                    result = task.result()
-                except Exception as exc:  # the headers are out: report in the stream, keep serving
-                    log.exception("generation failed")
-                    yield sse(error_body(f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
-                    yield SSE_DONE
-                    return
-                metrics.observe_generation(len(ids), result.stats)
-                text = answer_stream.push([], tail=pieces.tail())
-                rest, answer = answer_stream.finish(generated, engine.eos, max_new)
-                rest = text + rest
-                if rest:
-                    yield sse(chunks.delta({"content": rest} if kind == "chat" else rest))
-                yield sse(chunks.delta({} if kind == "chat" else "", answer.finish_reason))
-                if chunks.include_usage:
-                    yield sse(chunks.usage(len(ids), answer.completion_tokens))
-                yield SSE_DONE
-            finally:
-                halt.set()  # the client is gone (or we are done): stop generating at the next round
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    served = _Served(chain, engine, metrics, model_name, defaults)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await complete(request, "chat")
+        return await _complete(served, request, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await complete(request, "text")
+        return await _complete(served, request, "text")
 
     return app
+
+
+async def _complete(s: _Served, request: Request, kind: Literal["chat", "text"]) -> Any:
+    """A chat or text completion request -> its JSON answer, or its event stream when it asks for one."""
+    try:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        req = parse_request(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        if req.model is not None and req.model != s.model_name:
+            raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{s.model_name}' "
+                           "(or leave 'model' out)", param="model", code="model_not_found")
+        if kind == "chat":
+            ids = encode_chat(s.chain.tokenizer, [m.as_template_dict() for m in req.messages])
+            budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        else:
+            ids = encode_text(s.chain.tokenizer, req.prompt)
+            budget_name = "max_tokens"
+        max_new = token_budget(len(ids), req.token_budget(), s.defaults.max_tokens, s.chain.context, budget_name,
+                               "messages" if kind == "chat" else "prompt")
+        job = Job(prompt_ids=ids, max_new_tokens=max_new,
+                  temperature=s.defaults.temperature if req.temperature is None else float(req.temperature),
+                  top_p=s.defaults.top_p if req.top_p is None else float(req.top_p),
+                  seed=secrets.randbits(63) if req.seed is None else int(req.seed))
+        if req.stream:
+            return _stream_response(s, kind, req, job, ids, max_new)
+        result = await s.engine.submit(job)
+    except ApiError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    except PolyspecError as exc:  # bad input the decoder caught
+        return _error(400, str(exc))
+    except Exception as exc:  # the server answers and stays up
+        log.exception("generation failed")
+        return _error(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
+    s.metrics.observe_generation(len(ids), result.stats)
+    pieces = token_pieces(s.chain.tokenizer, result.token_ids)
+    answer = make_answer(pieces, result.token_ids, s.engine.eos, req.stop_list(), max_new)
+    rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+    stats = result.stats
+    extra = {"polyspec": {"mode": stats.get("mode"), "seconds": finite(stats.get("seconds", 0.0)),
+                          "tokens_per_second": finite(stats.get("tokens_per_second", 0.0)),
+                          "mean_accepted": {lv["name"]: lv["mean_accepted"] for lv in stats.get("levels", [])}}}
+    return JSONResponse(completion_object(kind, rid, s.model_name, answer, len(ids), extra))
+
+
+def _stream_response(s: _Served, kind: Literal["chat", "text"], req: Any, job: Job, ids: list[int],
+                     max_new: int) -> StreamingResponse:
+    """Server-sent events as the target commits tokens: each verification round's text goes out at once (minus
+    the few characters a stop string could still begin in); a stop string ends the generation early."""
+    rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+    chunks = ChunkMaker(kind, rid, s.model_name, bool(req.stream_options and req.stream_options.include_usage))
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    halt = threading.Event()  # set when a stop string appeared or the client went away
+
+    def on_tokens(tokens: list[int]) -> bool:  # the worker thread
+        loop.call_soon_threadsafe(queue.put_nowait, tokens)
+        return halt.is_set()
+
+    task = asyncio.ensure_future(s.engine.submit(job, on_tokens))
+    task.add_done_callback(lambda _t: queue.put_nowait(None))
+
+    async def events():  # noqa: ANN202
+        pieces, answer_stream, generated = PieceDecoder(s.chain.tokenizer), AnswerStream(req.stop_list()), []
+        try:
+            if kind == "chat":
+                yield sse(chunks.delta({"role": "assistant", "content": ""}))
+            while (tokens := await queue.get()) is not None:
+                generated += tokens
+                text = answer_stream.push(pieces.push(tokens))
+                if answer_stream.stopped is not None:
+                    halt.set()
+                if text:
+                    yield sse(chunks.delta({"content": text} if kind == "chat" else text))
+            try:
+                result = task.result()
+            except Exception as exc:  # the headers are out: report in the stream, keep serving
+                log.exception("generation failed")
+                yield sse(error_body(f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
+                yield SSE_DONE
+                return
+            s.metrics.observe_generation(len(ids), result.stats)
+            text = answer_stream.push([], tail=pieces.tail())
+            rest, answer = answer_stream.finish(generated, s.engine.eos, max_new)
+            rest = text + rest
+            if rest:
+                yield sse(chunks.delta({"content": rest} if kind == "chat" else rest))
+            yield sse(chunks.delta({} if kind == "chat" else "", answer.finish_reason))
+            if chunks.include_usage:
+                yield sse(chunks.usage(len(ids), answer.completion_tokens))
+            yield SSE_DONE
+        finally:
+            halt.set()  # the client is gone (or we are done): stop generating at the next round
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,8 +1,8 @@
 """``polyspec serve DIR``: an OpenAI-compatible HTTP API over a validated chain folder (see docs/SERVE.md).
 
 This module stays light (argparse, sockets): fastapi, uvicorn and torch are imported only when a server is built, so
-``polyspec --help`` does not pay for them. The app itself lives in :mod:`polyspec.export.serve_app`, the wire format
-in :mod:`polyspec.export.serve_api`, the Prometheus counters in :mod:`polyspec.export.serve_metrics`.
+``polyspec --help`` does not pay for them. The app itself lives in :mod:`polyspec.decode.serve.app`, the wire format
+in :mod:`polyspec.decode.serve.api`, the Prometheus counters in :mod:`polyspec.decode.serve.metrics`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError, missing_extra
+from polyspec.modes import MODES
 
 API_KEY_ENV = "POLYSPEC_API_KEY"
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
@@ -26,7 +27,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json); it must validate")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    p.add_argument("--mode", choices=["chain", "dual", "ar"], default=None,
+    p.add_argument("--mode", choices=MODES[::-1], default=None,
                    help="decoding mode (default: the manifest's, or the most levels the chain has)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -54,7 +55,7 @@ def pick_mode(chain: Any, asked: str | None, manifest_mode: str | None) -> str:
     if asked:
         chain.levels_for(asked)
         return asked
-    candidates = ([manifest_mode] if manifest_mode else []) + ["chain", "dual", "ar"]
+    candidates = ([manifest_mode] if manifest_mode else []) + list(MODES[::-1])
     for mode in candidates:
         try:
             chain.levels_for(mode)
@@ -72,7 +73,7 @@ def build_app(chain_dir: Path, *, mode: str | None = None, device: str = "auto",
     except ImportError:
         raise missing_extra("fastapi", "serve") from None
     from polyspec.decode.generate import load_chain
-    from polyspec.export.serve_app import ServeDefaults, create_app
+    from polyspec.decode.serve.app import ServeDefaults, create_app
     from polyspec.manifest import read_manifest
 
     chain = load_chain(Path(chain_dir), device=device, dtype=dtype)  # validates schema and every sha256 first

@@ -6,12 +6,11 @@ Plots (matplotlib, imported only here and only when asked): speedup over ``ar`` 
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from polyspec import fsutil
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -89,23 +88,8 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
         console.print(line)
 
 
-def _atomic_write(path: Path, write) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_json(report: dict[str, Any], path: Path) -> Path:
-    text = json.dumps(report, indent=2, default=str) + "\n"
-    return _atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return fsutil.write_json(path, report, indent=2, default=str)
 
 
 def write_plots(report: dict[str, Any], path: Path) -> list[Path]:
@@ -132,7 +116,7 @@ def write_plots(report: dict[str, Any], path: Path) -> list[Path]:
     if modes:
         ax.legend()
     fig.tight_layout()
-    written.append(_atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png")))
+    written.append(fsutil.atomic_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png")))
     plt.close(fig)
 
     hists = [(m, lv, h) for m, d in (report.get("acceptance_histograms") or {}).items() for lv, h in d.items()]
@@ -154,6 +138,6 @@ def write_plots(report: dict[str, Any], path: Path) -> list[Path]:
         axes[0][0].set_axis_off()
     fig.tight_layout()
     accept = path.with_name(f"{path.stem}_accept{path.suffix or '.png'}")
-    written.append(_atomic_write(accept, lambda tmp: fig.savefig(tmp, dpi=120, format="png")))
+    written.append(fsutil.atomic_file(accept, lambda tmp: fig.savefig(tmp, dpi=120, format="png")))
     plt.close(fig)
     return written

@@ -161,17 +161,12 @@ def sharegpt_heldout_first_turns(data_cfg: Any = None) -> tuple[list[Question], 
     """First user turns of the held-out ShareGPT conversations (``data_cfg``: a recipe's data section, default
     :class:`polyspec.config.DataConfig`), and how many were skipped as longer than SHAREGPT_MAX_CHARS."""
     from polyspec.config import DataConfig
-    from polyspec.data.prepare import split_indices
-    from polyspec.data.sharegpt import load_conversations
+    from polyspec.data.prepare import heldout_first_turns
 
     cfg = data_cfg if data_cfg is not None else DataConfig()
-    conversations, _ = load_conversations(cfg.source, max_conversations=cfg.max_conversations)
-    _, held = split_indices(len(conversations), cfg.heldout_fraction, cfg.seed)
     out, skipped = [], 0
-    for i in held:
-        first = next((m["content"] for m in conversations[i] if m["role"] == "user"), None)
-        if first is None:
-            continue
+    for i, first in heldout_first_turns(cfg.source, max_conversations=cfg.max_conversations,
+                                        heldout_fraction=cfg.heldout_fraction, seed=cfg.seed):
         if len(first) > SHAREGPT_MAX_CHARS:
             skipped += 1
             continue

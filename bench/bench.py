@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -36,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError
+from polyspec.modes import MODES as DECODE_MODES
 
-MODES = ("ar", "dual", "chain", "dual-tree", "chain-tree", "hf", "hf-assisted")
-ENGINE_MODES = ("ar", "dual", "chain", "dual-tree", "chain-tree")  # *-tree: the EAGLE-2 draft tree at the bottom
-_SLACK = 64  # cache room beyond prompt + max_new_tokens (as polyspec generate allows)
+ENGINE_MODES = (*DECODE_MODES, "dual-tree", "chain-tree")  # *-tree: the EAGLE-2 draft tree at the bottom
+MODES = (*ENGINE_MODES, "hf", "hf-assisted")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -76,14 +75,15 @@ class EngineRunner:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
                  eos: set[int]) -> Generation:
-        from polyspec.decode.generate import build_decoder
+        from polyspec.decode.generate import build_decoder, cache_size
+        from polyspec.decode.timing import timed
 
-        size = min(self.chain.context, len(prompt_ids) + max_new_tokens) + _SLACK
+        size = cache_size(self.chain, len(prompt_ids), max_new_tokens)
         dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu,
                             tree=self.tree)
-        t0 = time.perf_counter()
-        res = dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos)
-        seconds = time.perf_counter() - t0
+        device = next(self.chain.models[self.chain.order[0]].parameters()).device
+        res, seconds = timed(lambda: dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos),
+                             device)
         levels = [{"name": s.name, "forward_passes": s.forward_passes, "tokens_emitted": s.tokens_emitted}
                   for s in res.level_stats]
         accept = {s.name: list(s.accept_lengths) for s in res.level_stats if s.accept_lengths and self.mode != "ar"}
@@ -109,6 +109,8 @@ class HFRunner:
         import torch
         from transformers import GenerationConfig
 
+        from polyspec.decode.timing import timed
+
         device = next(self.model.parameters()).device
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T]
         eos_list = sorted(eos) or None
@@ -122,9 +124,8 @@ class HFRunner:
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
         torch.manual_seed(seed)
         with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **extra)
-            seconds = time.perf_counter() - t0
+            out, seconds = timed(lambda: self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                                             generation_config=config, **extra), ids.device)
         new = [int(t) for t in out[0, len(prompt_ids):].tolist()]
         for j, t in enumerate(new):  # keep up to and including the first EOS (as the engine does)
             if t in eos:
@@ -160,21 +161,6 @@ def load_hf_assistant(chain_dir: Path, device: str, tokenizer: Any) -> Any:
         raise NotApplicable(f"transformers cannot run the intermediate {folder.name} as an assistant here: "
                             f"{type(exc).__name__}: {msg}") from None
     return model
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Prompts -> token ids (chat template, history)
-
-
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]], *, chat: bool = True) -> list[int]:
-    """A conversation as prompt token ids through the tokenizer's chat template (generation prompt added)."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    text = "\n\n".join(m["content"] for m in messages)
-    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -290,12 +276,10 @@ def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[d
                 runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu, tree=tree)
                 continue
             if hf_model is None:
-                import torch
-
-                from polyspec.decode.generate import DTYPES, resolve_device
+                from polyspec.device import resolve_device, resolve_dtype
 
                 dev = resolve_device(s.device)
-                dtype = DTYPES[s.dtype] if s.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+                dtype = resolve_dtype(s.dtype, dev)
                 t0 = time.perf_counter()
                 hf_model = HFRunner.load(_target_folder(chain_dir), str(dev), dtype)
                 log(f"loaded the target with transformers in {time.perf_counter() - t0:.1f} s")
@@ -321,7 +305,7 @@ def run_benchmark(chain_dir: Path, questions: list[Any], settings: BenchSettings
     """Run every question (each turn, each repeat) through every mode, interleaved; return the report dict
     (overall, by_category, mismatches, not_applicable, acceptance histograms, per-generation records)."""
     from polyspec.decode.chain import SamplingParams
-    from polyspec.decode.generate import eos_ids, load_chain
+    from polyspec.decode.generate import encode_messages, eos_ids, load_chain
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
@@ -403,19 +387,11 @@ def _timed_forward(model: Any, kind: str, prefix: int, ids: Any, feats: Any) -> 
     """Seconds of one forward of ids [T] after a cache holding ``prefix`` positions (truncated back first)."""
     import torch
 
+    from polyspec.decode.timing import timed
+
     model.truncate(prefix)
-    cuda = ids.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(ids.device)
-    t0 = time.perf_counter()
     with torch.inference_mode():
-        if kind == "head":
-            model.forward(ids, feats)
-        else:
-            model.forward(ids)
-    if cuda:
-        torch.cuda.synchronize(ids.device)
-    return time.perf_counter() - t0
+        return timed(lambda: model.forward(ids, feats) if kind == "head" else model.forward(ids), ids.device)[1]
 
 
 def forward_times(chain: Any, *, widths: list[int], prefix: int = 128, repeats: int = 20,
@@ -541,8 +517,8 @@ def tree_shape(args: argparse.Namespace) -> dict[str, int] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Benchmark ar, dual, chain, hf and hf-assisted on the same prompts, interleaved; JSON, table and plots."""
-    from polyspec.decode.bench_prompts import load_prompts
-    from polyspec.decode.bench_report import print_report, write_json, write_plots
+    from polyspec.bench.prompts import load_prompts
+    from polyspec.bench.report import print_report, write_json, write_plots
     from polyspec.decode.cpu_kernels import state as cpu_kernel_state
     from polyspec.decode.cuda_graphs import runner_of
     from polyspec.stamp import command_line, hardware_stamp, software_stamp
@@ -584,7 +560,7 @@ def run(args: argparse.Namespace) -> int:
         report["forward_times"] = forward_times(chain, widths=default_widths(chain, args.draft_k, args.mu),
                                                 prefix=args.forward_prefix, repeats=args.forward_repeats)
     if args.roofline:
-        from polyspec.decode.roofline import measure_bandwidth, roofline
+        from polyspec.bench.roofline import measure_bandwidth, roofline
 
         top = chain.models[chain.order[0]]
         bw = measure_bandwidth(next(top.parameters()).device)
@@ -593,7 +569,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     report.update({
-        "command": getattr(args, "command", None) or command_line(),
+        "command": command_line(getattr(args, "command", None)),
         "settings": {**settings.__dict__, "prompts": args.prompts, "limit": args.limit,
                      "categories": args.categories, "chain": str(args.chain), "draft_k": args.draft_k or chain.draft_k,
                      "mu": args.mu or list(chain.mu), "levels": list(chain.order), "torch_threads":
@@ -614,21 +590,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {path}", file=sys.stderr)
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="polyspec bench", description=(run.__doc__ or "").strip())
-    configure_parser(parser)
-    args = parser.parse_args(argv)
-    if argv is not None:
-        args.command = shlex.join(["polyspec", "bench", *argv])
-    elif Path(sys.argv[0]).name == "bench.py":  # python -m polyspec.decode.bench ...
-        args.command = shlex.join(["python", "-m", "polyspec.decode.bench", *sys.argv[1:]])
-    try:
-        return run(args)
-    except PolyspecError as exc:
-        print(f"polyspec bench: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,7 +4,7 @@ What the GPU items of issues 3 and 7 ask for, in one command:
 
 * **AR against the memory roofline.** A random-weight target at the shape (bf16 on a GPU), decoded greedily by our
   engine (CUDA graphs on a GPU) for ``--new-tokens`` tokens, several times: tokens/s, and the fraction of the
-  batch-1 roofline (measured read bandwidth / weight bytes, :mod:`polyspec.decode.roofline`) it reaches.
+  batch-1 roofline (measured read bandwidth / weight bytes, :mod:`polyspec.bench.roofline`) it reaches.
 * **int4 g128 relative to the full-precision target.** A copy of the shape with random GPTQ-layout int4 codes in
   every q/k/v/o/gate/up/down (embeddings, norms and lm_head stay in the compute dtype, as GPTQ leaves them), and a
   random EAGLE head; the median forward time of each level at each width (1 = a decode step, k + 1 and mu + 1 =
@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polyspec.device import DTYPE_NAMES
 from polyspec.errors import PolyspecError
 
 # Architectures (Hugging Face configs of the public checkpoints); "tiny" is for tests.
@@ -45,7 +45,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 # The paper's measured speedups of its chain at 7B (Wang et al., ICML 2025), for the side-by-side.
 PAPER_SPEEDUPS = {"Vicuna-7B": 3.48, "LLaMA2-Chat-7B": 3.66}
 PAPER_INT4_RATIO = 0.318
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 def shape_args(name: str):
@@ -133,19 +132,12 @@ def random_head(args: Any, target: Any, *, dtype: Any, seed: int = 1):
 
 @dataclass
 class ShapeChain:
-    """What :func:`polyspec.decode.bench.forward_times` needs from a loaded chain."""
+    """What :func:`polyspec.bench.bench.forward_times` needs from a loaded chain."""
 
     models: dict[str, Any]
     order: list[str] = field(default_factory=lambda: ["target", "intermediate", "draft"])
     kinds: dict[str, str] = field(default_factory=lambda: {"target": "target", "intermediate": "int4",
                                                            "draft": "head"})
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def ar_speed(target: Any, *, prompt_len: int, new_tokens: int, repeats: int, seed: int = 0) -> dict[str, Any]:
@@ -156,6 +148,7 @@ def ar_speed(target: Any, *, prompt_len: int, new_tokens: int, repeats: int, see
 
     from polyspec.decode.chain import ChainDecoder
     from polyspec.decode.levels import ModelLevel
+    from polyspec.decode.timing import timed
 
     dev = target.inv_freq.device
     gen = torch.Generator().manual_seed(seed)
@@ -164,9 +157,7 @@ def ar_speed(target: Any, *, prompt_len: int, new_tokens: int, repeats: int, see
     dec = ChainDecoder([level], max_seq_len=prompt_len + new_tokens + 8)
     runs, steps = [], []
     for r in range(repeats + 1):
-        _sync(dev)
-        res = dec.generate(prompt, new_tokens)
-        _sync(dev)
+        res, _ = timed(lambda: dec.generate(prompt, new_tokens), dev)
         step = _step_seconds(target, prompt, len(res.token_ids))
         if r:
             runs.append((len(res.token_ids), float(res.stats["seconds"])))
@@ -187,34 +178,27 @@ def _step_seconds(model: Any, prompt: list[int], n: int) -> float:
     """Median seconds of ``n`` bare one-token forwards after the prompt (the decode step without the loop)."""
     import torch
 
+    from polyspec.decode.timing import timed
+
     dev = model.inv_freq.device
     model.setup_cache(len(prompt) + n + 8)
     ids = torch.tensor(prompt, device=dev)
     one = torch.tensor([1], device=dev)
-    times = []
     with torch.inference_mode():
         model(ids)
-        for _ in range(max(n, 1)):
-            _sync(dev)
-            t0 = time.perf_counter()
-            model(one)
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return statistics.median(timed(lambda: model(one), dev)[1] for _ in range(max(n, 1)))
 
 
 def _prefill_seconds(model: Any, prompt: list[int]) -> float:
     import torch
 
+    from polyspec.decode.timing import timed
+
     dev = model.inv_freq.device
     model.setup_cache(len(prompt) + 8)
     ids = torch.tensor(prompt, device=dev)
-    _sync(dev)
-    t0 = time.perf_counter()
     with torch.inference_mode():
-        model(ids)
-    _sync(dev)
-    return time.perf_counter() - t0
+        return timed(lambda: model(ids), dev)[1]
 
 
 def _config_widths(cfg: dict[str, Any], tree: dict[str, int] | None) -> dict[str, int] | None:
@@ -279,11 +263,11 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
     """Build the shape's target, int4 copy and head; measure AR speed, the roofline and forward times; project."""
     import torch
 
+    from polyspec.bench.bench import forward_times
+    from polyspec.bench.roofline import measure_bandwidth, roofline, weight_bytes
     from polyspec.decode import cpu_kernels, cuda_graphs
-    from polyspec.decode.bench import forward_times
-    from polyspec.decode.generate import DTYPES as DT
-    from polyspec.decode.generate import GRAPH_WIDTH, resolve_device
-    from polyspec.decode.roofline import measure_bandwidth, roofline, weight_bytes
+    from polyspec.decode.generate import GRAPH_WIDTH
+    from polyspec.device import resolve_device, resolve_dtype
 
     say = say or (lambda msg: print(msg, file=sys.stderr))
     measurements = None
@@ -298,10 +282,8 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
             raise PolyspecError(f"{chain_dir}/manifest.json has no profile measurements (measurements.grid); export "
                                 "the chain with `polyspec export` (which profiles it) first")
     dev = resolve_device(device)
-    name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise PolyspecError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-    tdtype = DT[name]
+    tdtype = resolve_dtype(dtype, dev)
+    name = str(tdtype).removeprefix("torch.")
     args = shape_args(shape)
     if prompt_len + new_tokens + 8 > args.max_position_embeddings:
         raise PolyspecError(f"prompt ({prompt_len}) + new tokens ({new_tokens}) exceed the {shape} context "
@@ -385,7 +367,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("shape", nargs="?", default="llama2-7b", choices=sorted(SHAPES),
                    help="architecture to build with random weights (default llama2-7b)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens per ar generation (default 128)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="random prompt length (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="timed ar generations after one warm-up (default 3)")
@@ -415,11 +397,11 @@ def run(args: argparse.Namespace) -> int:
                              graphs=False if args.no_cuda_graphs else None)
     from polyspec.stamp import command_line, hardware_stamp, software_stamp
 
-    report["command"] = command_line()
+    report["command"] = command_line(getattr(args, "command", None))
     report["stamp"] = {"hardware": hardware_stamp(), "software": software_stamp()}
     print_report(report)
     if args.json is not None:
-        from polyspec.decode.bench_report import write_json
+        from polyspec.bench.report import write_json
 
         write_json(report, args.json)
         print(f"wrote {args.json}", file=sys.stderr)

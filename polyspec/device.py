@@ -1,0 +1,51 @@
+"""Where a model runs and in what precision (the one reading of ``device: auto`` and of a missing dtype), and
+which process of a multi-process launch this is.
+
+torch is imported inside the functions, so the CLI and the recipe schema can import this module for free.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from polyspec.errors import PolyspecError
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the weight dtypes a level may be loaded in
+
+
+def device_name(device: str) -> str:
+    """``auto`` -> ``cuda`` when CUDA is available, else ``cpu``; any other name as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(device: str) -> Any:
+    """The ``torch.device`` for ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; PolyspecError when CUDA is asked for and
+    absent (rather than a torch error deep inside a load)."""
+    import torch
+
+    name = device_name(device)
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise PolyspecError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | None, device: Any) -> Any:
+    """The ``torch.dtype`` called ``name``; without one, bfloat16 on a GPU and float32 on the CPU (CPU bf16 matmuls
+    are slower than float32 ones)."""
+    import torch
+
+    name = name or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    if name not in DTYPE_NAMES:
+        raise PolyspecError(f"dtype {name!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)
+
+
+def is_global_rank_zero() -> bool:
+    """True unless the launcher environment says this process is another rank (RANK, LOCAL_RANK, NODE_RANK): only
+    rank 0 writes outputs and opens tracking runs."""
+    return all(int(os.environ.get(v, "0") or 0) == 0 for v in ("RANK", "LOCAL_RANK", "NODE_RANK"))

@@ -1,0 +1,65 @@
+"""The one home of each small decision: device and dtype, rank zero, mode names, atomic files, forward timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from polyspec.decode.timing import timed
+from polyspec.device import device_name, is_global_rank_zero, resolve_device, resolve_dtype
+from polyspec.errors import PolyspecError
+from polyspec.fsutil import atomic_file, write_json
+from polyspec.modes import MODES, mode_of
+
+
+def test_device_and_dtype_resolution():
+    assert device_name("cpu") == "cpu" and device_name("cuda:1") == "cuda:1"
+    assert device_name("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_dtype(None, torch.device("cpu")) is torch.float32
+    assert resolve_dtype(None, "cuda:0") is torch.bfloat16  # the default follows the device, no GPU needed
+    assert resolve_dtype("float16", "cpu") is torch.float16
+    with pytest.raises(PolyspecError, match="not one of"):
+        resolve_dtype("int8", "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(PolyspecError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+@pytest.mark.parametrize("env, rank0", [({}, True), ({"RANK": "0", "LOCAL_RANK": ""}, True), ({"RANK": "1"}, False),
+                                        ({"LOCAL_RANK": "2"}, False), ({"NODE_RANK": "1"}, False)])
+def test_global_rank_zero(monkeypatch, env, rank0):
+    for v in ("RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert is_global_rank_zero() is rank0
+
+
+def test_mode_names():
+    assert MODES == ("ar", "dual", "chain")
+    assert [mode_of(n) for n in (1, 2, 3, 4, 7)] == ["ar", "dual", "chain", "chain", "chain"]
+
+
+def test_atomic_file_writes_whole_files_or_nothing(tmp_path):
+    path = write_json(tmp_path / "sub" / "r.json", {"a": [1, 2]})
+    assert json.loads(path.read_text()) == {"a": [1, 2]} and path.read_text().endswith("\n")
+    assert os.stat(path).st_mode & 0o777 == 0o644
+
+    def half_then_fail(tmp):
+        tmp.write_text("half")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        atomic_file(path, half_then_fail)
+    assert json.loads(path.read_text()) == {"a": [1, 2]}  # the old file stands
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.json"]  # no temporary left behind
+
+
+def test_timed_returns_the_result_and_the_wall_time():
+    out, seconds = timed(lambda: time.sleep(0.02) or 7, "cpu")
+    assert out == 7 and 0.02 <= seconds < 1.0

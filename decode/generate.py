@@ -16,11 +16,10 @@ from polyspec.decode import cpu_kernels, cuda_graphs
 from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
 from polyspec.decode.hf_fallback import HFCausalLM
 from polyspec.decode.levels import HeadLevel, ModelLevel
-from polyspec.device import DTYPE_NAMES, resolve_device, resolve_dtype
+from polyspec.device import resolve_device, resolve_dtype
 from polyspec.errors import PolyspecError
 from polyspec.modes import AR, CHAIN, DUAL, MODES
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 GRAPH_WIDTH = 64  # widest block a CUDA graph serves: a verification of the default 32-token tree fits
 # KV room beyond prompt + max_new_tokens for blocks that run past the committed end before the target cuts them.
 KV_SLACK = 64

@@ -73,8 +73,8 @@ def stamps() -> dict[str, Any]:
 
 def resolve_parts(recipe: Any) -> list[Path]:
     """[target, int4, head] folders of a recipe, from the pipeline's target, quantize and train stages."""
-    from polyspec.sources import target_stage
     from polyspec.quantize import quantize_stage
+    from polyspec.sources import target_stage
     from polyspec.train import train_stage
 
     return [Path(target_stage(recipe)), Path(quantize_stage(recipe)), Path(train_stage(recipe))]

@@ -193,6 +193,7 @@ class ChainDecoder:
             if lacking:
                 raise PolyspecError(f"tree decoding needs forward_tree() on the draft and the level verifying it; "
                                     f"{lacking} lack it (ModelLevel, HeadLevel and TableLevel have it)")
+        _feed_aux(levels)
         self.levels = levels
         self.draft_k = draft_k
         self.mu = mu
@@ -252,6 +253,20 @@ class ChainDecoder:
             "sampling": asdict(sampling),
         }
         return GenerationResult(token_ids=new, stats=stats, level_stats=level_stats)
+
+
+def _feed_aux(levels: list[Level]) -> None:
+    """An EAGLE-3 draft reads fc(aux layer states) of the levels above: have each return exactly that as its hidden
+    state (so every feature the run stores is H wide); any other draft: the levels' ordinary hidden state."""
+    if len(levels) < 2:
+        return
+    aux = getattr(levels[-1], "aux_layers", None)
+    for lv in levels[:-1]:
+        if hasattr(lv, "feed_aux"):
+            lv.feed_aux(aux, levels[-1].fuse if aux else None)
+        elif aux:
+            raise PolyspecError(f"level {lv.name!r} cannot feed the EAGLE-3 head {levels[-1].name!r} its auxiliary "
+                                "layer states (it has no feed_aux); use ModelLevel over polyspec's Transformer")
 
 
 class _Run:

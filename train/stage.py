@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polyspec.config import Recipe, TrainConfig
+from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_KEYS, Recipe, TrainConfig
 from polyspec.errors import PolyspecError, missing_extra
 
 TRAIN_FORMAT = 1
@@ -82,6 +82,9 @@ def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
 def train_key(target_id: str, teacher_id: str, data_key: str, cfg: TrainConfig, runtime: dict[str, Any]) -> str:
     """SHA-256 over everything that changes the trained head."""
     train = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
+    if cfg.head == "eagle":  # keys of EAGLE-1/2 heads are what they were before EAGLE-3 options existed
+        for k in ("head", *EAGLE3_KEYS):
+            train.pop(k, None)
     ident = {"format": TRAIN_FORMAT, "target": target_id, "teacher": teacher_id, "data": data_key, "train": train,
              "runtime": {k: str(runtime[k]) for k in ("strategy", "devices", "precision", "accelerator")}}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
@@ -207,7 +210,9 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
         _say(progress and rank0, f"train: feature cache {cache_dir}: {index['bytes'] / 1e6:.1f} MB, "
                                  f"{index['bytes_per_token']:.1f} bytes/token (estimate {estimate / 1e6:.1f} MB)")
         teacher.layers = torch.nn.ModuleList()  # only the shared embedding and lm_head are needed from here on
-    result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every)
+    counts = _token_counts(prepared, teacher.args.vocab_size)
+    result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every,
+                  counts)
     head = result.pop("_head")
     if not rank0:
         return out_dir
@@ -229,7 +234,7 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
         "offline_cache": cache_info or None,
         **result,
     }
-    _write_head(head, out_dir, target_info, training, _token_counts(prepared, head.args.vocab_size))
+    _write_head(head, out_dir, target_info, training, counts)
     metrics = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     tracker.log_metrics({f"train/final_{k}": v for k, v in metrics.items()}, step=int(result["steps"]))
     if cache_info:
@@ -299,25 +304,48 @@ def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict
     return out_dir
 
 
+def eagle3_settings(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the EAGLE-3 options' defaults filled in (EAGLE3_DEFAULTS) where the recipe leaves them unset."""
+    return cfg.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS.items() if getattr(cfg, k) is None})
+
+
+def _new_head(cfg: TrainConfig, teacher, counts: Any):
+    """A fresh head for ``cfg.head``: EAGLE-1/2 over the teacher's embedding and lm_head, or EAGLE-3 with its draft
+    vocabulary (the most frequent training tokens) and lm_head / norm started from the teacher's."""
+    from polyspec.decode.head import EagleHead
+    from polyspec.decode.head3 import Eagle3Head, default_aux_layers, draft_vocab_ids, init_from_target
+
+    args = dataclasses.replace(teacher.args, num_layers=1)
+    if cfg.head == "eagle":
+        return EagleHead(args, teacher.embed_tokens, teacher.lm_head).float()
+    n = teacher.args.num_layers
+    aux = cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(n)
+    if any(not 0 <= i < n for i in aux):
+        raise PolyspecError(f"train.aux_layers {aux} must lie in 0..{n - 1} (the target has {n} layers); the default "
+                            f"for it is {default_aux_layers(n)}", exit_code=2)
+    size = min(cfg.draft_vocab, args.vocab_size)
+    head = Eagle3Head(args, teacher.embed_tokens, aux, size).float()
+    return init_from_target(head, teacher, draft_vocab_ids(counts, size))
+
+
 def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info: dict[str, Any], key: str,
-         tracker: Any, progress: bool, callbacks: Sequence[Any], log_every: int) -> dict[str, Any]:
-    """Build the LightningModule, loaders and Trainer, fit (resuming), evaluate; return the run's numbers."""
+         tracker: Any, progress: bool, callbacks: Sequence[Any], log_every: int, counts: Any) -> dict[str, Any]:
+    """Build the LightningModule, loaders and Trainer, fit (resuming), evaluate; return the run's numbers.
+    ``counts``: the training targets' token counts (an EAGLE-3 head's draft vocabulary comes from them)."""
     import warnings
 
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-    from polyspec.decode.head import EagleHead
     from polyspec.train.features import CachedFeatureDataset, TokenDataset, collate
     from polyspec.train.module import HeadModule, SafetensorsCheckpointIO, TrackerCallback
 
     # the shared embedding / lm_head are frozen eval-mode modules on purpose
     warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
-    cfg = recipe.train
+    cfg = eagle3_settings(recipe.train) if recipe.train.head == "eagle3" else recipe.train
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    head_args = dataclasses.replace(teacher.args, num_layers=1)
-    head = EagleHead(head_args, teacher.embed_tokens, teacher.lm_head).float()
+    head = _new_head(cfg, teacher, counts)
     module = HeadModule(head, cfg, draft_k=recipe.decode.draft_k,
                         teacher=teacher if cfg.features == "online" else None)
 

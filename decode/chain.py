@@ -35,7 +35,9 @@ how freshly drafted tokens get theirs); otherwise a catch-up forward of the leve
 context (counted as ``catch_up_passes``; in practice only at the start, where nothing has processed the prompt). Draft
 cache entries computed from a predicted feature are recomputed from true features once a level above has processed
 those positions (as EAGLE does). None of this affects losslessness, only acceptance. A draft that needs features
-proposes nothing for a one-token context (the level above then samples from its own distribution).
+proposes nothing for a one-token context (the level above then samples from its own distribution). For an EAGLE-3
+draft (one with ``aux_layers``) every level above returns the head's fused auxiliary states as its hidden state
+(:func:`_feed_aux`), so the features above stay H wide whichever level they come from.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ head's logits to the ``n`` most frequent tokens at inference: only those rows of
 vocabulary's lm_head is most of a head's cost), and every other token gets logit -inf. The draft still proposes from
 a proper distribution (zero outside the subset), so the chain stays exactly lossless; a target token outside the
 subset is simply never proposed and comes from the residual.
+
+The EAGLE-3 head lives in :mod:`polyspec.decode.head3`; :func:`save_head` / :func:`load_head` write and read both
+kinds (config ``head_type``: absent or "eagle" here, "eagle3" there).
 """
 
 from __future__ import annotations

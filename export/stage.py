@@ -500,6 +500,9 @@ def _export_onnx(parts: dict[str, Path], head_dir: Path, opset: int) -> dict[str
     t0 = time.perf_counter()
     target = Transformer.from_pretrained(parts["target"], dtype=torch.float32, device="cpu")
     head = load_head(head_dir, target).eval()
+    if getattr(head, "head_type", "eagle") != "eagle":
+        raise PolyspecError(f"ONNX export of an {head.head_type} head (train.head={head.head_type}) is not supported "
+                            "yet; set export.onnx=false", exit_code=2)
     path = export_head_onnx(head, head_dir, opset=opset)
     parity = onnx_parity(head, path)
     files = sorted(p.name for p in head_dir.iterdir() if p.name.startswith(ONNX_FILE))

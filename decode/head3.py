@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from polyspec.decode.model import (
+    MLP,
     Attention,
     CachedDecoder,
     Linear,
-    MLP,
     ModelArgs,
     RMSNorm,
     StaticKVCache,

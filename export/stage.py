@@ -489,6 +489,16 @@ def export_chain(out: Path, parts: dict[str, Path], profile: dict[str, Any], dec
     return atomic_folder(out, write)
 
 
+def check_onnx_head(head_dir: Path) -> None:
+    """Refuse (before any work) an ONNX export of a head that onnx_head cannot write: an EAGLE-3 head."""
+    from polyspec.decode.head import head_type, read_head_config
+
+    kind = head_type(read_head_config(head_dir))
+    if kind != "eagle":
+        raise PolyspecError(f"ONNX export of an {kind} head ({head_dir}) is not supported yet; set export.onnx=false",
+                            exit_code=2)
+
+
 def _export_onnx(parts: dict[str, Path], head_dir: Path, opset: int) -> dict[str, Any]:
     """Export the head in ``head_dir`` (a copy being assembled) to ONNX next to its weights; parity-check it."""
     import torch
@@ -499,10 +509,8 @@ def _export_onnx(parts: dict[str, Path], head_dir: Path, opset: int) -> dict[str
 
     t0 = time.perf_counter()
     target = Transformer.from_pretrained(parts["target"], dtype=torch.float32, device="cpu")
+    check_onnx_head(head_dir)
     head = load_head(head_dir, target).eval()
-    if getattr(head, "head_type", "eagle") != "eagle":
-        raise PolyspecError(f"ONNX export of an {head.head_type} head (train.head={head.head_type}) is not supported "
-                            "yet; set export.onnx=false", exit_code=2)
     path = export_head_onnx(head, head_dir, opset=opset)
     parity = onnx_parity(head, path)
     files = sorted(p.name for p in head_dir.iterdir() if p.name.startswith(ONNX_FILE))
@@ -517,6 +525,8 @@ def export_stage(recipe: Any, tracker: Any = None, *, parts: dict[str, Path] | N
     """Profile (or reuse the stored profile) and write the chain folder (``export.out``, default
     ``<workdir>/chain``); log it to MLflow as artifacts. Returns the chain folder."""
     parts = {k: Path(v) for k, v in (parts or resolve_parts(recipe, tracker)).items()}
+    if recipe.export.onnx and "head" in parts:
+        check_onnx_head(parts["head"])
     if profile is None:
         profile = profile_stage(recipe, tracker, parts=parts, say=say, **profile_kw)
     out = Path(recipe.export.out) if recipe.export.out else Path(recipe.workdir) / "chain"

@@ -138,6 +138,13 @@ def test_save_load_round_trip_gives_identical_logits(target_dir, tmp_path):
     loaded.set_draft_vocab(100)
     with pytest.raises(PolyspecError, match="trained with a draft vocabulary"):
         loaded.set_draft_vocab(50)
+    # the ONNX head export does not write EAGLE-3 heads: refused before any work, EAGLE-1/2 heads pass
+    from polyspec.decode.head import EagleHead
+    from polyspec.export.stage import check_onnx_head
+
+    with pytest.raises(PolyspecError, match="export.onnx=false"):
+        check_onnx_head(out)
+    check_onnx_head(save_head(EagleHead(t.args, t.embed_tokens, t.lm_head), tmp_path / "h1", {"t": "tiny"}))
 
 
 @pytest.mark.parametrize("tree", [None, TreeParams(top_k=3, depth=4, total_tokens=12)], ids=["linear", "tree"])

@@ -140,10 +140,21 @@ def test_eagle3_options_are_checked(tmp_path, tiny_model):
     keys = {train_key("t", "t", "d", r.train, rt) for r in
             (eagle, e3, _recipe(tmp_path, tiny_model, head="eagle3", ttt_steps=2))}
     assert len(keys) == 3
-    # an EAGLE-1/2 recipe's key ignores the EAGLE-3 fields (heads trained before they existed are still found)
-    dumped = eagle.train.model_dump(mode="json")
-    assert train_key("t", "t", "d", eagle.train, rt) == train_key(
-        "t", "t", "d", type(eagle.train).model_construct(**{k: v for k, v in dumped.items()}), rt)
+    explicit = _recipe(tmp_path, tiny_model, head="eagle3", ttt_steps=3, ttt_decay=0.8, draft_vocab=32000)
+    assert train_key("t", "t", "d", explicit.train, rt) == train_key("t", "t", "d", e3.train, rt)  # the defaults
+    # an EAGLE-1/2 recipe's key is over the settings that existed before the EAGLE-3 ones (so heads trained before
+    # them are still found): the same key as the TrainConfig dump without them
+    import hashlib
+
+    from polyspec.config import EAGLE3_KEYS
+    from polyspec.train.stage import OPERATIONAL_KEYS, TRAIN_FORMAT
+
+    old = {k: v for k, v in eagle.train.model_dump(mode="json").items()
+           if k not in (*OPERATIONAL_KEYS, "head", *EAGLE3_KEYS)}
+    ident = {"format": TRAIN_FORMAT, "target": "t", "teacher": "t", "data": "d", "train": old,
+             "runtime": {k: str(rt[k]) for k in ("strategy", "devices", "precision", "accelerator")}}
+    assert train_key("t", "t", "d", eagle.train, rt) == hashlib.sha256(
+        json.dumps(ident, sort_keys=True).encode()).hexdigest()
     with pytest.raises(PolyspecError, match="train.aux_layers"):
         from polyspec.train import train_stage
 

@@ -81,6 +81,8 @@ def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
 
 def train_key(target_id: str, teacher_id: str, data_key: str, cfg: TrainConfig, runtime: dict[str, Any]) -> str:
     """SHA-256 over everything that changes the trained head."""
+    if cfg.head == "eagle3":  # an unset option and its default train the same head
+        cfg = eagle3_settings(cfg)
     train = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
     if cfg.head == "eagle":  # keys of EAGLE-1/2 heads are what they were before EAGLE-3 options existed
         for k in ("head", *EAGLE3_KEYS):

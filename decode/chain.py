@@ -35,7 +35,9 @@ how freshly drafted tokens get theirs); otherwise a catch-up forward of the leve
 context (counted as ``catch_up_passes``; in practice only at the start, where nothing has processed the prompt). Draft
 cache entries computed from a predicted feature are recomputed from true features once a level above has processed
 those positions (as EAGLE does). None of this affects losslessness, only acceptance. A draft that needs features
-proposes nothing for a one-token context (the level above then samples from its own distribution).
+proposes nothing for a one-token context (the level above then samples from its own distribution). For an EAGLE-3
+draft (one with ``aux_layers``) every level above returns the head's fused auxiliary states as its hidden state
+(:func:`_feed_aux`), so the features above stay H wide whichever level they come from.
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ class ChainDecoder:
             if lacking:
                 raise PolyspecError(f"tree decoding needs forward_tree() on the draft and the level verifying it; "
                                     f"{lacking} lack it (ModelLevel, HeadLevel and TableLevel have it)")
+        _feed_aux(levels)
         self.levels = levels
         self.draft_k = draft_k
         self.mu = mu
@@ -251,6 +254,20 @@ class ChainDecoder:
             "sampling": asdict(sampling),
         }
         return GenerationResult(token_ids=new, stats=stats, level_stats=level_stats)
+
+
+def _feed_aux(levels: list[Level]) -> None:
+    """An EAGLE-3 draft reads fc(aux layer states) of the levels above: have each return exactly that as its hidden
+    state (so every feature the run stores is H wide); any other draft: the levels' ordinary hidden state."""
+    if len(levels) < 2:
+        return
+    aux = getattr(levels[-1], "aux_layers", None)
+    for lv in levels[:-1]:
+        if hasattr(lv, "feed_aux"):
+            lv.feed_aux(aux, levels[-1].fuse if aux else None)
+        elif aux:
+            raise PolyspecError(f"level {lv.name!r} cannot feed the EAGLE-3 head {levels[-1].name!r} its auxiliary "
+                                "layer states (it has no feed_aux); use ModelLevel over polyspec's Transformer")
 
 
 class _Run:

@@ -418,6 +418,9 @@ def _weight_kind(layer: torch.nn.Module) -> tuple[str, int] | None:
 
     lins = _projections(layer)
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    attn = layer.self_attn
+    if attn.q_proj.in_features != attn.o_proj.out_features:
+        return None  # the kernel's attention reads the residual width (an EAGLE-3 layer reads 2H)
     if layer.self_attn.head_dim % 2 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
         return None
     dtype = norms[0].dtype

@@ -18,6 +18,9 @@ head's logits to the ``n`` most frequent tokens at inference: only those rows of
 vocabulary's lm_head is most of a head's cost), and every other token gets logit -inf. The draft still proposes from
 a proper distribution (zero outside the subset), so the chain stays exactly lossless; a target token outside the
 subset is simply never proposed and comes from the residual.
+
+The EAGLE-3 head lives in :mod:`polyspec.decode.head3`; :func:`save_head` / :func:`load_head` write and read both
+kinds (config ``head_type``: absent or "eagle" here, "eagle3" there).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ HEAD_MODEL_TYPE = "polyspec-eagle-head"
 TOKEN_COUNTS_FILE = "token_counts.safetensors"
 HEAD_FORMAT_VERSION = 1
 TRAINABLE_PREFIXES = ("fc.", "layer.")
+HEAD_TYPES = ("eagle", "eagle3")  # EAGLE-1/2 (this module), EAGLE-3 (polyspec.decode.head3)
 
 
 class EagleHead(CachedDecoder):
@@ -146,7 +150,9 @@ class EagleHead(CachedDecoder):
 def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any],
               token_counts: torch.Tensor | None = None) -> Path:
     """Write ``out_dir`` atomically: config.json (model_type, format version, the layer's ModelArgs, the caller's
-    target identity/hash) and model.safetensors with fc.* and layer.* only (never the target's embedding/lm_head);
+    target identity/hash; for an EAGLE-3 head also head_type, aux_layers and draft_vocab_size) and model.safetensors
+    with the head's own tensors only (EAGLE-1/2: fc.* and layer.*; EAGLE-3: also norm, lm_head, d2t, t2d; never the
+    target's embedding or lm_head);
     with ``token_counts`` (int64 [V]: occurrences of each token id in the training targets) also
     token_counts.safetensors, which :meth:`EagleHead.set_draft_vocab` reads."""
     from safetensors.torch import save_file
@@ -157,6 +163,8 @@ def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any],
         "args": head.args.to_dict(),
         "target": dict(target_info),
     }
+    if getattr(head, "head_type", "eagle") != "eagle":  # EAGLE-1/2 folders stay as they were (no head_type: eagle)
+        config.update(head_type=head.head_type, aux_layers=list(head.aux_layers), draft_vocab_size=head.draft_size)
     try:
         config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     except TypeError as e:
@@ -190,9 +198,18 @@ def read_head_config(head_dir: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def head_type(cfg: dict[str, Any]) -> str:
+    """"eagle" (EAGLE-1/2, also every folder written before head types existed) or "eagle3"."""
+    kind = cfg.get("head_type", "eagle")
+    if kind not in HEAD_TYPES:
+        raise PolyspecError(f"head_type {kind!r} in a head config is not one of {list(HEAD_TYPES)}")
+    return kind
+
+
 def load_head(head_dir: str | Path, target: nn.Module) -> EagleHead:
-    """Load a saved head and attach ``target``'s embedding and lm_head (checked for matching sizes).
-    The head takes the dtype and device of the target's embedding."""
+    """Load a saved head (EAGLE-1/2 or EAGLE-3, by its config's head_type) and attach ``target``'s embedding (and, for
+    EAGLE-1/2, its lm_head), checked for matching sizes. The head takes the dtype and device of the target's
+    embedding."""
     from safetensors.torch import load_file
 
     head_dir = Path(head_dir)
@@ -208,19 +225,40 @@ def load_head(head_dir: str | Path, target: nn.Module) -> EagleHead:
     if not weights_path.is_file():
         raise PolyspecError(f"{head_dir} has no model.safetensors")
     ref = target.embed_tokens.weight
+    eagle3 = head_type(cfg) == "eagle3"
     with torch.device("meta"):
-        head = EagleHead(args, nn.Embedding(args.vocab_size, args.hidden_size),
-                         Linear(args.hidden_size, args.vocab_size, bias=False))
+        head = _empty_head3(cfg, args) if eagle3 else \
+            EagleHead(args, nn.Embedding(args.vocab_size, args.hidden_size),
+                      Linear(args.hidden_size, args.vocab_size, bias=False))
     state = load_file(str(weights_path))
     expected = set(head.trainable_state_dict())
     if set(state) != expected:
         raise PolyspecError(f"{weights_path}: tensors {sorted(set(state) ^ expected)} do not match the head layout")
-    head.load_state_dict({k: v.to(ref.dtype) for k, v in state.items()}, strict=False, assign=True)
+    head.load_state_dict({k: v.to(ref.dtype) if v.is_floating_point() else v for k, v in state.items()},
+                         strict=False, assign=True)
     head.embed_tokens = target.embed_tokens.requires_grad_(False)
-    head.lm_head = target.lm_head.requires_grad_(False)
+    if eagle3:
+        head.sync_draft_ids()
+        if len(head.aux_layers) * args.hidden_size != head.fc.weight.shape[1] or \
+                max(head.aux_layers) >= t_args.num_layers:
+            raise PolyspecError(f"{head_dir}: aux_layers {head.aux_layers} do not fit fc's input "
+                                f"{head.fc.weight.shape[1]} or the target's {t_args.num_layers} layers")
+    else:
+        head.lm_head = target.lm_head.requires_grad_(False)
     head.inv_freq = rope_inv_freq(args)
     head.token_counts = read_token_counts(head_dir, args.vocab_size)
     return head.to(ref.device).eval()
+
+
+def _empty_head3(cfg: dict[str, Any], args: ModelArgs) -> nn.Module:
+    """An EAGLE-3 head of the config's shape (call under torch.device("meta"))."""
+    from polyspec.decode.head3 import Eagle3Head
+
+    aux, size = cfg.get("aux_layers"), cfg.get("draft_vocab_size")
+    if not isinstance(aux, list) or not all(isinstance(i, int) for i in aux) or not isinstance(size, int):
+        raise PolyspecError(f"an eagle3 head config needs aux_layers (a list of layer ids) and draft_vocab_size (an "
+                            f"integer), got {aux!r} and {size!r}")
+    return Eagle3Head(args, nn.Embedding(args.vocab_size, args.hidden_size), aux, size)
 
 
 def read_token_counts(head_dir: str | Path, vocab_size: int) -> torch.Tensor | None:

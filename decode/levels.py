@@ -18,7 +18,8 @@ one forward. ``compact(src_positions, dst_start)`` keeps the cache entries at se
 (the accepted path of a verified tree) at ``dst_start ..``; a level without it is truncated and recomputes instead.
 
 Adapters: :class:`ModelLevel` over ``polyspec.decode.model.Transformer`` (target, int4 copy, or any plain draft),
-:class:`HeadLevel` over ``polyspec.decode.head.EagleHead``. :class:`TableLevel` is a tiny deterministic n-gram level for
+:class:`HeadLevel` over ``polyspec.decode.head.EagleHead`` or ``polyspec.decode.head3.Eagle3Head`` (whose levels above
+return the head's fused auxiliary features as their hidden state: :meth:`ModelLevel.feed_aux`). :class:`TableLevel` is a tiny deterministic n-gram level for
 tests and demos (exact distributions are computable by hand).
 """
 
@@ -87,6 +88,22 @@ class ModelLevel:
         self.model = transformer
         self.name = name
         self._last_only = _accepts(transformer.forward, "last_only")
+        self._aux: tuple[tuple[int, ...], object] | None = None  # feed_aux: (layer ids, fuse) for an EAGLE-3 draft
+
+    def feed_aux(self, aux_layers: list[int] | None, fuse=None) -> None:
+        """Return ``fuse(concat of these layers' outputs)`` as the hidden state from now on (the feature an EAGLE-3
+        head below reads, H wide); None: the final-norm'd hidden again. Set by the ChainDecoder for its draft."""
+        if aux_layers and not _accepts(self.model.forward, "aux_layers"):
+            raise PolyspecError(f"level {self.name!r} cannot return auxiliary layer states, so it cannot feed an "
+                                "EAGLE-3 head; use polyspec's Transformer for the levels above the head")
+        self._aux = (tuple(aux_layers), fuse) if aux_layers else None
+
+    def _run(self, ids: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._aux is None:
+            return self.model.forward(ids, **kw)
+        layers, fuse = self._aux
+        logits, aux = self.model.forward(ids, aux_layers=layers, **kw)  # aux [T, A H]
+        return logits, fuse(aux)
 
     @property
     def device(self) -> torch.device:
@@ -111,15 +128,15 @@ class ModelLevel:
         self.model.truncate(start_pos)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         if self._last_only:
-            return self.model.forward(ids, last_only=last_only)
-        return self.model.forward(ids)
+            return self._run(ids, last_only=last_only)
+        return self._run(ids)
 
     @torch.inference_mode()
     def forward_tree(self, tokens: list[int], positions: list[int], mask: torch.Tensor,
                      features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         offsets = torch.tensor(positions, dtype=torch.long) - self.model.cache_len  # [T]
-        return self.model.forward(ids, tree_mask=mask, position_offsets=offsets)
+        return self._run(ids, tree_mask=mask, position_offsets=offsets)
 
     def compact(self, src_positions: list[int], dst_start: int) -> None:
         self.model.compact(torch.tensor(src_positions, dtype=torch.long), dst_start)
@@ -140,6 +157,16 @@ class HeadLevel:
         self.head = head
         self.name = name
         self._last_only = _accepts(head.forward, "last_only")
+
+    @property
+    def aux_layers(self) -> list[int] | None:
+        """The target layers an EAGLE-3 head reads (the levels above must return them: ModelLevel.feed_aux);
+        None for an EAGLE-1/2 head, which reads the final-norm'd hidden state."""
+        return getattr(self.head, "aux_layers", None)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """An EAGLE-3 head's fc: aux concatenation [T, A H] -> feature [T, H]."""
+        return self.head.fuse(aux)
 
     @property
     def device(self) -> torch.device:

@@ -519,8 +519,14 @@ class CachedDecoder(nn.Module):
                 raise PolyspecError("tree_mask must let every token see itself (its diagonal must be all True)")
 
     def _run_layers(self, x: torch.Tensor, layers: list[nn.Module], tree_mask: torch.Tensor | None,
-                    position_offsets: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, H] through ``layers`` with the cache (if set up) -> [B, T, H]; advances cache_len."""
+                    position_offsets: torch.Tensor | None, capture: tuple[int, ...] = ()
+                    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """x [B, T, H] through ``layers`` with the cache (if set up) -> [B, T, H]; advances cache_len.
+
+        capture: layer indices whose outputs (the residual stream after that layer) are also returned, in the
+        order given, as ``(x, [captured [B, T, H], ...])`` (an EAGLE-3 head's auxiliary features)."""
+        if capture:
+            return self._run_layers_capture(x, layers, tree_mask, position_offsets, capture)
         b, t, _ = x.shape
         cache = self._cache
         start = cache.length if cache is not None else 0
@@ -542,6 +548,47 @@ class CachedDecoder(nn.Module):
         if cache is not None:
             cache.length = start + t
         return x
+
+    # -- EAGLE-3 auxiliary features (begin) ------------------------------------------------------------------------
+
+    def _run_layers_capture(self, x: torch.Tensor, layers: list[nn.Module], tree_mask: torch.Tensor | None,
+                            position_offsets: torch.Tensor | None, capture: tuple[int, ...]
+                            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """_run_layers in segments that end at the captured layers (each segment keeps the one-call kernel path);
+        every segment writes its layers' K/V at the same positions, so the cache ends as one call would leave it."""
+        n = len(layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in capture):
+            raise PolyspecError(f"auxiliary layer ids {list(capture)} must lie in 0..{n - 1} (this model has {n} "
+                                "layers)")
+        cache = self._cache
+        start = cache.length if cache is not None else 0
+        outputs: dict[int, torch.Tensor] = {}
+        lo = 0
+        for hi in sorted(set(capture)):
+            x = self._run_segment(x, layers, lo, hi + 1, start, tree_mask, position_offsets)
+            outputs[hi], lo = x, hi + 1
+        if lo < n:
+            x = self._run_segment(x, layers, lo, n, start, tree_mask, position_offsets)
+        if cache is not None:
+            cache.length = start + x.shape[1]
+        return x, [outputs[i] for i in capture]
+
+    def _run_segment(self, x: torch.Tensor, layers: list[nn.Module], lo: int, hi: int, start: int,
+                     tree_mask: torch.Tensor | None, position_offsets: torch.Tensor | None) -> torch.Tensor:
+        """Layers lo .. hi - 1 (cache slots lo .. hi - 1) over a block at cache position ``start``."""
+        cache = self._cache
+        if cache is None:
+            return self._run_layers(x, layers[lo:hi], tree_mask, position_offsets)
+        # a view of the cache holding only this segment's layers, so _run_layers' layer i is cache slot lo + i
+        view = StaticKVCache.__new__(StaticKVCache)
+        view.__dict__.update(cache.__dict__, k=cache.k[lo:hi], v=cache.v[lo:hi], length=start)
+        self._cache = view
+        try:
+            return self._run_layers(x, layers[lo:hi], tree_mask, position_offsets)
+        finally:
+            self._cache = cache
+
+    # -- EAGLE-3 auxiliary features (end) --------------------------------------------------------------------------
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -568,8 +615,8 @@ class Transformer(CachedDecoder):
         return self.norm.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, *, tree_mask: torch.Tensor | None = None,
-                position_offsets: torch.Tensor | None = None, last_only: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                position_offsets: torch.Tensor | None = None, last_only: bool = False,
+                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens; returns (logits [T, V] float32, hidden [T, H]) — hidden is the final-norm'd state,
         i.e. exactly lm_head's input (the feature an EAGLE head reads).
 
@@ -578,10 +625,19 @@ class Transformer(CachedDecoder):
             [T, K + T], whose first K columns say which of the last K cached positions token j sees.
         position_offsets: [T] RoPE positions relative to cache_len (default 0..T-1).
         last_only: return only the last row of each output ([1, V], [1, H]).
+        aux_layers: hidden is instead the concatenated outputs of these layers (0-based: the residual stream after
+            layer i, Hugging Face's ``hidden_states[i + 1]``), [T, len(aux_layers) * H]: an EAGLE-3 head's input.
         """
         ids, squeeze = _as_batch(input_ids)
-        runner = self.__dict__.get("_static_runner")  # polyspec.decode.cuda_graphs: static steps / CUDA graphs
-        out = runner.forward(ids, None, tree_mask, position_offsets, last_only) if runner is not None else None
+        if aux_layers:
+            x, aux = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets,
+                                      capture=tuple(aux_layers))
+            logits, _ = self._out(x, last_only)
+            hidden = torch.cat(aux, dim=-1)  # [B, T, A * H]
+            out = logits, (hidden[:, -1:] if last_only else hidden)
+        else:
+            runner = self.__dict__.get("_static_runner")  # polyspec.decode.cuda_graphs: static steps / CUDA graphs
+            out = runner.forward(ids, None, tree_mask, position_offsets, last_only) if runner is not None else None
         if out is None:
             x = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets)
             out = self._out(x, last_only)

@@ -106,6 +106,20 @@ def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool
     return atomic_folder(out, write)
 
 
+def check_onnx_head(head_dir: Path) -> None:
+    """Refuse (before any work) an ONNX export of a head that onnx_head cannot write: an EAGLE-3 head. A bottom level
+    that is no head (a model draft) has nothing to export."""
+    from polyspec.decode.head import HEAD_MODEL_TYPE, head_type, read_head_config
+    from polyspec.decode.model import read_hf_config
+
+    if read_hf_config(Path(head_dir)).get("model_type") != HEAD_MODEL_TYPE:
+        return
+    kind = head_type(read_head_config(head_dir))
+    if kind != "eagle":
+        raise PolyspecError(f"ONNX export of an {kind} head ({head_dir}) is not supported yet; set export.onnx=false",
+                            exit_code=2)
+
+
 def _export_onnx(target_dir: Path, head_dir: Path, opset: int) -> dict[str, Any]:
     """Export the head in ``head_dir`` (a copy being assembled) to ONNX next to its weights; parity-check it."""
     import torch

@@ -323,9 +323,11 @@ def export_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = None
                  notes: dict[str, Any] | None = None, threads: int | None = None, say: Say = _say) -> Path:
     """Profile (or reuse the stored profile) and write the chain folder (``export.out``, default
     ``<workdir>/chain``); log it to MLflow as artifacts. Returns the chain folder."""
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import check_onnx_head, export_chain
 
     folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
+    if recipe.export.onnx:
+        check_onnx_head(folders[-1])  # before minutes of profiling
     if profile is None:
         profile = profile_stage(recipe, tracker, parts=folders, notes=notes, threads=threads, say=say)
     out = Path(recipe.export.out) if recipe.export.out else Path(recipe.workdir) / "chain"

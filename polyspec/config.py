@@ -158,6 +158,41 @@ class TrainConfig(Section):
     accept_tokens: int = Field(48, ge=1, description="new tokens per prompt in that decoder measurement")
     num_workers: int = Field(0, ge=0)
     seed: int = 0
+    head: Literal["eagle", "eagle3"] = Field(
+        "eagle", description="eagle: EAGLE-1/2 head (reads the target's final hidden state, shares its lm_head); "
+        "eagle3: EAGLE-3 head (fused low/middle/high layer states, its own lm_head over train.draft_vocab tokens, "
+        "trained with a training-time test)"
+    )
+    ttt_steps: int | None = Field(None, ge=1, description="eagle3: training-time-test unroll steps (default 3)")
+    ttt_decay: float | None = Field(
+        None, gt=0, le=1, description="eagle3: the loss of unroll step i is weighted ttt_decay ** i (default 0.8)"
+    )
+    draft_vocab: int | None = Field(
+        None, ge=1, description="eagle3: draft vocabulary, the most frequent assistant tokens of the training data "
+        "(default 32000, capped to the target's vocabulary)"
+    )
+    aux_layers: list[int] | None = Field(
+        None, min_length=1, description="eagle3: target layers (0-based; the residual stream after each) whose "
+        "states the head fuses (default [1, N/2 - 1, N - 4] for an N-layer target, clamped to 0..N-2)"
+    )
+
+    @model_validator(mode="after")
+    def _head_options(self) -> TrainConfig:
+        eagle3_only = [k for k in EAGLE3_KEYS if getattr(self, k) is not None]
+        if self.head == "eagle" and eagle3_only:
+            raise ValueError(f"{', '.join('train.' + k for k in eagle3_only)} only apply to train.head=eagle3 "
+                             "(this recipe trains an EAGLE-1/2 head)")
+        if self.head == "eagle3" and self.loss_vocab:
+            raise ValueError("train.loss_vocab is for EAGLE-1/2 heads; an EAGLE-3 head trains over its own "
+                             "train.draft_vocab")
+        if self.head == "eagle3" and self.features == "offline":
+            raise ValueError("train.head=eagle3 needs train.features=online for now (the offline feature cache "
+                             "holds the final hidden state only)")
+        return self
+
+
+EAGLE3_KEYS = ("ttt_steps", "ttt_decay", "draft_vocab", "aux_layers")  # TrainConfig keys only train.head=eagle3 reads
+EAGLE3_DEFAULTS = {"ttt_steps": 3, "ttt_decay": 0.8, "draft_vocab": 32000}
 
 
 class QuantizeConfig(Section):

@@ -17,7 +17,13 @@ from conftest import ASSETS, REPO, make_tiny_llama
 from polyspec.config import validate_tree
 from polyspec.errors import PolyspecError
 from polyspec.train.ckpt_io import load_tree, save_tree
-from polyspec.train.losses import eagle_losses, expected_acceptance_length, shift_for_head, warmup_linear_decay
+from polyspec.train.losses import (
+    eagle3_losses,
+    eagle_losses,
+    expected_acceptance_length,
+    shift_for_head,
+    warmup_linear_decay,
+)
 
 SAMPLE = ASSETS / "sharegpt_sample.json"
 
@@ -38,6 +44,22 @@ def _recipe(tmp: Path, model: Path, **train):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("train_tiny"), hidden=64, intermediate=128, heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def peaked_model(tmp_path_factory, tiny_model) -> Path:
+    """tiny_model with its lm_head scaled up: peaked next-token distributions, so a head that reads only the teacher's
+    distribution (EAGLE-3: no feature loss) has something to learn above the entropy floor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("peaked") / "m"
+    shutil.copytree(tiny_model, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 30.0
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def _info(head_dir: Path) -> dict:
@@ -87,6 +109,66 @@ def test_eval_every_is_counted_in_optimizer_steps():
     assert _val_interval(TrainConfig(eval_every=10, grad_accum=2), 100, 1) == 20  # batches per rank
     assert _val_interval(TrainConfig(eval_every=10, grad_accum=2), 100, 2) == 20
     assert _val_interval(TrainConfig(eval_every=60), 100, 2) == 1.0  # longer than an epoch: once per epoch
+
+
+def test_eagle3_losses_align_steps_and_skip_targets_outside_the_draft_vocabulary():
+    torch.manual_seed(0)
+    v, vd, n = 6, 4, 5
+    draft_ids = torch.tensor([0, 2, 3, 5])
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[draft_ids] = True
+    target = torch.randn(1, n, v)
+    target[..., ~t2d] = -10.0
+    target[0, 1, 4] = 50.0  # row 1's teacher argmax (4) is outside the draft vocabulary
+    w = torch.ones(1, n)
+    perfect = [target[:, k:, draft_ids].clone() for k in range(3)]  # every step predicts its shifted target
+    perfect = [torch.cat((lg, torch.zeros(1, k, vd)), dim=1) for k, lg in enumerate(perfect)]  # rows past the end
+    parts = eagle3_losses(perfect, target, w, draft_ids, t2d, 0.5)
+    assert parts["step_count"].tolist() == [5, 4, 3]  # step k has n - k rows
+    # agreement counts row 1 (outside the draft vocabulary) as a miss for the steps that see it
+    assert parts["step_correct"].tolist() == [4, 3, 3] and float(parts["correct"]) == 4.0
+    # the loss is the decayed sum of each step's entropy of the renormalised teacher over the rows it keeps
+    want = 0.0
+    for k in range(3):
+        rows = [r for r in range(k, n) if r != 1]
+        p = torch.softmax(target[0, rows][:, draft_ids], -1)
+        want += 0.5 ** k * float(-(p * torch.log(p)).sum(-1).mean())
+    assert float(parts["loss"]) == pytest.approx(want, rel=1e-5)
+    worse = eagle3_losses([-lg for lg in perfect], target, w, draft_ids, t2d, 0.5)
+    assert float(worse["loss"]) > float(parts["loss"])
+
+
+def test_eagle3_options_are_checked(tmp_path, tiny_model):
+    from polyspec.train.stage import runtime_settings, train_key
+
+    with pytest.raises(PolyspecError, match="only apply to train.head=eagle3"):
+        _recipe(tmp_path, tiny_model, ttt_steps=2)
+    with pytest.raises(PolyspecError, match="features=online"):
+        _recipe(tmp_path, tiny_model, head="eagle3", features="offline")
+    eagle, e3 = _recipe(tmp_path, tiny_model), _recipe(tmp_path, tiny_model, head="eagle3")
+    rt = runtime_settings(eagle.train, "cpu")
+    keys = {train_key("t", "t", "d", r.train, rt) for r in
+            (eagle, e3, _recipe(tmp_path, tiny_model, head="eagle3", ttt_steps=2))}
+    assert len(keys) == 3
+    explicit = _recipe(tmp_path, tiny_model, head="eagle3", ttt_steps=3, ttt_decay=0.8, draft_vocab=32000)
+    assert train_key("t", "t", "d", explicit.train, rt) == train_key("t", "t", "d", e3.train, rt)  # the defaults
+    # an EAGLE-1/2 recipe's key is over the settings that existed before the EAGLE-3 ones (so heads trained before
+    # them are still found): the same key as the TrainConfig dump without them
+    import hashlib
+
+    from polyspec.config import EAGLE3_KEYS
+    from polyspec.train.stage import OPERATIONAL_KEYS, TRAIN_FORMAT
+
+    old = {k: v for k, v in eagle.train.model_dump(mode="json").items()
+           if k not in (*OPERATIONAL_KEYS, "head", *EAGLE3_KEYS)}
+    ident = {"format": TRAIN_FORMAT, "target": "t", "teacher": "t", "data": "d", "train": old,
+             "runtime": {k: str(rt[k]) for k in ("strategy", "devices", "precision", "accelerator")}}
+    assert train_key("t", "t", "d", eagle.train, rt) == hashlib.sha256(
+        json.dumps(ident, sort_keys=True).encode()).hexdigest()
+    with pytest.raises(PolyspecError, match="train.aux_layers"):
+        from polyspec.train import train_stage
+
+        train_stage(_recipe(tmp_path, tiny_model, head="eagle3", aux_layers=[0, 5], max_steps=1), progress=False)
 
 
 def test_checkpoint_tree_round_trip_without_pickle(tmp_path):
@@ -248,6 +330,43 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     (out / TOKEN_COUNTS_FILE).unlink()
     assert train_stage(recipe, progress=False, callbacks=[MustNotTrain()]) == out
     assert torch.equal(read_token_counts(out, target.args.vocab_size), counts)
+
+
+def test_tiny_eagle3_training_lowers_the_loss_and_decodes_losslessly(tmp_path, peaked_model):
+    from polyspec.decode.chain import ChainDecoder, TreeParams
+    from polyspec.decode.head import load_head, read_head_config, save_head
+    from polyspec.decode.head3 import Eagle3Head, draft_vocab_ids
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+    from polyspec.decode.model import Transformer
+    from polyspec.train import train_stage
+
+    tiny_model = peaked_model
+    recipe = _recipe(tmp_path, tiny_model, head="eagle3", ttt_steps=2, draft_vocab=100, max_steps=16, epochs=20,
+                     checkpoint_every=5)
+    out = train_stage(recipe, progress=False, log_every=1)
+    info = _info(out)
+    assert info["steps"] == 16 and info["train"]["head"] == "eagle3"
+    evals = [e["heldout/loss"] for e in info["eval_history"]]
+    assert len(evals) >= 2 and evals[-1] < evals[0]
+    cfg = read_head_config(out)
+    assert (cfg["head_type"], cfg["aux_layers"], cfg["draft_vocab_size"]) == ("eagle3", [0, 0, 0], 100)
+    target = Transformer.from_pretrained(tiny_model).eval()
+    head = load_head(out, target)
+    assert isinstance(head, Eagle3Head)
+    # the draft vocabulary is the 100 most frequent training targets, and its lm_head was trained (moved off the
+    # target's rows it started from)
+    assert torch.equal(head.draft_ids, draft_vocab_ids(head.token_counts, 100))
+    assert not torch.allclose(head.lm_head.weight, target.lm_head.weight[head.draft_ids])
+    again = load_head(save_head(head, tmp_path / "again", cfg["target"]), target)
+    ids, feats = torch.tensor([3, 5, 7]), torch.randn(3, target.args.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(head(ids, feats)[0], again(ids, feats)[0])
+    prompt = [5, 17, 30, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(target, "t")], max_seq_len=64).generate(prompt, 16).token_ids
+    for tree in (None, TreeParams(top_k=3, depth=3, total_tokens=8)):
+        r = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=3, max_seq_len=64,
+                         tree=tree).generate(prompt, 16)
+        assert r.token_ids == ar
 
 
 def test_resume_after_a_kill_ends_with_the_same_step_count(tmp_path, tiny_model):

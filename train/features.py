@@ -48,9 +48,11 @@ def load_teacher(path: Path, dtype: torch.dtype, device: str | torch.device) -> 
 
 
 @torch.no_grad()
-def teacher_outputs(teacher: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [B, T] -> (logits [B, T, V] float32, hidden [B, T, H]) from one stateless causal pass."""
-    logits, hidden = teacher(input_ids)
+def teacher_outputs(teacher: torch.nn.Module, input_ids: torch.Tensor,
+                    aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T] -> (logits [B, T, V] float32, hidden [B, T, H]) from one stateless causal pass; with
+    ``aux_layers`` (an EAGLE-3 head) hidden is those layers' outputs concatenated [B, T, A H]."""
+    logits, hidden = teacher(input_ids, aux_layers=aux_layers) if aux_layers else teacher(input_ids)
     if logits.dim() == 2:  # the engine squeezes a batch of one
         logits, hidden = logits[None], hidden[None]
     return logits, hidden

@@ -73,6 +73,43 @@ def eagle_losses(head_logits: torch.Tensor, head_hidden: torch.Tensor, target_fe
     }
 
 
+def eagle3_losses(step_logits: list[torch.Tensor], target_logits: torch.Tensor, weight: torch.Tensor,
+                  draft_ids: torch.Tensor, t2d: torch.Tensor, decay: float) -> dict[str, torch.Tensor]:
+    """The EAGLE-3 training-time-test loss over unroll steps (all in float32).
+
+    step_logits: per step k, the head's draft-vocabulary logits [B, N, Vd] (Eagle3Head.unroll; row t of step k
+    predicts what row t + k of step 0 would); target_logits [B, N, V] and weight [B, N] as :func:`eagle_losses` takes
+    them (row t: the teacher's distribution of x_{t+2}); draft_ids [Vd] ascending target ids; t2d bool [V].
+    Step k compares its rows 0..N-1-k with the targets and weights of rows k..N-1. Its cross-entropy is against the
+    teacher's distribution renormalised on the draft vocabulary, over the rows whose teacher argmax is in it
+    (SpecForge's rule: a token the draft can never propose teaches it nothing); the step losses are summed with
+    weights ``decay ** k``. Returns ``loss``; ``token`` (step 0's cross-entropy), ``correct`` / ``count`` (step 0's
+    argmax agreement in target ids over every weighted row, the draft vocabulary's misses included) and
+    ``step_correct`` / ``step_count`` [K] for every step.
+    """
+    n = weight.shape[1]
+    loss = weight.new_zeros((), dtype=torch.float32)
+    token = loss
+    correct, count = [], []
+    for k, logits in enumerate(step_logits):
+        if k >= n:
+            break
+        tl = target_logits[:, k:].float()  # [B, N-k, V]
+        lg = logits[:, :n - k].float()  # [B, N-k, Vd]
+        w = weight[:, k:].float()  # [B, N-k]
+        best = tl.argmax(-1)  # [B, N-k]
+        w_in = w * t2d[best].float()
+        p = torch.softmax(tl.index_select(-1, draft_ids), dim=-1)  # [B, N-k, Vd]
+        ce = -(p * torch.log_softmax(lg, dim=-1)).sum(-1)  # [B, N-k]
+        step = (ce * w_in).sum() / w_in.sum().clamp(min=1.0)
+        loss = loss + decay ** k * step
+        token = step if k == 0 else token
+        correct.append(((draft_ids[lg.argmax(-1)] == best).float() * w).sum())
+        count.append(w.sum())
+    return {"loss": loss, "token": token, "correct": correct[0], "count": count[0],
+            "step_correct": torch.stack(correct), "step_count": torch.stack(count)}
+
+
 def expected_acceptance_length(alpha: float, k: int) -> float:
     """Expected tokens produced per verification step for a K-token draft when each draft token is accepted
     independently with probability ``alpha`` (stopping at the first rejection) and the verifier always adds one
@@ -126,5 +163,5 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b) if b else 0
 
 
-__all__ = ["shift_for_head", "uniform_noise", "eagle_losses", "expected_acceptance_length", "warmup_linear_decay",
+__all__ = ["shift_for_head", "uniform_noise", "eagle_losses", "eagle3_losses", "expected_acceptance_length", "warmup_linear_decay",
            "padded_batch", "tokens_in", "ceil_div"]

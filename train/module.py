@@ -19,6 +19,7 @@ from polyspec.decode.head import subset_logits
 from polyspec.train.ckpt_io import load_tree, save_tree
 from polyspec.train.features import teacher_outputs
 from polyspec.train.losses import (
+    eagle3_losses,
     eagle_losses,
     expected_acceptance_length,
     shift_for_head,
@@ -26,15 +27,14 @@ from polyspec.train.losses import (
     warmup_linear_decay,
 )
 
-TRAINABLE_KEYS = ("head.fc.", "head.layer.")
-
 
 class HeadModule(L.LightningModule):
-    """Trains an :class:`~polyspec.decode.head.EagleHead` against a frozen teacher.
+    """Trains an :class:`~polyspec.decode.head.EagleHead` (or an EAGLE-3
+    :class:`~polyspec.decode.head3.Eagle3Head`, online only) against a frozen teacher.
 
     ``teacher`` (online mode) is kept out of the module's parameters and checkpoints (it is moved to the module's
     device on first use); in offline mode batches carry ``hidden`` and the teacher's logits are recomputed with the
-    head's frozen lm_head. Checkpoints hold only the head's trainable tensors (fc.*, layer.*).
+    head's frozen lm_head. Checkpoints hold only what the head folder holds (``head.trainable_state_dict()``).
     """
 
     def __init__(self, head: torch.nn.Module, cfg: Any, *, draft_k: int, teacher: torch.nn.Module | None = None,
@@ -52,7 +52,10 @@ class HeadModule(L.LightningModule):
         self.tokens_seen = 0
         self.train_log: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
-        self._val_sums = torch.zeros(4, dtype=torch.float64)
+        self._val_sums = torch.zeros(5, dtype=torch.float64)
+        self.eagle3 = getattr(head, "head_type", "eagle") == "eagle3"
+        self._aux = tuple(head.aux_layers) if self.eagle3 else ()
+        self._kept = {"head." + k for k in head.trainable_state_dict()}  # what checkpoints hold
 
     # -- teacher -------------------------------------------------------------------------------------------------
 
@@ -72,21 +75,29 @@ class HeadModule(L.LightningModule):
                 raise RuntimeError("online training needs a teacher model")
             if teacher.inv_freq.device != self.device:
                 teacher.to(self.device)
-            logits, hidden = teacher_outputs(teacher, batch["input_ids"])
+            logits, hidden = teacher_outputs(teacher, batch["input_ids"], self._aux)
             return (logits if ids is None else logits.index_select(-1, ids.to(logits.device))), hidden
 
     def _losses(self, batch: dict[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
-        logits_t, hidden = self._teacher_signal(batch)
+        """The loss parts of a batch; ``loss`` is what the optimizer minimises."""
+        logits_t, hidden = self._teacher_signal(batch)  # EAGLE-3: hidden is the aux concatenation [B, T, A H]
         s = shift_for_head(batch["input_ids"], hidden, logits_t, batch["loss_mask"], batch["lengths"])
+        if self.eagle3:  # no feature noise: the training-time test already feeds the head its own states
+            steps = self.head.unroll(s["head_ids"], s["head_features"].float(), self.cfg.ttt_steps)
+            parts = eagle3_losses([lg for lg, _ in steps], s["target_logits"], s["weight"], self.head.draft_ids,
+                                  self.head.t2d, self.cfg.ttt_decay)
+            return {**parts, "feature": torch.zeros_like(parts["loss"])}
         feats = uniform_noise(s["head_features"].float(), noise)  # [B, T-1, H]
         logits, out = self.head(s["head_ids"], feats, vocab_ids=self.loss_ids)  # [B, T-1, V or Vd], [B, T-1, H]
-        return eagle_losses(logits, out, s["target_features"], s["target_logits"], s["weight"])
+        parts = eagle_losses(logits, out, s["target_features"], s["target_logits"], s["weight"])
+        parts["loss"] = self.cfg.feature_loss_weight * parts["feature"] + self.cfg.token_loss_weight * parts["token"]
+        return parts
 
     # -- training --------------------------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         parts = self._losses(batch, self.cfg.feature_noise)
-        loss = self.cfg.feature_loss_weight * parts["feature"] + self.cfg.token_loss_weight * parts["token"]
+        loss = parts["loss"]
         self.tokens_seen += int(batch["lengths"].sum())
         count = float(parts["count"])
         self.train_log = {
@@ -95,6 +106,9 @@ class HeadModule(L.LightningModule):
             "train/token_loss": float(parts["token"].detach()),
             "train/top1_agreement": float(parts["correct"]) / count if count else 0.0,
         }
+        if self.eagle3:  # the unrolled steps' agreement: how well the head drafts on its own states
+            for k, (c, n) in enumerate(zip(parts["step_correct"].tolist(), parts["step_count"].tolist(), strict=True)):
+                self.train_log[f"train/step{k}_agreement"] = c / n if n else 0.0
         self.log("loss", loss.detach(), prog_bar=True, on_step=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
@@ -114,24 +128,24 @@ class HeadModule(L.LightningModule):
     # -- held-out evaluation ---------------------------------------------------------------------------------------
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        self._val_sums = torch.zeros(5, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         parts = self._losses(batch, 0.0)
         c = parts["count"].double()
         self._val_sums += torch.stack((parts["feature"].double() * c, parts["token"].double() * c,
-                                       parts["correct"].double(), c))
+                                       parts["loss"].double() * c, parts["correct"].double(), c))
 
     def on_validation_epoch_end(self) -> None:
         sums = self.trainer.strategy.reduce(self._val_sums.clone(), reduce_op="sum")
-        feat, tok, correct, count = (float(x) for x in sums)
+        feat, tok, loss, correct, count = (float(x) for x in sums)
         if self.trainer.sanity_checking or count == 0:
             return
         alpha = correct / count
         self.last_eval = {
             "heldout/feature_loss": feat / count,
             "heldout/token_loss": tok / count,
-            "heldout/loss": (self.cfg.feature_loss_weight * feat + self.cfg.token_loss_weight * tok) / count,
+            "heldout/loss": loss / count,
             "heldout/top1_agreement": alpha,
             "heldout/acceptance_length_estimate": expected_acceptance_length(alpha, self.draft_k),
             "heldout/positions": count,
@@ -146,13 +160,12 @@ class HeadModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("state_dict")
         if state is not None:
-            checkpoint["state_dict"] = {k: v for k, v in state.items() if k.startswith(TRAINABLE_KEYS)}
+            checkpoint["state_dict"] = {k: v for k, v in state.items() if k in self._kept}
         checkpoint["polyspec_tokens_seen"] = self.tokens_seen
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("state_dict") or {}
-        expected = {k for k in self.state_dict() if k.startswith(TRAINABLE_KEYS)}
-        missing = expected - set(state)
+        missing = self._kept - set(state)
         if missing:
             raise RuntimeError(f"checkpoint lacks head tensors {sorted(missing)[:4]}: not a head checkpoint")
         self.tokens_seen = int(checkpoint.get("polyspec_tokens_seen", 0))

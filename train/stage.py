@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polyspec.config import Recipe, TrainConfig
+from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_KEYS, Recipe, TrainConfig
 from polyspec.device import device_name, is_global_rank_zero
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.fsutil import atomic_file
@@ -79,7 +79,12 @@ def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
 
 def train_key(target_id: str, teacher_id: str, data_key: str, cfg: TrainConfig, runtime: dict[str, Any]) -> str:
     """SHA-256 over everything that changes the trained head."""
+    if cfg.head == "eagle3":  # an unset option and its default train the same head
+        cfg = eagle3_settings(cfg)
     train = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
+    if cfg.head == "eagle":  # keys of EAGLE-1/2 heads are what they were before EAGLE-3 options existed
+        for k in ("head", *EAGLE3_KEYS):
+            train.pop(k, None)
     ident = {"format": TRAIN_FORMAT, "target": target_id, "teacher": teacher_id, "data": data_key, "train": train,
              "runtime": {k: str(runtime[k]) for k in ("strategy", "devices", "precision", "accelerator")}}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
@@ -213,7 +218,9 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
                                     teacher_dtype=teacher_dtype, extract_device=extract_device, rank0=rank0,
                                     progress=progress)
     probe = _acceptance_probe(recipe, teacher, prepared, tokenizer) if rank0 else None
-    result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every, probe)
+    counts = _token_counts(prepared, teacher.args.vocab_size)
+    result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every,
+                  probe, counts)
     head = result.pop("_head")
     if not rank0:
         return out_dir
@@ -235,7 +242,7 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
         "offline_cache": cache_info or None,
         **result,
     }
-    _write_head(head, out_dir, target_info, training, _token_counts(prepared, head.args.vocab_size))
+    _write_head(head, out_dir, target_info, training, counts)
     metrics = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     tracker.log_metrics({f"train/final_{k}": v for k, v in metrics.items()}, step=int(result["steps"]))
     if cache_info:
@@ -339,29 +346,53 @@ def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
     return probe
 
 
+def eagle3_settings(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the EAGLE-3 options' defaults filled in (EAGLE3_DEFAULTS) where the recipe leaves them unset."""
+    return cfg.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS.items() if getattr(cfg, k) is None})
+
+
+def _new_head(cfg: TrainConfig, teacher, counts: Any):
+    """A fresh head for ``cfg.head``: EAGLE-1/2 over the teacher's embedding and lm_head, or EAGLE-3 with its draft
+    vocabulary (the most frequent training tokens) and lm_head / norm started from the teacher's."""
+    from polyspec.decode.head import EagleHead
+    from polyspec.decode.head3 import Eagle3Head, default_aux_layers, draft_vocab_ids, init_from_target
+
+    args = dataclasses.replace(teacher.args, num_layers=1)
+    if cfg.head == "eagle":
+        return EagleHead(args, teacher.embed_tokens, teacher.lm_head).float()
+    n = teacher.args.num_layers
+    aux = cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(n)
+    if any(not 0 <= i < n for i in aux):
+        raise PolyspecError(f"train.aux_layers {aux} must lie in 0..{n - 1} (the target has {n} layers); the default "
+                            f"for it is {default_aux_layers(n)}", exit_code=2)
+    size = min(cfg.draft_vocab, args.vocab_size)
+    head = Eagle3Head(args, teacher.embed_tokens, aux, size).float()
+    return init_from_target(head, teacher, draft_vocab_ids(counts, size))
+
+
 def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info: dict[str, Any], key: str,
-         tracker: Any, progress: bool, callbacks: Sequence[Any], log_every: int, probe: Any = None
+         tracker: Any, progress: bool, callbacks: Sequence[Any], log_every: int, probe: Any, counts: Any
          ) -> dict[str, Any]:
-    """Build the LightningModule, loaders and Trainer, fit (resuming), evaluate; return the run's numbers."""
+    """Build the LightningModule, loaders and Trainer, fit (resuming), evaluate; return the run's numbers.
+    ``probe``: the decoder's acceptance after each validation (rank 0; or None). ``counts``: the training targets'
+    token counts (the draft vocabulary of an EAGLE-3 head, and of train.loss_vocab, comes from them)."""
     import warnings
 
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-    from polyspec.decode.head import EagleHead
     from polyspec.train.features import CachedFeatureDataset, TokenDataset, collate
     from polyspec.train.module import HeadModule, SafetensorsCheckpointIO, TrackerCallback
 
     # the shared embedding / lm_head are frozen eval-mode modules on purpose
     warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
-    cfg = recipe.train
+    cfg = eagle3_settings(recipe.train) if recipe.train.head == "eagle3" else recipe.train
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    head_args = dataclasses.replace(teacher.args, num_layers=1)
-    head = EagleHead(head_args, teacher.embed_tokens, teacher.lm_head).float()
+    head = _new_head(cfg, teacher, counts)
     module = HeadModule(head, cfg, draft_k=recipe.decode.draft_k,
                         teacher=teacher if cfg.features == "online" else None, probe=probe,
-                        loss_ids=_loss_ids(cfg, prepared, head_args.vocab_size))
+                        loss_ids=_loss_ids(cfg, counts))
 
     if cfg.features == "offline":
         cache_dir = Path(cache_info["cache_dir"])
@@ -437,16 +468,16 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     return result
 
 
-def _loss_ids(cfg: TrainConfig, prepared: Any, vocab_size: int) -> Any:
+def _loss_ids(cfg: TrainConfig, counts: Any) -> Any:
     """train.loss_vocab's token ids: the most frequent training targets, as decode.draft_vocab picks them."""
     if not cfg.loss_vocab:
         return None
-    if cfg.loss_vocab > vocab_size:
-        raise PolyspecError(f"train.loss_vocab={cfg.loss_vocab} exceeds the target's vocabulary ({vocab_size} "
+    if cfg.loss_vocab > counts.numel():
+        raise PolyspecError(f"train.loss_vocab={cfg.loss_vocab} exceeds the target's vocabulary ({counts.numel()} "
                             "tokens); use at most that, or 0 for the full vocabulary", exit_code=2)
     from polyspec.decode.head import top_token_ids
 
-    return top_token_ids(_token_counts(prepared, vocab_size), cfg.loss_vocab)
+    return top_token_ids(counts, cfg.loss_vocab)
 
 
 def _val_interval(cfg: TrainConfig, batches: int, world: int) -> int | float:

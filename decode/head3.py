@@ -109,13 +109,20 @@ class Eagle3Layer(nn.Module):
 
 
 class _ScratchKV:
-    """A one-layer cache for one unroll step: the earlier steps' K/V plus room for this step's T entries (fresh
-    tensors each step, so autograd never sees an in-place write to something it saved)."""
+    """The KV store of one unroll step: the earlier steps' K/V followed by this step's (new tensors each step, so
+    autograd never sees an in-place write to something it saved)."""
 
-    def __init__(self, past: _ScratchKV | None, b: int, kv: int, t: int, d: int, like: torch.Tensor):
-        new = like.new_empty((b, kv, t, d))
-        self.k = [new if past is None else torch.cat((past.k[0], new), dim=2)]
-        self.v = [like.new_empty((b, kv, t, d)) if past is None else torch.cat((past.v[0], new), dim=2)]
+    def __init__(self, past: _ScratchKV | None):
+        self.past = past
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def store(self, layer_idx: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, kv, T, D] -> the [B, kv, (steps so far) T, D] keys/values this step attends over."""
+        if self.past is not None:
+            k, v = torch.cat((self.past.k, k), dim=2), torch.cat((self.past.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
 
 
 class Eagle3Head(CachedDecoder):
@@ -228,7 +235,6 @@ class Eagle3Head(CachedDecoder):
         if self._cache is not None:
             raise PolyspecError("Eagle3Head.unroll runs without a KV cache (training); do not call setup_cache")
         b, t = input_ids.shape
-        a = self.args
         hidden = self.fuse(aux)  # [B, T, H]
         past: _ScratchKV | None = None
         out = []
@@ -236,7 +242,7 @@ class Eagle3Head(CachedDecoder):
             ids_k = torch.cat((input_ids[:, k:], input_ids.new_zeros(b, min(k, t))), dim=1)  # [B, T]
             x = self._embed(ids_k, hidden)  # [B, T, 2H]
             cos, sin = rope_cos_sin(self.inv_freq, torch.arange(t, device=x.device) + k, x.dtype)  # [T, D]
-            scratch = _ScratchKV(past, b, a.num_kv_heads, t, a.head_dim, x)
+            scratch = _ScratchKV(past)
             mask = ttt_mask(t, k, x.device)  # [T, (k + 1) T]
             hidden = self.layer(x, cos, sin, mask, scratch, 0, k * t)  # [B, T, H]
             past = scratch

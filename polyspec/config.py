@@ -134,6 +134,10 @@ class TrainConfig(Section):
     cache_budget_gb: float = Field(50.0, gt=0, description="refuse offline feature caches estimated above this")
     epochs: int = Field(20, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    max_minutes: float | None = Field(
+        None, gt=0, description="stop after this many minutes of training (a time budget: the head then depends on "
+        "the machine's speed; the schedule still decays over epochs / max_steps)"
+    )
     batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(3e-5, gt=0)

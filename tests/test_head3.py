@@ -140,7 +140,7 @@ def test_save_load_round_trip_gives_identical_logits(target_dir, tmp_path):
         loaded.set_draft_vocab(50)
     # the ONNX head export does not write EAGLE-3 heads: refused before any work, EAGLE-1/2 heads pass
     from polyspec.decode.head import EagleHead
-    from polyspec.export.stage import check_onnx_head
+    from polyspec.export.package import check_onnx_head
 
     with pytest.raises(PolyspecError, match="export.onnx=false"):
         check_onnx_head(out)

@@ -451,3 +451,13 @@ def test_loss_vocab_trains_on_the_draft_vocabulary_only(tmp_path, tiny_model):
         info = _info(out)
         assert info["steps"] == 4 and info["train"]["loss_vocab"] == 64
         assert math.isfinite(info["train_loss_last"])
+
+
+def test_max_minutes_is_a_time_budget_that_ends_training_with_a_head(tmp_path, tiny_model):
+    from polyspec.train import train_stage
+
+    out = train_stage(_recipe(tmp_path, tiny_model, epochs=1000, max_minutes=0.05, accept_prompts=0),
+                      progress=False)
+    info = _info(out)
+    assert 0 < info["steps"] and info["epochs_completed"] < 1000  # the budget, not the epochs, ended it
+    assert info["fit_seconds"] < 60

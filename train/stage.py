@@ -17,6 +17,7 @@ writes the head.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import importlib.util
 import json
@@ -422,6 +423,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     trainer = L.Trainer(
         accelerator=runtime["accelerator"], devices=runtime["devices"], strategy=runtime["strategy"],
         precision=runtime["precision"], max_epochs=cfg.epochs, max_steps=cfg.max_steps or -1,
+        max_time=datetime.timedelta(minutes=cfg.max_minutes) if cfg.max_minutes else None,
         accumulate_grad_batches=cfg.grad_accum, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm",
         callbacks=cbs, plugins=plugins, logger=False, enable_progress_bar=progress, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=1.0 if val_dl is not None else 0, check_val_every_n_epoch=1,
@@ -434,7 +436,8 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(resume) if resume else None)
     wall = time.perf_counter() - t0
-    finished = (cfg.max_steps is not None and trainer.global_step >= cfg.max_steps) or trainer.current_epoch >= cfg.epochs
+    finished = (cfg.max_steps is not None and trainer.global_step >= cfg.max_steps) or \
+        trainer.current_epoch >= cfg.epochs or _budget_spent(trainer)
     if not finished:  # fit returned early (a signal Lightning handled): keep the state, never write a short head
         trainer.save_checkpoint(ckpt_dir / f"step-{trainer.global_step:08d}.ckpt")
         raise PolyspecError(f"training stopped early at step {trainer.global_step}; its state is saved in {ckpt_dir}: "
@@ -478,6 +481,14 @@ def _loss_ids(cfg: TrainConfig, counts: Any) -> Any:
     from polyspec.decode.head import top_token_ids
 
     return top_token_ids(counts, cfg.loss_vocab)
+
+
+def _budget_spent(trainer: Any) -> bool:
+    """Whether Lightning's Timer (train.max_minutes; its elapsed time survives a resume) ended the fit."""
+    from lightning.pytorch.callbacks import Timer
+
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    return timer is not None and timer.time_remaining("train") is not None and timer.time_remaining("train") <= 0
 
 
 def _val_interval(cfg: TrainConfig, batches: int, world: int) -> int | float:

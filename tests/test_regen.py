@@ -257,3 +257,16 @@ def test_run_summary_and_mlflow_metrics_carry_the_counts(monkeypatch):
     assert tracker.logged == {"data/train_sequences": 4.0, "data/regen_turns": 7.0, "data/regen_tokens": 40.0,
                               "data/regen_tokens_per_second": 12.5, "data/regen_stopped_at_eos": 5.0,
                               "data/regen_stopped_at_max_new_tokens": 2.0}
+
+
+def test_a_conversation_whose_first_prompt_is_too_long_is_dropped_not_an_error(tmp_path, tiny_llama_dir, tokenizer,
+                                                                                target_id):
+    """Such a conversation comes back from regeneration with no message at all; the data stage counts it among the
+    sequences without assistant tokens instead of handing an empty conversation to the chat template."""
+    tree = _recipe(tmp_path / "wd", tiny_llama_dir).model_dump(mode="json")
+    tree["data"]["max_length"] = 40  # shorter than some of the sample's first prompts, longer than others
+    recipe = validate_tree(tree, "test")
+    prepared = _prepare(recipe, tokenizer, target_id, tiny_llama_dir)
+    report = prepared.report
+    assert report["sequences_dropped_no_assistant_tokens"] >= 1
+    assert report["train_sequences"] + report["sequences_dropped_no_assistant_tokens"] == 5

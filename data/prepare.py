@@ -260,8 +260,11 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
     assignment.sort()
     with _progress(progress, len(assignment)) as advance:
         for i, split in assignment:
-            ids, mask, full_length = tokenize_with_length(tokenizer, conversations[i], cfg.max_length)
             advance()
+            if not any(m["role"] == "assistant" for m in conversations[i]):  # regen: first prompt too long
+                dropped_no_assistant += 1
+                continue
+            ids, mask, full_length = tokenize_with_length(tokenizer, conversations[i], cfg.max_length)
             if not any(mask):  # the first assistant turn lies beyond max_length
                 dropped_no_assistant += 1
                 continue

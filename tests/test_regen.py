@@ -257,3 +257,22 @@ def test_run_summary_and_mlflow_metrics_carry_the_counts(monkeypatch):
     assert tracker.logged == {"data/train_sequences": 4.0, "data/regen_turns": 7.0, "data/regen_tokens": 40.0,
                               "data/regen_tokens_per_second": 12.5, "data/regen_stopped_at_eos": 5.0,
                               "data/regen_stopped_at_max_new_tokens": 2.0}
+
+
+def test_turns_past_max_length_are_not_answered(tmp_path, tiny_llama_dir, tokenizer, target_id):
+    from polyspec.data.chat import render_chat
+    from polyspec.data.regen import prompt_turns
+
+    def first_prompt_length(conv):
+        head, users = prompt_turns(conv, None)
+        text = render_chat(tokenizer, head + [{"role": "user", "content": users[0]}], add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    lengths = sorted(first_prompt_length(c) for c in _conversations())
+    assert lengths[-1] > lengths[0] >= 16
+    recipe = _recipe(tmp_path, tiny_llama_dir, max_turns=None)
+    recipe.data.max_length = lengths[-1]  # the longest first prompt reaches it: that conversation gets no answer
+    rep = _prepare(recipe, tokenizer, target_id, tiny_llama_dir).report
+    longest = sum(1 for n in lengths if n == lengths[-1])
+    assert rep["sequences_dropped_no_assistant_tokens"] == longest == 5 - rep["regen"]["conversations"]
+    assert rep["train_sequences"] == 5 - longest and rep["regen"]["turns_skipped_too_long"] >= longest

@@ -186,7 +186,9 @@ def _progress(enabled: bool, total: int):
 
     @contextmanager
     def bar():
-        with Progress(transient=True) as prog:
+        from rich.console import Console
+
+        with Progress(transient=True, console=Console(stderr=True)) as prog:  # stdout stays for the report
             task = prog.add_task("tokenising conversations", total=total)
             yield lambda: prog.advance(task)
 

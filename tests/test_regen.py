@@ -1,4 +1,4 @@
-"""data.responses: target — the target answers the user turns itself (data/regen.py), the head trains on those answers.
+"""data.responses: target — the target answers the user turns itself (data/regen.py); the head trains on them.
 
 The answers equal the target's own turn-by-turn greedy ``ar`` answers; the loss mask covers exactly them; the cache
 key follows the target, the prompts and the sampling settings; a killed run resumes to the uninterrupted result; an

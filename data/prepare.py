@@ -217,7 +217,9 @@ def _progress(enabled: bool, total: int):
 
     @contextmanager
     def bar():
-        with Progress(transient=True) as prog:
+        from rich.console import Console
+
+        with Progress(transient=True, console=Console(stderr=True)) as prog:  # stdout stays for the report
             task = prog.add_task("tokenising conversations", total=total)
             yield lambda: prog.advance(task)
 
@@ -293,7 +295,7 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
     with _progress(progress, len(assignment)) as advance:
         for i, split in assignment:
             advance()
-            if not any(m["role"] == "assistant" for m in conversations[i]):  # regen: its first prompt was too long
+            if not any(m["role"] == "assistant" for m in conversations[i]):  # regen: first prompt too long
                 dropped_no_assistant += 1
                 continue
             ids, mask, full_length = tokenize_with_length(tokenizer, conversations[i], cfg.max_length)

@@ -325,9 +325,9 @@ def regenerate(recipe: Recipe, conversations: list[list[Message]], tokenizer: An
     if todo:
         cfg = recipe.data.regen
         answerer = _answerer(recipe, tokenizer, target_dir)
-        total = sum(len(prompt_turns(c, cfg.max_turns)[1]) for c in conversations)
-        done_turns = sum(len(prompt_turns(c, cfg.max_turns)[1]) for j in shards for c in conversations[j:j + SHARD_SIZE])
-        with _bar(progress, total, done_turns) as advance:
+        turns = [len(prompt_turns(c, cfg.max_turns)[1]) for c in conversations]
+        done_turns = sum(sum(turns[j:j + SHARD_SIZE]) for j in shards)
+        with _bar(progress, sum(turns), done_turns) as advance:
             for j in todo:
                 shard = answer_shard(conversations[j:j + SHARD_SIZE], j, answerer, tokenizer, recipe, advance)
                 write_text(paths[j // SHARD_SIZE], json.dumps(shard, ensure_ascii=False) + "\n")

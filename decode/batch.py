@@ -67,8 +67,9 @@ def _pick(logits: torch.Tensor, temperature: float, generators: list[torch.Gener
     """Next token per row [B] from logits [B, V]: argmax at temperature 0, else one draw per row's generator."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)  # [B, V]
-    return torch.stack([torch.multinomial(probs[r], 1, generator=generators[r])[0] for r in range(len(probs))])
+    probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()  # [B, V]; drawn on the CPU generators
+    picks = [torch.multinomial(probs[r], 1, generator=generators[r])[0] for r in range(len(probs))]
+    return torch.stack(picks).to(logits.device)
 
 
 def _keep_rows(cache, keep: torch.Tensor) -> None:

@@ -125,6 +125,7 @@ def _fmt_counts(report: dict[str, Any]) -> str:
     text = ", ".join(f"{k}={report[k]}" for k in keys) if keys else str(report)
     regen = report.get("regen")
     if regen:
-        text += (f"; target answers: {regen['turns']} turns, {regen['tokens']} tokens at {regen['tokens_per_second']} "
-                 f"tok/s, {regen['stopped_at_eos']} ended at EOS, {regen['stopped_at_max_new_tokens']} at max_new_tokens")
+        text += (f"; target answers: {regen['turns']} turns, {regen['tokens']} tokens at "
+                 f"{regen['tokens_per_second']} tok/s, {regen['stopped_at_eos']} ended at EOS, "
+                 f"{regen['stopped_at_max_new_tokens']} at max_new_tokens")
     return text

@@ -1,4 +1,4 @@
-"""data.responses: target — the target answers the user turns itself (data/regen.py), the head trains on those answers.
+"""data.responses: target — the target answers the user turns itself (data/regen.py); the head trains on them.
 
 The answers equal the target's own turn-by-turn greedy ``ar`` answers; the loss mask covers exactly them; the cache
 key follows the target, the prompts and the sampling settings; a killed run resumes to the uninterrupted result; an
@@ -259,14 +259,20 @@ def test_run_summary_and_mlflow_metrics_carry_the_counts(monkeypatch):
                               "data/regen_stopped_at_max_new_tokens": 2.0}
 
 
-def test_a_conversation_whose_first_prompt_is_too_long_is_dropped_not_an_error(tmp_path, tiny_llama_dir, tokenizer,
-                                                                                target_id):
-    """Such a conversation comes back from regeneration with no message at all; the data stage counts it among the
-    sequences without assistant tokens instead of handing an empty conversation to the chat template."""
-    tree = _recipe(tmp_path / "wd", tiny_llama_dir).model_dump(mode="json")
-    tree["data"]["max_length"] = 40  # shorter than some of the sample's first prompts, longer than others
-    recipe = validate_tree(tree, "test")
-    prepared = _prepare(recipe, tokenizer, target_id, tiny_llama_dir)
-    report = prepared.report
-    assert report["sequences_dropped_no_assistant_tokens"] >= 1
-    assert report["train_sequences"] + report["sequences_dropped_no_assistant_tokens"] == 5
+def test_turns_past_max_length_are_not_answered(tmp_path, tiny_llama_dir, tokenizer, target_id):
+    from polyspec.data.chat import render_chat
+    from polyspec.data.regen import prompt_turns
+
+    def first_prompt_length(conv):
+        head, users = prompt_turns(conv, None)
+        text = render_chat(tokenizer, head + [{"role": "user", "content": users[0]}], add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    lengths = sorted(first_prompt_length(c) for c in _conversations())
+    assert lengths[-1] > lengths[0] >= 16
+    recipe = _recipe(tmp_path, tiny_llama_dir, max_turns=None)
+    recipe.data.max_length = lengths[-1]  # the longest first prompt reaches it: that conversation gets no answer
+    rep = _prepare(recipe, tokenizer, target_id, tiny_llama_dir).report
+    longest = sum(1 for n in lengths if n == lengths[-1])
+    assert rep["sequences_dropped_no_assistant_tokens"] == longest == 5 - rep["regen"]["conversations"]
+    assert rep["train_sequences"] == 5 - longest and rep["regen"]["turns_skipped_too_long"] >= longest

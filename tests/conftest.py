@@ -34,6 +34,18 @@ def _offline_env(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: intra-op threads only add overhead and jitter, and oversubscribe a shared 2-core machine.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def make_tiny_llama(path: Path, *, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4,
                     kv_heads: int = 2, intermediate: int = 256, vocab: int = TINY_VOCAB, max_pos: int = 512,
                     tokenizer: str | None = "chatml", **extra) -> Path:

@@ -15,14 +15,7 @@ from polyspec.bench import bench
 from polyspec.bench.prompts import builtin_questions, doc_passages, faq_questions, load_prompts
 from polyspec.errors import PolyspecError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and a loaded CI machine is not oversubscribed); restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,7 @@ from polyspec.decode.levels import TableLevel
 from polyspec.decode.sampling import warp
 from polyspec.errors import PolyspecError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and jitter) here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- toy levels -------------------------------------------------------------------------------------------------

@@ -11,14 +11,7 @@ import torch
 from polyspec.errors import PolyspecError
 from polyspec.manifest import read_manifest, validate_chain
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Steady timings and no thread oversubscription on a shared 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

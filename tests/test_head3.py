@@ -18,13 +18,7 @@ from polyspec.decode.model import Transformer
 from polyspec.decode.sampling import warp
 from polyspec.errors import PolyspecError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,7 @@ from polyspec.theory import acceptance_length_moments, chain_time_per_token, ins
 ASSETS = Path(__file__).parent / "assets"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Steady timings and no thread oversubscription on a shared 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts(n: int = 2) -> list[list[int]]:

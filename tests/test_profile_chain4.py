@@ -11,13 +11,7 @@ import torch
 
 from polyspec.theory import chain_time_per_token, insertion
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _one_layer_copy(target_dir: Path, out: Path) -> Path:

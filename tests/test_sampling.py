@@ -12,14 +12,7 @@ from polyspec.decode import sampling
 from polyspec.decode.sampling import check_sampling, residual, sample, verify_block, warp
 from polyspec.errors import PolyspecError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and jitter) here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def chi2_critical(df: int, alpha: float) -> float:

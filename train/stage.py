@@ -127,7 +127,7 @@ def training_summary(head_dir: Path, stage_seconds: float) -> dict[str, Any]:
     """What ``polyspec train`` prints: the head folder and the headline numbers of its training.json."""
     info = json.loads((Path(head_dir) / TRAINING_JSON).read_text(encoding="utf-8"))
     keys = ("steps", "epochs_completed", "fit_seconds", "tokens_per_second", "heldout_top1_agreement",
-            "acceptance_length_estimate", "train_loss_first", "train_loss_last", "resumed_from", "draft_k",
+            "acceptance_length_estimate", "decoder_accept_linear", "decoder_accept_tree", "train_loss_first", "train_loss_last", "resumed_from", "draft_k",
             "offline_cache")
     return {"head": str(head_dir), "stage_seconds": round(stage_seconds, 1), **{k: info.get(k) for k in keys}}
 

@@ -380,10 +380,8 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     import warnings
 
     import lightning as L
-    import torch
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-    from polyspec.train.features import CachedFeatureDataset, TokenDataset, collate
     from polyspec.train.module import HeadModule, SafetensorsCheckpointIO, TrackerCallback
 
     # the shared embedding / lm_head are frozen eval-mode modules on purpose
@@ -395,20 +393,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
                         teacher=teacher if cfg.features == "online" else None, probe=probe,
                         loss_ids=_loss_ids(cfg, counts))
 
-    if cfg.features == "offline":
-        cache_dir = Path(cache_info["cache_dir"])
-        train_ds = CachedFeatureDataset(cache_dir, "train")
-        val_ds = CachedFeatureDataset(cache_dir, "heldout") if len(prepared.heldout) else None
-    else:
-        train_ds = TokenDataset(prepared.train)
-        val_ds = TokenDataset(prepared.heldout) if len(prepared.heldout) else None
-    gen = torch.Generator().manual_seed(cfg.seed)
-    train_dl = torch.utils.data.DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, generator=gen,
-                                           collate_fn=collate, num_workers=cfg.num_workers,
-                                           persistent_workers=cfg.num_workers > 0)
-    val_dl = (torch.utils.data.DataLoader(val_ds, batch_size=cfg.batch_size, shuffle=False, collate_fn=collate,
-                                          num_workers=cfg.num_workers) if val_ds is not None else None)
-
+    train_dl, val_dl = _loaders(cfg, prepared, cache_info)
     state_dir = Path(recipe.workdir) / "train" / key[:16]
     ckpt_dir = state_dir / "checkpoints"
     world = _world_size(runtime)
@@ -469,6 +454,29 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
             if f"heldout/{name}" in module.last_eval:
                 result[f"decoder_{name}"] = module.last_eval[f"heldout/{name}"]
     return result
+
+
+def _loaders(cfg: TrainConfig, prepared: Any, cache_info: dict[str, Any]) -> tuple[Any, Any]:
+    """The training DataLoader (shuffled, seeded) and the held-out one (None when nothing is held out), over token
+    rows (online) or the offline feature cache."""
+    import torch
+
+    from polyspec.train.features import CachedFeatureDataset, TokenDataset, collate
+
+    if cfg.features == "offline":
+        cache_dir = Path(cache_info["cache_dir"])
+        train_ds = CachedFeatureDataset(cache_dir, "train")
+        val_ds = CachedFeatureDataset(cache_dir, "heldout") if len(prepared.heldout) else None
+    else:
+        train_ds = TokenDataset(prepared.train)
+        val_ds = TokenDataset(prepared.heldout) if len(prepared.heldout) else None
+    gen = torch.Generator().manual_seed(cfg.seed)
+    train_dl = torch.utils.data.DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, generator=gen,
+                                           collate_fn=collate, num_workers=cfg.num_workers,
+                                           persistent_workers=cfg.num_workers > 0)
+    val_dl = (torch.utils.data.DataLoader(val_ds, batch_size=cfg.batch_size, shuffle=False, collate_fn=collate,
+                                          num_workers=cfg.num_workers) if val_ds is not None else None)
+    return train_dl, val_dl
 
 
 def _loss_ids(cfg: TrainConfig, counts: Any) -> Any:

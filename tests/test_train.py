@@ -18,7 +18,6 @@ from polyspec.config import validate_tree
 from polyspec.errors import PolyspecError
 from polyspec.train.ckpt_io import load_tree, save_tree
 from polyspec.train.losses import (
-    eagle3_losses,
     eagle_losses,
     expected_acceptance_length,
     shift_for_head,
@@ -105,70 +104,11 @@ def test_eval_every_is_counted_in_optimizer_steps():
     from polyspec.config import TrainConfig
     from polyspec.train.stage import _val_interval
 
-    assert _val_interval(TrainConfig(), 100, 1) == 1.0  # unset: once per epoch
-    assert _val_interval(TrainConfig(eval_every=10, grad_accum=2), 100, 1) == 20  # batches per rank
-    assert _val_interval(TrainConfig(eval_every=10, grad_accum=2), 100, 2) == 20
-    assert _val_interval(TrainConfig(eval_every=60), 100, 2) == 1.0  # longer than an epoch: once per epoch
-
-
-def test_eagle3_losses_align_steps_and_skip_targets_outside_the_draft_vocabulary():
-    torch.manual_seed(0)
-    v, vd, n = 6, 4, 5
-    draft_ids = torch.tensor([0, 2, 3, 5])
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[draft_ids] = True
-    target = torch.randn(1, n, v)
-    target[..., ~t2d] = -10.0
-    target[0, 1, 4] = 50.0  # row 1's teacher argmax (4) is outside the draft vocabulary
-    w = torch.ones(1, n)
-    perfect = [target[:, k:, draft_ids].clone() for k in range(3)]  # every step predicts its shifted target
-    perfect = [torch.cat((lg, torch.zeros(1, k, vd)), dim=1) for k, lg in enumerate(perfect)]  # rows past the end
-    parts = eagle3_losses(perfect, target, w, draft_ids, t2d, 0.5)
-    assert parts["step_count"].tolist() == [5, 4, 3]  # step k has n - k rows
-    # agreement counts row 1 (outside the draft vocabulary) as a miss for the steps that see it
-    assert parts["step_correct"].tolist() == [4, 3, 3] and float(parts["correct"]) == 4.0
-    # the loss is the decayed sum of each step's entropy of the renormalised teacher over the rows it keeps
-    want = 0.0
-    for k in range(3):
-        rows = [r for r in range(k, n) if r != 1]
-        p = torch.softmax(target[0, rows][:, draft_ids], -1)
-        want += 0.5 ** k * float(-(p * torch.log(p)).sum(-1).mean())
-    assert float(parts["loss"]) == pytest.approx(want, rel=1e-5)
-    worse = eagle3_losses([-lg for lg in perfect], target, w, draft_ids, t2d, 0.5)
-    assert float(worse["loss"]) > float(parts["loss"])
-
-
-def test_eagle3_options_are_checked(tmp_path, tiny_model):
-    from polyspec.train.stage import runtime_settings, train_key
-
-    with pytest.raises(PolyspecError, match="only apply to train.head=eagle3"):
-        _recipe(tmp_path, tiny_model, ttt_steps=2)
-    with pytest.raises(PolyspecError, match="features=online"):
-        _recipe(tmp_path, tiny_model, head="eagle3", features="offline")
-    eagle, e3 = _recipe(tmp_path, tiny_model), _recipe(tmp_path, tiny_model, head="eagle3")
-    rt = runtime_settings(eagle.train, "cpu")
-    keys = {train_key("t", "t", "d", r.train, rt) for r in
-            (eagle, e3, _recipe(tmp_path, tiny_model, head="eagle3", ttt_steps=2))}
-    assert len(keys) == 3
-    explicit = _recipe(tmp_path, tiny_model, head="eagle3", ttt_steps=3, ttt_decay=0.8, draft_vocab=32000)
-    assert train_key("t", "t", "d", explicit.train, rt) == train_key("t", "t", "d", e3.train, rt)  # the defaults
-    # an EAGLE-1/2 recipe's key is over the settings that existed before the EAGLE-3 ones (so heads trained before
-    # them are still found): the same key as the TrainConfig dump without them
-    import hashlib
-
-    from polyspec.config import EAGLE3_KEYS
-    from polyspec.train.stage import OPERATIONAL_KEYS, TRAIN_FORMAT
-
-    old = {k: v for k, v in eagle.train.model_dump(mode="json").items()
-           if k not in (*OPERATIONAL_KEYS, "head", *EAGLE3_KEYS)}
-    ident = {"format": TRAIN_FORMAT, "target": "t", "teacher": "t", "data": "d", "train": old,
-             "runtime": {k: str(rt[k]) for k in ("strategy", "devices", "precision", "accelerator")}}
-    assert train_key("t", "t", "d", eagle.train, rt) == hashlib.sha256(
-        json.dumps(ident, sort_keys=True).encode()).hexdigest()
-    with pytest.raises(PolyspecError, match="train.aux_layers"):
-        from polyspec.train import train_stage
-
-        train_stage(_recipe(tmp_path, tiny_model, head="eagle3", aux_layers=[0, 5], max_steps=1), progress=False)
+    assert _val_interval(TrainConfig(), 100, 1) == (1.0, 1)  # unset: once per epoch
+    assert _val_interval(TrainConfig(eval_every=10, grad_accum=2), 100, 1) == (20, 1)  # batches per rank
+    assert _val_interval(TrainConfig(eval_every=10, grad_accum=2), 100, 2) == (20, 1)
+    assert _val_interval(TrainConfig(eval_every=60), 100, 2) == (1.0, 1)  # about an epoch: once per epoch
+    assert _val_interval(TrainConfig(eval_every=300), 100, 1) == (1.0, 3)  # short epochs: every third epoch
 
 
 def test_checkpoint_tree_round_trip_without_pickle(tmp_path):

@@ -411,8 +411,9 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
         max_time=datetime.timedelta(minutes=cfg.max_minutes) if cfg.max_minutes else None,
         accumulate_grad_batches=cfg.grad_accum, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm",
         callbacks=cbs, plugins=plugins, logger=False, enable_progress_bar=progress, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=1.0 if val_dl is not None else 0, check_val_every_n_epoch=1,
-        val_check_interval=_val_interval(cfg, len(train_dl), world),
+        num_sanity_val_steps=0, limit_val_batches=1.0 if val_dl is not None else 0,
+        **dict(zip(("val_check_interval", "check_val_every_n_epoch"), _val_interval(cfg, len(train_dl), world),
+                   strict=True)),
         default_root_dir=str(state_dir), log_every_n_steps=log_every, use_distributed_sampler=True,
     )
     resume = latest_checkpoint(ckpt_dir)
@@ -499,14 +500,17 @@ def _budget_spent(trainer: Any) -> bool:
     return timer is not None and timer.time_remaining("train") is not None and timer.time_remaining("train") <= 0
 
 
-def _val_interval(cfg: TrainConfig, batches: int, world: int) -> int | float:
-    """Lightning's val_check_interval (training batches per rank) for ``train.eval_every`` optimizer steps; 1.0 (once
-    per epoch) when unset or when an epoch is shorter."""
+def _val_interval(cfg: TrainConfig, batches: int, world: int) -> tuple[int | float, int]:
+    """Lightning's (val_check_interval, check_val_every_n_epoch) for ``train.eval_every`` optimizer steps: within an
+    epoch a batch count per rank; for epochs shorter than that, every so many whole epochs; (1.0, 1) (once per epoch)
+    when unset."""
     if cfg.eval_every is None:
-        return 1.0
+        return 1.0, 1
     per_rank = max(1, batches // max(world, 1))
     interval = cfg.eval_every * cfg.grad_accum
-    return interval if interval < per_rank else 1.0
+    if interval < per_rank:
+        return interval, 1
+    return 1.0, max(1, round(interval / per_rank))
 
 
 def _world_size(runtime: dict[str, Any]) -> int:

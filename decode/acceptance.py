@@ -42,6 +42,7 @@ def decoder_acceptance(target: torch.nn.Module, head: torch.nn.Module, prompts: 
     linear drafts of ``draft_k`` tokens, or the EAGLE-2 tree ``tree`` (a :class:`polyspec.decode.chain.TreeParams`).
     Returns the mean number of tokens committed per target verification (accepted drafts + the target's own)."""
     from polyspec.decode.chain import ChainDecoder, SamplingParams
+    from polyspec.decode.generate import KV_SLACK
     from polyspec.decode.levels import HeadLevel, ModelLevel
 
     if not prompts:
@@ -50,7 +51,7 @@ def decoder_acceptance(target: torch.nn.Module, head: torch.nn.Module, prompts: 
     try:
         longest = max(len(p) for p in prompts)
         dec = ChainDecoder([ModelLevel(target, "target"), HeadLevel(head, "head")], draft_k=draft_k,
-                           max_seq_len=longest + max_new_tokens + draft_k + 8, tree=tree)
+                           max_seq_len=longest + max_new_tokens + KV_SLACK, tree=tree)
         new = verifications = 0
         for ids in prompts:
             res = dec.generate(list(ids), max_new_tokens, SamplingParams(), seed=0, eos_token_ids=eos_token_ids)

@@ -60,8 +60,9 @@ def draft_vocab_ids(token_counts: torch.Tensor, size: int) -> torch.Tensor:
     v = token_counts.shape[0]
     if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= v:
         raise PolyspecError(f"draft vocabulary size must be an integer in 1..{v}, got {size!r}")
-    order = torch.sort(token_counts.to("cpu", torch.int64), descending=True, stable=True).indices
-    return order[:size].sort().values
+    from polyspec.decode.head import top_token_ids  # head.py loads this module lazily: no cycle at import
+
+    return top_token_ids(token_counts, size)
 
 
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

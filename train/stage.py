@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -127,8 +128,8 @@ def training_summary(head_dir: Path, stage_seconds: float) -> dict[str, Any]:
     """What ``polyspec train`` prints: the head folder and the headline numbers of its training.json."""
     info = json.loads((Path(head_dir) / TRAINING_JSON).read_text(encoding="utf-8"))
     keys = ("steps", "epochs_completed", "fit_seconds", "tokens_per_second", "heldout_top1_agreement",
-            "acceptance_length_estimate", "decoder_accept_linear", "decoder_accept_tree", "train_loss_first", "train_loss_last", "resumed_from", "draft_k",
-            "offline_cache")
+            "acceptance_length_estimate", "decoder_accept_linear", "decoder_accept_tree", "train_loss_first",
+            "train_loss_last", "resumed_from", "draft_k", "offline_cache")
     return {"head": str(head_dir), "stage_seconds": round(stage_seconds, 1), **{k: info.get(k) for k in keys}}
 
 
@@ -322,8 +323,10 @@ def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
     from polyspec.decode.generate import eos_ids
 
     cfg, dec = recipe.train, recipe.decode
-    prompts = [p for p in (prompt_prefix(r["input_ids"], r["loss_mask"]) for r in prepared.heldout) if p]
-    prompts = prompts[:cfg.accept_prompts]
+    if not cfg.accept_prompts:
+        return None
+    rows = (prompt_prefix(r["input_ids"], r["loss_mask"]) for r in prepared.heldout)
+    prompts = list(itertools.islice((p for p in rows if p), cfg.accept_prompts))  # reads only the rows it needs
     if not prompts:
         return None
     tree = TreeParams(top_k=dec.tree.top_k, depth=dec.tree.depth, total_tokens=dec.tree.total_tokens)

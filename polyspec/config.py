@@ -125,7 +125,7 @@ class TrainConfig(Section):
     strategy: Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"] = "auto"
     devices: int | Literal["auto"] = Field("auto", description="GPUs (or CPU processes for ddp) to use")
     precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed"] = Field(
-        "auto", description="auto: bf16-mixed on GPU, 32-true on CPU"
+        "auto", description="auto: bf16-mixed where bf16 matrix products are fast (GPUs, AVX512-BF16 or AMX CPUs), else 32-true"
     )
     features: Literal["online", "offline"] = "online"
     teacher: Literal["target", "intermediate"] = Field(

@@ -151,6 +151,43 @@ def test_deepspeed_without_cuda_is_refused_before_any_work(tmp_path, tiny_model,
         runtime_settings(recipe.train, "cuda")
 
 
+def test_precision_auto_is_bf16_mixed_where_bf16_matmuls_are_fast(monkeypatch):
+    """train.precision=auto reads polyspec.device.fast_bf16_matmul; explicit precisions pass through; the teacher
+    computes features in bf16 under bf16-mixed whatever the target's serving dtype."""
+    from polyspec.config import TrainConfig
+    from polyspec.train import stage
+
+    for fast, expected in ((True, "bf16-mixed"), (False, "32-true")):
+        monkeypatch.setattr(stage, "fast_bf16_matmul", lambda device, fast=fast: fast)
+        assert stage.runtime_settings(TrainConfig(), "cpu")["precision"] == expected
+        assert stage.runtime_settings(TrainConfig(precision="32-true"), "cpu")["precision"] == "32-true"
+    assert stage._teacher_dtype("32-true", "bfloat16") is torch.float32
+    assert stage._teacher_dtype("bf16-mixed", "float32") is torch.bfloat16
+    assert stage._teacher_dtype("16-mixed", "float16") is torch.float16
+
+
+def test_bf16_offline_training_probes_with_the_target_in_its_serving_dtype(tmp_path, tiny_model, monkeypatch):
+    """bf16-mixed: features extracted by a bf16 teacher (recorded in the cache index), the acceptance probe decodes
+    with the target loaded in target.dtype (float32 here), and the head comes out float32."""
+    from polyspec.decode.head import load_head
+    from polyspec.decode.model import Transformer
+    from polyspec.train import stage
+    from polyspec.train.features import read_cache_index
+
+    loads = []
+    real = stage._load
+    monkeypatch.setattr(stage, "_load", lambda path, dtype, device: loads.append(dtype) or real(path, dtype, device))
+    recipe = _recipe(tmp_path, tiny_model, features="offline", precision="bf16-mixed", max_steps=3, epochs=1,
+                     accept_prompts=1, accept_tokens=4)
+    out = stage.train_stage(recipe, progress=False)
+    info = _info(out)
+    assert loads == [torch.bfloat16, torch.float32]  # the teacher, then the probe's decoder
+    assert read_cache_index(Path(info["offline_cache"]["cache_dir"]))["teacher_dtype"] == "torch.bfloat16"
+    assert info["runtime"]["precision"] == "bf16-mixed" and info["decoder_accept_linear"] >= 1.0
+    head = load_head(out, Transformer.from_pretrained(tiny_model))
+    assert head.fc.weight.dtype == torch.float32
+
+
 def test_offline_cache_round_trip_and_budget_refusal(tmp_path, tiny_model):
     from polyspec.data.prepare import prepare_dataset
     from polyspec.sources import load_tokenizer, model_id

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_KEYS, Recipe, TrainConfig
-from polyspec.device import device_name, is_global_rank_zero
+from polyspec.device import device_name, fast_bf16_matmul, is_global_rank_zero, resolve_dtype
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.fsutil import atomic_file
 
@@ -47,8 +47,9 @@ OPERATIONAL_KEYS = ("checkpoint_every", "num_workers", "cache_budget_gb", "eval_
 def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
     """Lightning's accelerator / devices / strategy / precision for ``cfg``; PolyspecError for impossible ones.
 
-    DeepSpeed needs CUDA and the ``deepspeed`` package ([deepspeed] extra); precision ``auto`` is bf16-mixed on GPU
-    and 32-true on CPU; ``devices: auto`` is 1 on CPU (2 processes for ddp) and every GPU on CUDA.
+    DeepSpeed needs CUDA and the ``deepspeed`` package ([deepspeed] extra); precision ``auto`` is bf16-mixed where
+    bf16 matrix products are fast (GPUs, CPUs with AVX512-BF16 or AMX: :func:`polyspec.device.fast_bf16_matmul`) and
+    32-true elsewhere; ``devices: auto`` is 1 on CPU (2 processes for ddp) and every GPU on CUDA.
     """
     import torch
 
@@ -66,7 +67,7 @@ def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
         raise PolyspecError(f"target.device={target_device} but CUDA is not available; use target.device=auto or cpu")
     precision = cfg.precision
     if precision == "auto":
-        precision = "bf16-mixed" if cuda else "32-true"
+        precision = "bf16-mixed" if fast_bf16_matmul("cuda" if cuda else "cpu") else "32-true"
     if precision == "16-mixed" and not cuda:
         raise PolyspecError("train.precision=16-mixed needs a GPU; use 32-true or bf16-mixed on CPU", exit_code=2)
     devices: int | str = cfg.devices
@@ -134,9 +135,11 @@ def training_summary(head_dir: Path, stage_seconds: float) -> dict[str, Any]:
 
 
 def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: str, data_key: str,
-                   teacher_dtype: Any, extract_device: str, rank0: bool, progress: bool) -> dict[str, Any]:
+                   teacher_dtype: Any, extract_device: str, rank0: bool, progress: bool,
+                   decoder: Any = None) -> dict[str, Any]:
     """Build (rank 0) or read (other ranks) the teacher's feature cache for ``train.features=offline``; return its
-    description for training.json. The teacher keeps only its embedding and lm_head afterwards."""
+    description for training.json. The teacher keeps only its embedding and lm_head afterwards unless it is also
+    the acceptance probe's ``decoder``."""
     import torch
 
     from polyspec.train.features import build_feature_cache, check_cache_budget
@@ -157,7 +160,8 @@ def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: s
         teacher.to(extract_device)
         index = build_feature_cache(teacher, splits, cache_dir, batch_size=cfg.batch_size, device=extract_device,
                                     progress=progress, info={"teacher": teacher_id, "data_key": data_key,
-                                                             "dtype": "bfloat16"})
+                                                             "dtype": "bfloat16",
+                                                             "teacher_dtype": str(teacher_dtype)})
         teacher.to("cpu")
     else:  # other ranks start after rank 0 has built it (Lightning launches them at fit time)
         from polyspec.train.features import read_cache_index
@@ -168,7 +172,7 @@ def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: s
                   "extract_seconds": time.perf_counter() - t0}
     _say(progress and rank0, f"train: feature cache {cache_dir}: {index['bytes'] / 1e6:.1f} MB, "
                              f"{index['bytes_per_token']:.1f} bytes/token (estimate {estimate / 1e6:.1f} MB)")
-    if not recipe.train.accept_prompts:  # only the shared embedding and lm_head are needed from here on
+    if not recipe.train.accept_prompts or decoder is not teacher:  # only its embedding and lm_head are used now
         teacher.layers = torch.nn.ModuleList()
     return cache_info
 
@@ -210,16 +214,20 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
         return out_dir
 
     prepared = prepare_dataset(recipe, tokenizer, tokenizer_id=target_id, progress=progress and rank0)
-    teacher_dtype = torch.float32 if runtime["precision"] == "32-true" else getattr(torch, recipe.target.dtype)
+    teacher_dtype = _teacher_dtype(runtime["precision"], recipe.target.dtype)
     extract_device = runtime["device"] if runtime["device"] == "cpu" else "cuda"
     teacher = _load(teacher_dir, teacher_dtype, "cpu")
+    # the probe decodes as the chain will: the teacher in the dtype the target is served in
+    serve_dtype = resolve_dtype(recipe.target.dtype, target_device)
+    own = serve_dtype != teacher_dtype and rank0 and cfg.accept_prompts
+    decoder = _load(teacher_dir, serve_dtype, "cpu") if own else teacher
 
     cache_info: dict[str, Any] = {}
     if cfg.features == "offline":
         cache_info = _offline_cache(recipe, teacher, prepared, teacher_id=teacher_id, data_key=data_key,
                                     teacher_dtype=teacher_dtype, extract_device=extract_device, rank0=rank0,
-                                    progress=progress)
-    probe = _acceptance_probe(recipe, teacher, prepared, tokenizer) if rank0 else None
+                                    progress=progress, decoder=decoder)
+    probe = _acceptance_probe(recipe, decoder, prepared, tokenizer) if rank0 else None
     counts = _token_counts(prepared, teacher.args.vocab_size)
     result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every,
                   probe, counts)
@@ -254,6 +262,19 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     tracker.log_artifact(out_dir, "head")
     _say(progress, f"train: head written to {out_dir}")
     return out_dir
+
+
+def _teacher_dtype(precision: str, target_dtype: str | None) -> Any:
+    """The dtype the teacher computes features in: float32 for 32-true training, bfloat16 for bf16-mixed (the
+    features are stored and trained on in bf16 either way, and a bf16 forward ran 3.5x faster than a float32 one on
+    the 2-core CPU: docs/TRAIN.md), else the target's recipe dtype."""
+    import torch
+
+    if precision == "32-true":
+        return torch.float32
+    if precision == "bf16-mixed":
+        return torch.bfloat16
+    return getattr(torch, target_dtype or "float16")
 
 
 def _say(enabled: bool, text: str) -> None:

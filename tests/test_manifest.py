@@ -2,7 +2,9 @@
 
 import json
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from polyspec.cli import main
 from polyspec.errors import PolyspecError
@@ -12,7 +14,7 @@ from polyspec.manifest import ChainManifest, assemble_chain, read_manifest, vali
 def _fake_level(path, cfg, payload=b"weights"):
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(cfg))
-    (path / "model.safetensors").write_bytes(payload)
+    save_file({"w": np.frombuffer(payload, dtype=np.uint8).copy()}, str(path / "model.safetensors"))
     return path
 
 

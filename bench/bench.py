@@ -138,7 +138,8 @@ def _assistant_folder(chain_dir: Path) -> Path:
     from polyspec.manifest import level_folders, read_manifest
 
     manifest = read_manifest(chain_dir)
-    middle = [f for lv, f in zip(manifest.levels, level_folders(chain_dir, manifest)) if lv.kind in ("int4", "model")]
+    middle = [f for lv, f in zip(manifest.levels, level_folders(chain_dir, manifest), strict=True)
+              if lv.kind in ("int4", "model")]
     if not middle:
         raise NotApplicable("the chain has no intermediate model level to use as the assistant (its draft is an "
                             "EAGLE head, which transformers cannot run)")

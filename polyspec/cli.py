@@ -239,12 +239,14 @@ def cmd_chain(args: argparse.Namespace) -> int:
 
 
 def cmd_validate_chain(args: argparse.Namespace) -> int:
-    """Check a chain folder's manifest schema and every file's sha256; exit 1 naming any missing or changed file."""
+    """Check a chain folder (docs/DECODE.md): manifest paths inside it, every file listed and none a pickle, each
+    level's kind / dtype / quantisation against its config.json, every sha256 and safetensors header. Exits 1 naming
+    each missing, extra, changed or damaged file (2 for an unsafe or malformed manifest)."""
     from polyspec.manifest import validate_chain
 
     manifest = validate_chain(args.chain)
     files = sum(len(lv.files) for lv in manifest.levels)
-    print(f"{args.chain}: valid chain, {len(manifest.levels)} levels, {files} files, all hashes match")
+    print(f"{args.chain}: valid chain, {len(manifest.levels)} levels, {files} files (all listed), all hashes match")
     return 0
 
 

@@ -9,7 +9,8 @@ Layout::
       levels/head/          # the EAGLE-style draft head (config.json + model.safetensors)
 
 Levels are listed top first (the target, then verifiers, then the draft). Every file of every level is hashed
-(sha256); :func:`validate_chain` re-hashes and names any missing, extra or tampered file.
+(sha256). The folder is a trust boundary: :func:`validate_chain` refuses manifest paths that leave it, files it does
+not list, pickles, level claims its configs contradict, and any missing, changed or damaged file (docs/DECODE.md).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def validate_chain(chain_dir: Path, *, hashes: bool = True) -> ChainManifest:
     manifest = read_manifest(chain_dir)
     folders = level_folders(chain_dir, manifest)
     problems = _unlisted_files(chain_dir, manifest)
-    for i, (lv, folder) in enumerate(zip(manifest.levels, folders)):
+    for i, (lv, folder) in enumerate(zip(manifest.levels, folders, strict=True)):
         problems += _level_problems(i, lv, folder, hashes)
     if problems:
         raise PolyspecError(f"chain {chain_dir} does not validate:\n  " + "\n  ".join(problems), exit_code=1)

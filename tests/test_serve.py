@@ -25,7 +25,13 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from polyspec.decode.serve import server as serve  # noqa: E402
-from polyspec.decode.serve.api import MAX_JSON_DEPTH, MAX_STOP_CHARS, json_depth, make_answer, token_pieces  # noqa: E402
+from polyspec.decode.serve.api import (  # noqa: E402
+    MAX_JSON_DEPTH,
+    MAX_STOP_CHARS,
+    json_depth,
+    make_answer,
+    token_pieces,
+)
 from polyspec.decode.serve.limits import ServeLimits  # noqa: E402
 from polyspec.errors import PolyspecError  # noqa: E402
 
@@ -629,17 +635,22 @@ def test_deadline_passing_in_the_queue_is_a_503_and_frees_the_place(loaded):
 
     app = _app(loaded, limits=ServeLimits(request_timeout=1.0))
     gate, engine = _Gate(app.state.engine), app.state.engine
-    with _serving(app) as base, ThreadPoolExecutor(1) as pool:
-        first = pool.submit(httpx.post, f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 30}, timeout=30)
+    url = "/v1/completions"
+    with _serving(app) as base, httpx.Client(base_url=base, timeout=30) as h, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(h.post, url, json={"prompt": "hi", "max_tokens": 30})
         _wait_for("the first request to run", lambda: engine.depth() == (0, 1))
         t0 = time.monotonic()
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        streamed = pool.submit(h.post, url, json={"prompt": "hi", "max_tokens": 4, "stream": True})
+        r = h.post(url, json={"prompt": "hi", "max_tokens": 4})
         waited = time.monotonic() - t0
         err = _assert_error(r, 503, "deadline of 1 s")
         assert err["code"] == "deadline_exceeded" and int(r.headers["retry-after"]) >= 1
         assert 0.9 <= waited < 10  # answered at its deadline, not when the worker came free
-        health = httpx.get(f"{base}/health", timeout=10).json()
-        assert (health["queue_depth"], health["running"], health["rejected"]["deadline"]) == (0, 1, 1)
+        # streamed, the 200 headers are out: the error is the last event before [DONE]
+        events = _sse_events(streamed.result(timeout=10).text)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "deadline_exceeded"
+        health = h.get("/health").json()
+        assert (health["queue_depth"], health["running"], health["rejected"]["deadline"]) == (0, 1, 2)
         gate.open()  # the first one is past its deadline too: it stops after its first round
         body = first.result(timeout=30).json()
         assert body["choices"][0]["finish_reason"] == "length" and body["polyspec"]["deadline_exceeded"] is True
@@ -696,7 +707,8 @@ def test_mixed_load_every_answer_in_its_class_and_the_server_healthy_after(loade
         assert status == 200 and _sse_events(text)[-1] == "[DONE]" and '"error"' not in text
 
         # and all at once with the worker free: valid ones get 200 or 429 (the queue is small), the rest their 4xx
-        kinds = [("valid", url, valid), ("valid", "/v1/chat/completions", chat)] * 4 + [("bad", p, b) for p, b, _ in bad]
+        kinds = [("valid", url, valid), ("valid", "/v1/chat/completions", chat)] * 4
+        kinds += [("bad", path, body) for path, body, _ in bad]
         results = list(pool.map(lambda k: (k[0], post(h, k[1], k[2])[0]), kinds))
         assert all(_classify(s) in (("2xx", "429") if kind == "valid" else ("4xx",)) for kind, s in results), results
 

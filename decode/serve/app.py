@@ -73,7 +73,7 @@ class Job:
     top_p: float
     seed: int
     deadline: float | None = None  # Engine.clock() time by which the answer must end
-    halt: threading.Event = field(default_factory=threading.Event)  # set: no more tokens wanted (stop string, client gone)
+    halt: threading.Event = field(default_factory=threading.Event)  # no more tokens wanted (stop string, client gone)
     cut: bool = False  # set by the worker when the deadline stopped the generation
     queued: bool = False  # holds a place in the engine's count (Engine bookkeeping)
 

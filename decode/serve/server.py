@@ -46,8 +46,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    f"a running generation stops with finish_reason 'length' (default {ServeLimits.request_timeout:g}; "
                    "0 = none)")
     p.add_argument("--max-prompt-tokens", type=int, default=ServeLimits.max_prompt_tokens,
-                   help=f"longest prompt accepted, in tokens; longer is a 400 (default {ServeLimits.max_prompt_tokens}; "
-                   "0 = the model's context)")
+                   help=f"longest prompt accepted, in tokens; longer is a 400 "
+                   f"(default {ServeLimits.max_prompt_tokens}; 0 = the model's context)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not 0 <= args.port <= 65535:
         raise PolyspecError(f"--port must be in 0..65535, got {args.port}")
-    limits = ServeLimits.from_cli(args.max_queue, args.request_timeout, args.max_prompt_tokens)  # checked before loading
+    # checked before the chain is loaded
+    limits = ServeLimits.from_cli(args.max_queue, args.request_timeout, args.max_prompt_tokens)
     app = build_app(args.chain, mode=args.mode, device=args.device, dtype=args.dtype, api_key=api_key,
                     model_name=args.model_name, limits=limits)
     if not is_loopback(args.host) and not api_key:

@@ -401,6 +401,8 @@ async def _result(s: _Served, job: Job, fut: Future) -> GenerationResult:
                     raise JobDropped("the deadline passed before its turn") from None
         return await wrapped
     except JobDropped:
+        if job.halt.is_set():  # its client went away first: nobody to answer, nothing to count
+            raise asyncio.CancelledError from None
         s.metrics.observe_rejection("deadline")
         waiting, _ = s.engine.depth()
         raise ApiError(503, f"the server is busy: this request waited past its deadline of "

@@ -1,12 +1,14 @@
 """`polyspec serve`: the OpenAI-compatible API over a tiny assembled chain (target + RTN int4 copy + random EAGLE head).
 
 Shapes of chat and text completions, SSE streaming, greedy answers equal to generate_text's, every bad input as a 4xx
-OpenAI error body, a crash in generation as a 500 with the server still up, API keys, Prometheus metrics, and a real
-uvicorn server on a loopback port answering 16 concurrent clients.
+OpenAI error body, a crash in generation as a 500 with the server still up, API keys, Prometheus metrics, the load
+limits (bounded queue, deadline, prompt length), and a real uvicorn server on a loopback port answering 16 concurrent
+clients and a mixed load of valid, malformed, oversize, streamed, dropped and over-queue requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -23,7 +25,14 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from polyspec.decode.serve import server as serve  # noqa: E402
-from polyspec.decode.serve.api import make_answer, token_pieces  # noqa: E402
+from polyspec.decode.serve.api import (  # noqa: E402
+    MAX_JSON_DEPTH,
+    MAX_STOP_CHARS,
+    json_depth,
+    make_answer,
+    token_pieces,
+)
+from polyspec.decode.serve.limits import ServeLimits  # noqa: E402
 from polyspec.errors import PolyspecError  # noqa: E402
 
 MODEL = "tiny"
@@ -276,6 +285,14 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n=1"),
     ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, 400, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 1e9}, 400, "less than or equal to 2"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["ok", "x" * (MAX_STOP_CHARS + 1)]}, 400,
+     f"at most {MAX_STOP_CHARS} characters"),
+    ("/v1/completions", {"prompt": "hi", "stop": "y" * 100_000}, 400, f"at most {MAX_STOP_CHARS} characters"),
+    ("/v1/chat/completions", b"[" * 100_000, 400, "nests arrays/objects 100000 deep"),
+    ("/v1/completions", b'{"prompt": "hi", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nests"),
+    ("/v1/completions", b'{"prompt": "hi", "x": ' + b'{"a":' * 50_000 + b"1" + b"}" * 50_001, 400, "nests"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "hi"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "content"),
@@ -439,22 +456,31 @@ def test_metrics_parse_and_count(loaded):
     assert m["polyspec_queue_depth"] == 0 and m["polyspec_requests_running"] == 0
 
 
-def test_real_server_answers_16_concurrent_clients(loaded):
-    import httpx
-
-    app = _app(loaded, mode="dual")
+@contextlib.contextmanager
+def _serving(app):
+    """A real uvicorn server for ``app`` on a free loopback port, in a thread; yields its base URL."""
     sock = serve.bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = serve.make_server(app, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20
         while not server.started:
             assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
             time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+    assert not thread.is_alive()
 
+
+def test_real_server_answers_16_concurrent_clients(loaded):
+    import httpx
+
+    with _serving(_app(loaded, mode="dual")) as base:
         def ask(i: int) -> tuple[int, str]:
             body = {"prompt": f"client {i}", "max_tokens": 8, "temperature": 0.7, "seed": i, "stream": i % 2 == 1}
             with httpx.Client(timeout=60) as h:
@@ -477,7 +503,223 @@ def test_real_server_answers_16_concurrent_clients(loaded):
         m = _parse_metrics(httpx.get(f"{base}/metrics", timeout=10).text)
         assert m['polyspec_requests_total{endpoint="/v1/completions",status="200"}'] == 16
         assert m["polyspec_generations_total"] == 16 and m["polyspec_queue_depth"] == 0
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-    assert not thread.is_alive()
+        assert m['polyspec_rejections_total{reason="queue_full"}'] == 0  # 15 waiting fit the default queue of 16
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# hostile bodies and load limits
+
+
+def test_json_depth_counts_brackets_outside_strings_only():
+    assert json_depth(b'{"a": [1, {"b": []}]}') == 4
+    assert json_depth(b'{"a": "[[[[{{{{", "b": "\\\\\\"[[[", "c": [1]}') == 2  # brackets in strings, escaped quotes
+    assert json_depth(b"[" * 100_000) == 100_000 and json_depth(b"") == 0
+    t0 = time.monotonic()  # an unterminated string of escaped quotes never makes the scan quadratic
+    assert json_depth(b'"' + b'\\"[' * (1 << 20)) == 0
+    assert json_depth(b"[]" * (1 << 20)) == 1
+    assert time.monotonic() - t0 < 5
+
+
+def test_limits_at_their_edges_are_accepted(client):
+    deep = {"prompt": "hi", "max_tokens": 2, "user": "[" * 1000}  # brackets inside a string are text
+    assert client.post("/v1/completions", json=deep).status_code == 200
+    nested = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2}'
+    assert json_depth(nested) <= MAX_JSON_DEPTH
+    assert client.post("/v1/chat/completions", content=nested).status_code == 200
+    edge = {"prompt": "hi", "max_tokens": 2, "temperature": 2, "stop": ["z" * MAX_STOP_CHARS] * 4}
+    assert client.post("/v1/completions", json=edge).status_code == 200
+
+
+def test_prompt_token_limit_is_a_400_naming_it(loaded):
+    with TestClient(_app(loaded, limits=ServeLimits(max_prompt_tokens=8))) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello " * 20, "max_tokens": 2})
+        err = _assert_error(r, 400, "at most 8 (--max-prompt-tokens)")
+        assert err["code"] == "prompt_too_long" and err["param"] == "prompt"
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello " * 20}]})
+        assert _assert_error(chat, 400, "at most 8")["param"] == "messages"
+        assert c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+        health = c.get("/health").json()
+        m = _parse_metrics(c.get("/metrics").text)
+    assert health["rejected"]["prompt_too_long"] == 2 and m['polyspec_rejections_total{reason="prompt_too_long"}'] == 2
+
+
+def _rounds_advance(engine, now: list[float], seconds: float, rounds: list[int]) -> None:
+    """Make every verification round of ``engine`` take ``seconds`` on a fake clock (``now[0]``), recording each
+    round's token count in ``rounds``."""
+    original = engine.generate
+
+    def slow(job, on_tokens=None):
+        def tick(tokens):
+            now[0] += seconds
+            rounds.append(len(tokens))
+            return on_tokens(tokens)
+        return original(job, tick)
+
+    engine.generate = slow
+    engine.clock = lambda: now[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deadline_stops_a_running_generation(loaded, stream):
+    """A generation that runs past the deadline stops at the next round: the answer so far, finish_reason 'length'."""
+    req = {"prompt": "hello there", "max_tokens": 40, "temperature": 0}
+    with TestClient(_app(loaded, limits=ServeLimits(request_timeout=25))) as c:
+        full = c.post("/v1/completions", json=req).json()
+        assert full["polyspec"]["deadline_exceeded"] is False
+        now, rounds = [0.0], []
+        _rounds_advance(c.app.state.engine, now, 10.0, rounds)  # rounds end at t = 10, 20, 30: past 25 on the third
+        if stream:
+            r = c.post("/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}})
+            chunks = [json.loads(e) for e in _sse_events(r.text)[:-1]]
+            text = "".join(ch["choices"][0]["text"] for ch in chunks[:-1])
+            reason, used = chunks[-2]["choices"][0]["finish_reason"], chunks[-1]["usage"]["completion_tokens"]
+        else:
+            body = c.post("/v1/completions", json=req).json()
+            assert body["polyspec"]["deadline_exceeded"] is True
+            text, reason = body["choices"][0]["text"], body["choices"][0]["finish_reason"]
+            used = body["usage"]["completion_tokens"]
+        health = c.get("/health").json()
+    assert len(rounds) == 3 and used == sum(rounds) < full["usage"]["completion_tokens"]
+    assert reason == "length" and full["choices"][0]["text"].startswith(text)
+    assert health["deadline_cut"] == 1 and health["status"] == "ok"
+
+
+def test_serve_limits_options(tiny_chain, monkeypatch):
+    apps = []
+
+    class FakeServer:
+        def run(self, sockets):
+            pass
+
+    monkeypatch.setattr(serve, "bind_socket", lambda host, port: socket.socket())
+    monkeypatch.setattr(serve, "make_server", lambda app, log_level: apps.append(app) or FakeServer())
+    argv = [str(tiny_chain), "--device", "cpu", "--max-queue", "3", "--request-timeout", "0", "--max-prompt-tokens",
+            "0"]
+    assert serve.run(_args(*argv)) == 0
+    with TestClient(apps[0]) as c:
+        assert c.get("/health").json()["queue_limit"] == 3
+    assert serve.run(_args(str(tiny_chain), "--device", "cpu")) == 0
+    assert apps[1].state.engine.max_queue == ServeLimits.max_queue
+    for bad in (["--max-queue", "-1"], ["--request-timeout", "-5"], ["--max-prompt-tokens", "-2"]):
+        monkeypatch.setattr(serve, "build_app", lambda *a, **k: pytest.fail("loaded a chain with bad limits"))
+        with pytest.raises(PolyspecError, match=bad[0]):
+            serve.run(_args(str(tiny_chain), *bad))
+
+
+class _Gate:
+    """Holds every generation of ``engine`` at its start until :meth:`open` (to fill the queue on purpose)."""
+
+    def __init__(self, engine):
+        self.event = threading.Event()
+        original = engine.generate
+
+        def gated(job, on_tokens=None):
+            assert self.event.wait(timeout=60), "gate never opened"
+            return original(job, on_tokens)
+
+        engine.generate = gated
+
+    def open(self):
+        self.event.set()
+
+
+def _wait_for(what, predicate, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_deadline_passing_in_the_queue_is_a_503_and_frees_the_place(loaded):
+    import httpx
+
+    app = _app(loaded, limits=ServeLimits(request_timeout=1.0))
+    gate, engine = _Gate(app.state.engine), app.state.engine
+    url = "/v1/completions"
+    with _serving(app) as base, httpx.Client(base_url=base, timeout=30) as h, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(h.post, url, json={"prompt": "hi", "max_tokens": 30})
+        _wait_for("the first request to run", lambda: engine.depth() == (0, 1))
+        t0 = time.monotonic()
+        streamed = pool.submit(h.post, url, json={"prompt": "hi", "max_tokens": 4, "stream": True})
+        r = h.post(url, json={"prompt": "hi", "max_tokens": 4})
+        waited = time.monotonic() - t0
+        err = _assert_error(r, 503, "deadline of 1 s")
+        assert err["code"] == "deadline_exceeded" and int(r.headers["retry-after"]) >= 1
+        assert 0.9 <= waited < 10  # answered at its deadline, not when the worker came free
+        # streamed, the 200 headers are out: the error is the last event before [DONE]
+        events = _sse_events(streamed.result(timeout=10).text)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "deadline_exceeded"
+        health = h.get("/health").json()
+        assert (health["queue_depth"], health["running"], health["rejected"]["deadline"]) == (0, 1, 2)
+        gate.open()  # the first one is past its deadline too: it stops after its first round
+        body = first.result(timeout=30).json()
+        assert body["choices"][0]["finish_reason"] == "length" and body["polyspec"]["deadline_exceeded"] is True
+        assert body["usage"]["completion_tokens"] < 30
+
+
+def _classify(status: int) -> str:
+    return "2xx" if 200 <= status < 300 else "429" if status == 429 else "4xx" if 400 <= status < 500 else str(status)
+
+
+def test_mixed_load_every_answer_in_its_class_and_the_server_healthy_after(loaded):
+    """Valid, malformed, oversize, streamed, dropped and over-queue requests at once against a real server with a
+    queue of 2: each gets the right class of answer, never a 5xx, and the server is healthy after."""
+    import httpx
+
+    app = _app(loaded, mode="dual", limits=ServeLimits(max_queue=2, max_prompt_tokens=64))
+    engine, gate = app.state.engine, _Gate(app.state.engine)
+    url = "/v1/completions"
+    valid = {"prompt": "hello", "max_tokens": 6, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
+    bad = [(url, b"[" * 100_000, 400), (url, {**valid, "temperature": 1e9}, 400),
+           (url, {**valid, "stop": "s" * 100_000}, 400), (url, {"prompt": "x" * (5 << 20)}, 413),
+           (url, {"prompt": "hello " * 200}, 400), (url, b'{"prompt": ', 400), (url, {**valid, "tools": []}, 400),
+           ("/v1/chat/completions", {"messages": "hi"}, 400)]
+
+    def post(h, path, body):
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = h.post(path, headers={"content-type": "application/json"}, **kw)
+        return r.status_code, r.headers, r.text
+
+    with _serving(app) as base, httpx.Client(base_url=base, timeout=60) as h, ThreadPoolExecutor(8) as pool:
+        # the worker is held: one runs, one streamed request waits, one dropped stream takes the last place
+        running = pool.submit(post, h, url, valid)
+        _wait_for("a running request", lambda: engine.depth() == (0, 1))
+        streamed = pool.submit(post, h, "/v1/chat/completions", chat)
+        _wait_for("a waiting request", lambda: engine.depth() == (1, 1))
+        with httpx.Client(base_url=base, timeout=60) as dropper:
+            with dropper.stream("POST", "/v1/chat/completions", json=chat) as r:
+                lines = r.iter_lines()  # kept: a dropped iterator closes the connection
+                assert r.status_code == 200 and next(lines).startswith("data: ")
+                assert engine.depth() == (2, 1)
+                over = [pool.submit(post, h, url, {**valid, "stream": i % 2 == 1}) for i in range(3)]
+                malformed = [pool.submit(post, h, path, body) for path, body, _ in bad]
+                for f in over:  # answered at once, while the worker is still held
+                    status, headers, _ = f.result(timeout=30)
+                    assert status == 429 and int(headers["retry-after"]) >= 1
+                for f, (_, _, want) in zip(malformed, bad, strict=True):
+                    assert f.result(timeout=30)[0] == want
+                assert h.get("/health").json()["queue_depth"] == 2
+        _wait_for("the dropped stream to leave the queue", lambda: engine.depth() == (1, 1))
+        gate.open()
+        assert running.result(timeout=30)[0] == 200
+        status, _, text = streamed.result(timeout=30)
+        assert status == 200 and _sse_events(text)[-1] == "[DONE]" and '"error"' not in text
+
+        # and all at once with the worker free: valid ones get 200 or 429 (the queue is small), the rest their 4xx
+        kinds = [("valid", url, valid), ("valid", "/v1/chat/completions", chat)] * 4
+        kinds += [("bad", path, body) for path, body, _ in bad]
+        results = list(pool.map(lambda k: (k[0], post(h, k[1], k[2])[0]), kinds))
+        assert all(_classify(s) in (("2xx", "429") if kind == "valid" else ("4xx",)) for kind, s in results), results
+
+        _wait_for("an idle engine", lambda: engine.depth() == (0, 0))
+        health = h.get("/health").json()
+        assert health["status"] == "ok" and (health["queue_depth"], health["running"]) == (0, 0)
+        assert health["rejected"]["queue_full"] == 3 + sum(s == 429 for _, s in results)
+        assert health["rejected"]["body_too_large"] == 2 and health["rejected"]["prompt_too_long"] == 2
+        m = _parse_metrics(h.get("/metrics").text)
+        assert m['polyspec_rejections_total{reason="queue_full"}'] == health["rejected"]["queue_full"]
+        assert m["polyspec_queue_limit"] == 2
+        assert not any(k.startswith("polyspec_requests_total") and 'status="5' in k for k in m)
+        after = h.post(url, json=valid)
+        assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("stop", "length")

@@ -5,4 +5,5 @@
 - :mod:`polyspec.decode.serve.app`: the FastAPI app over a loaded chain
 - :mod:`polyspec.decode.serve.api`: the request schema and answer wire format
 - :mod:`polyspec.decode.serve.metrics`: the Prometheus counters
+- :mod:`polyspec.decode.serve.limits`: the load limits (queue, deadline, prompt length); light, the CLI's defaults
 """

@@ -6,27 +6,37 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
+# A stream holds back the last (longest stop - 1) characters, so a stop's length bounds that delay: 128 characters
+# fit any real stop marker (role headers, code fences) and hold back at most ~30 tokens of text.
+MAX_STOP_CHARS = 128
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+# OpenAI bodies nest 4 deep ({"messages": [{"content": [{...}]}]}); a limit well above that, checked before parsing,
+# keeps a hostile body (100k '[') away from the recursive JSON parser.
+MAX_JSON_DEPTH = 32
 
 
 class ApiError(Exception):
     """A request that gets an OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
@@ -69,7 +79,7 @@ class _Sampling(_Strict):
     """Fields both endpoints take. None = the chain's decode default (from its manifest)."""
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0, description="0 = greedy")
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0 = greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="a 64-bit integer")
@@ -94,6 +104,9 @@ class _Sampling(_Strict):
             raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return v
 
     def stop_list(self) -> list[str]:
@@ -118,11 +131,28 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
+# A JSON string, or an unterminated one up to the end (so that a scan never restarts inside one: linear time)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEP = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in a JSON text, found without parsing it: strings are cut out, then the
+    brackets left are counted (C-speed scans; 4 MiB of brackets takes a fraction of a second)."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
+
+
 def parse_request(raw: bytes, model: type[_Sampling]) -> Any:
     """Body bytes -> a validated request, or an ApiError (400) naming the field and what is wrong with it."""
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the request body nests arrays/objects {depth} deep; at most {MAX_JSON_DEPTH} levels "
+                       "are accepted", code="invalid_json")
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
@@ -278,10 +308,11 @@ class AnswerStream:
         self.sent = max(self.sent, limit)
         return delta
 
-    def finish(self, token_ids: list[int], eos: set[int], max_tokens: int) -> tuple[str, Answer]:
+    def finish(self, token_ids: list[int], eos: set[int], max_tokens: int, *,
+               cut: bool = False) -> tuple[str, Answer]:
         """(the text not sent yet, the final Answer): finish_reason "stop" for an EOS token or a stop string (the text
-        ends before it), "length" for a full budget; completion_tokens counts the tokens up to and including the one
-        that completed the stop string."""
+        ends before it), "length" for a full budget or a generation ``cut`` short (the server's deadline);
+        completion_tokens counts the tokens up to and including the one that completed the stop string."""
         if self.stopped is not None:
             i, pos = self.stopped
             out, used = [], 0
@@ -292,18 +323,20 @@ class AnswerStream:
             answer = Answer(out, "stop", i + 1)
         else:
             ended = bool(token_ids) and token_ids[-1] in eos
-            reason: Literal["stop", "length"] = "stop" if ended or len(token_ids) < max_tokens else "length"
+            full = cut or len(token_ids) >= max_tokens
+            reason: Literal["stop", "length"] = "stop" if ended or not full else "length"
             answer = Answer(list(self.pieces), reason, len(token_ids))
         rest = answer.text[self.sent:]
         self.sent = len(answer.text)
         return rest, answer
 
 
-def make_answer(pieces: list[str], token_ids: list[int], eos: set[int], stops: list[str], max_tokens: int) -> Answer:
+def make_answer(pieces: list[str], token_ids: list[int], eos: set[int], stops: list[str], max_tokens: int, *,
+                cut: bool = False) -> Answer:
     """The whole answer from every token's piece (see :class:`AnswerStream`)."""
     stream = AnswerStream(stops)
     stream.push(pieces)
-    return stream.finish(token_ids, eos, max_tokens)[1]
+    return stream.finish(token_ids, eos, max_tokens, cut=cut)[1]
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Requests are validated and tokenised on the event loop, then queue for the one generation worker thread (a
 single-thread executor: FIFO, one generation at a time), so the loop keeps answering /health, /metrics and new requests
-while a generation runs. Importing this module imports fastapi and torch: ``polyspec.decode.serve`` imports it only
-when a server is built.
+while a generation runs. The queue is bounded (429 beyond it) and every request has a deadline (see
+:class:`~polyspec.decode.serve.limits.ServeLimits`). Importing this module imports fastapi and torch:
+``polyspec.decode.serve`` imports it only when a server is built.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -43,6 +45,7 @@ from polyspec.decode.serve.api import (
     sse,
     token_pieces,
 )
+from polyspec.decode.serve.limits import ServeLimits
 from polyspec.decode.serve.metrics import CONTENT_TYPE, Metrics
 from polyspec.errors import PolyspecError
 
@@ -69,16 +72,34 @@ class Job:
     temperature: float
     top_p: float
     seed: int
+    deadline: float | None = None  # Engine.clock() time by which the answer must end
+    halt: threading.Event = field(default_factory=threading.Event)  # no more tokens wanted (stop string, client gone)
+    cut: bool = False  # set by the worker when the deadline stopped the generation
+    queued: bool = False  # holds a place in the engine's count (Engine bookkeeping)
+
+
+class QueueFull(Exception):
+    """``waiting`` requests already wait for the engine, as many as it takes."""
+
+    def __init__(self, waiting: int):
+        super().__init__(f"{waiting} requests wait")
+        self.waiting = waiting
+
+
+class JobDropped(Exception):
+    """A queued job that was not run: its deadline passed, or its client went away, before its turn."""
 
 
 class Engine:
     """One chain, one generation at a time. ``submit`` queues a job for the worker thread and awaits its result."""
 
-    def __init__(self, chain: LoadedChain, mode: str):
+    def __init__(self, chain: LoadedChain, mode: str, max_queue: int = ServeLimits.max_queue):
         chain.levels_for(mode)  # PolyspecError now if the chain cannot run in this mode
         self.chain = chain
         self.mode = mode
         self.eos = eos_ids(chain.tokenizer)
+        self.max_queue = max_queue
+        self.clock = time.monotonic  # deadlines are on this clock (tests replace it)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyspec-gen")
         self._lock = threading.Lock()
         self._pending = 0  # submitted, not finished (waiting + running)
@@ -106,21 +127,48 @@ class Engine:
         with self._lock:
             self._running += 1
         try:
-            return self.generate(job, on_tokens)
+            if job.halt.is_set():
+                raise JobDropped("the client went away before its turn")
+            if job.deadline is not None and self.clock() >= job.deadline:
+                raise JobDropped("the deadline passed before its turn")
+            return self.generate(job, self._watch(job, on_tokens))
         finally:
-            with self._lock:
+            with self._lock:  # both at once, so that a finished job never counts as waiting
                 self._running -= 1
-
-    async def submit(self, job: Job, on_tokens: Any = None) -> GenerationResult:
-        """Queue ``job``; ``on_tokens`` (called on the worker thread with each round's committed tokens; a true
-        return stops the generation) streams it."""
-        with self._lock:
-            self._pending += 1
-        try:  # a cancelled await (client gone) also cancels the job if it has not started
-            return await asyncio.wrap_future(self._executor.submit(self._work, job, on_tokens))
-        finally:
-            with self._lock:
                 self._pending -= 1
+                job.queued = False
+
+    def _watch(self, job: Job, on_tokens: Any) -> Any:
+        """``on_tokens`` plus the deadline: the generation stops at the first round that ends past it."""
+        def watch(tokens: list[int]) -> bool:
+            if on_tokens is not None and on_tokens(tokens):
+                return True
+            if job.deadline is not None and self.clock() >= job.deadline:
+                job.cut = True
+                return True
+            return False
+        return watch
+
+    def _unqueue(self, job: Job) -> None:
+        """A job cancelled before it ran gives its place back (one that ran gave it back in _work)."""
+        with self._lock:
+            if job.queued:
+                self._pending -= 1
+                job.queued = False
+
+    def submit(self, job: Job, on_tokens: Any = None) -> Future:
+        """Queue ``job`` now (its Future's result is the GenerationResult), or QueueFull when ``max_queue`` jobs
+        already wait. ``on_tokens`` (called on the worker thread with each round's committed tokens; a true return
+        stops the generation) streams it. Cancelling the Future before the job starts takes it out of the queue."""
+        with self._lock:
+            waiting = self._pending - self._running
+            if waiting >= self.max_queue:
+                raise QueueFull(waiting)
+            self._pending += 1
+            job.queued = True
+        fut = self._executor.submit(self._work, job, on_tokens)
+        fut.add_done_callback(lambda _f: self._unqueue(job))
+        return fut
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -184,23 +232,25 @@ def _authorized(header: str | None, key: str) -> bool:
 
 @dataclass
 class _Served:
-    """What a request handler needs: the chain, its engine and counters, the served name and the defaults."""
+    """What a request handler needs: the chain, its engine and counters, the served name, defaults and limits."""
 
     chain: LoadedChain
     engine: Engine
     metrics: Metrics
     model_name: str
     defaults: ServeDefaults
+    limits: ServeLimits
 
 
 def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str | None = None,
-               defaults: ServeDefaults | None = None) -> FastAPI:
+               defaults: ServeDefaults | None = None, limits: ServeLimits | None = None) -> FastAPI:
     """An OpenAI-compatible app over a loaded chain. ``app.state.engine`` / ``app.state.metrics`` are the engine and
     counters (tests use them)."""
-    engine = Engine(chain, mode)
+    limits = limits or ServeLimits()
+    engine = Engine(chain, mode, max_queue=limits.max_queue)
     defaults = defaults or ServeDefaults()
     started = int(time.time())
-    metrics = Metrics(model_name, mode, engine.levels)
+    metrics = Metrics(model_name, mode, engine.levels, queue_limit=limits.max_queue)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -241,7 +291,8 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
     @app.get("/health")
     async def health() -> dict[str, Any]:
         waiting, running = engine.depth()
-        return {"status": "ok", "model": model_name, "mode": mode, "queue_depth": waiting, "running": running}
+        return {"status": "ok", "model": model_name, "mode": mode, "queue_depth": waiting,
+                "queue_limit": limits.max_queue, "running": running, **metrics.refusals()}
 
     @app.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
@@ -258,7 +309,7 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
                           param="model", code="model_not_found")
         return model_card()
 
-    served = _Served(chain, engine, metrics, model_name, defaults)
+    served = _Served(chain, engine, metrics, model_name, defaults, limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -271,68 +322,150 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
     return app
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# a request's way through: read and check it, queue it, await it under its deadline
+
+
+async def _read_body(s: _Served, request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    too_big = declared.isdigit() and int(declared) > MAX_BODY_BYTES
+    raw = b"" if too_big else await request.body()
+    if too_big or len(raw) > MAX_BODY_BYTES:
+        s.metrics.observe_rejection("body_too_large")
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    return raw
+
+
+def _prompt_ids(s: _Served, req: Any, kind: Literal["chat", "text"]) -> list[int]:
+    """The prompt's token ids; over the server's prompt limit is a 400 naming the limit."""
+    if kind == "chat":
+        ids = encode_chat(s.chain.tokenizer, [m.as_template_dict() for m in req.messages])
+    else:
+        ids = encode_text(s.chain.tokenizer, req.prompt)
+    limit = s.limits.max_prompt_tokens
+    if limit is not None and len(ids) > limit:
+        s.metrics.observe_rejection("prompt_too_long")
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {limit} "
+                       "(--max-prompt-tokens); shorten it", param="messages" if kind == "chat" else "prompt",
+                       code="prompt_too_long")
+    return ids
+
+
+async def _prepare(s: _Served, request: Request, kind: Literal["chat", "text"]) -> tuple[Any, list[int], int, Job]:
+    """A request -> (its parsed body, prompt ids, token budget, the job to run), or an ApiError."""
+    arrived = s.engine.clock()
+    req = parse_request(await _read_body(s, request), ChatCompletionRequest if kind == "chat" else CompletionRequest)
+    if req.model is not None and req.model != s.model_name:
+        raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{s.model_name}' "
+                       "(or leave 'model' out)", param="model", code="model_not_found")
+    ids = _prompt_ids(s, req, kind)
+    budget_name = "max_completion_tokens" if kind == "chat" and req.max_completion_tokens is not None else "max_tokens"
+    max_new = token_budget(len(ids), req.token_budget(), s.defaults.max_tokens, s.chain.context, budget_name,
+                           "messages" if kind == "chat" else "prompt")
+    timeout = s.limits.request_timeout
+    job = Job(prompt_ids=ids, max_new_tokens=max_new,
+              temperature=s.defaults.temperature if req.temperature is None else float(req.temperature),
+              top_p=s.defaults.top_p if req.top_p is None else float(req.top_p),
+              seed=secrets.randbits(63) if req.seed is None else int(req.seed),
+              deadline=None if timeout is None else arrived + timeout)
+    return req, ids, max_new, job
+
+
+def _retry_after(s: _Served, waiting: int) -> dict[str, str]:
+    """A Retry-After header: about the time the requests ahead take (at least 1 s)."""
+    seconds = math.ceil(s.metrics.mean_generation_seconds() * (waiting + 1))
+    return {"Retry-After": str(min(max(seconds, 1), 3600))}
+
+
+def _submit(s: _Served, job: Job, on_tokens: Any = None) -> Future:
+    """Queue ``job`` on the engine, or a 429 with Retry-After when the queue is full."""
+    try:
+        return s.engine.submit(job, on_tokens)
+    except QueueFull as exc:
+        s.metrics.observe_rejection("queue_full")
+        raise ApiError(429, f"the server is busy: {exc.waiting} requests already wait for its one generation "
+                       f"worker (--max-queue {s.engine.max_queue}); retry later", type="rate_limit_error",
+                       code="queue_full", headers=_retry_after(s, exc.waiting)) from None
+
+
+async def _result(s: _Served, job: Job, fut: Future) -> GenerationResult:
+    """Await a queued job. When its deadline passes while it still waits, it leaves the queue at once (503); while it
+    runs, the worker stops it at the next round (``job.cut``). A cancelled await (client gone) cancels the job too."""
+    wrapped = asyncio.wrap_future(fut)
+    try:
+        if job.deadline is not None:
+            try:
+                return await asyncio.wait_for(asyncio.shield(wrapped), max(job.deadline - s.engine.clock(), 0.0))
+            except asyncio.TimeoutError:
+                if fut.cancel():  # not started: give the place back now
+                    raise JobDropped("the deadline passed before its turn") from None
+        return await wrapped
+    except JobDropped:
+        if job.halt.is_set():  # its client went away first: nobody to answer, nothing to count
+            raise asyncio.CancelledError from None
+        s.metrics.observe_rejection("deadline")
+        waiting, _ = s.engine.depth()
+        raise ApiError(503, f"the server is busy: this request waited past its deadline of "
+                       f"{s.limits.request_timeout:g} s (--request-timeout) for its turn and was not run; retry later",
+                       type="server_error", code="deadline_exceeded", headers=_retry_after(s, waiting)) from None
+    except asyncio.CancelledError:
+        job.halt.set()
+        fut.cancel()
+        raise
+
+
+def _json_error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
 async def _complete(s: _Served, request: Request, kind: Literal["chat", "text"]) -> Any:
     """A chat or text completion request -> its JSON answer, or its event stream when it asks for one."""
     try:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
-        req = parse_request(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-        if req.model is not None and req.model != s.model_name:
-            raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{s.model_name}' "
-                           "(or leave 'model' out)", param="model", code="model_not_found")
-        if kind == "chat":
-            ids = encode_chat(s.chain.tokenizer, [m.as_template_dict() for m in req.messages])
-            budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        else:
-            ids = encode_text(s.chain.tokenizer, req.prompt)
-            budget_name = "max_tokens"
-        max_new = token_budget(len(ids), req.token_budget(), s.defaults.max_tokens, s.chain.context, budget_name,
-                               "messages" if kind == "chat" else "prompt")
-        job = Job(prompt_ids=ids, max_new_tokens=max_new,
-                  temperature=s.defaults.temperature if req.temperature is None else float(req.temperature),
-                  top_p=s.defaults.top_p if req.top_p is None else float(req.top_p),
-                  seed=secrets.randbits(63) if req.seed is None else int(req.seed))
+        req, ids, max_new, job = await _prepare(s, request, kind)
         if req.stream:
             return _stream_response(s, kind, req, job, ids, max_new)
-        result = await s.engine.submit(job)
+        result = await _result(s, job, _submit(s, job))
     except ApiError as exc:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _json_error(exc)
     except PolyspecError as exc:  # bad input the decoder caught
         return _error(400, str(exc))
     except Exception as exc:  # the server answers and stays up
         log.exception("generation failed")
         return _error(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
-    s.metrics.observe_generation(len(ids), result.stats)
+    s.metrics.observe_generation(len(ids), result.stats, cut=job.cut)
     pieces = token_pieces(s.chain.tokenizer, result.token_ids)
-    answer = make_answer(pieces, result.token_ids, s.engine.eos, req.stop_list(), max_new)
+    answer = make_answer(pieces, result.token_ids, s.engine.eos, req.stop_list(), max_new, cut=job.cut)
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     stats = result.stats
     extra = {"polyspec": {"mode": stats.get("mode"), "seconds": finite(stats.get("seconds", 0.0)),
                           "tokens_per_second": finite(stats.get("tokens_per_second", 0.0)),
-                          "mean_accepted": {lv["name"]: lv["mean_accepted"] for lv in stats.get("levels", [])}}}
+                          "mean_accepted": {lv["name"]: lv["mean_accepted"] for lv in stats.get("levels", [])},
+                          "deadline_exceeded": job.cut}}
     return JSONResponse(completion_object(kind, rid, s.model_name, answer, len(ids), extra))
 
 
 def _stream_response(s: _Served, kind: Literal["chat", "text"], req: Any, job: Job, ids: list[int],
                      max_new: int) -> StreamingResponse:
     """Server-sent events as the target commits tokens: each verification round's text goes out at once (minus
-    the few characters a stop string could still begin in); a stop string ends the generation early."""
+    the few characters a stop string could still begin in); a stop string ends the generation early. The job is
+    queued before the headers go out, so a full queue is still a plain 429."""
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     chunks = ChunkMaker(kind, rid, s.model_name, bool(req.stream_options and req.stream_options.include_usage))
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    halt = threading.Event()  # set when a stop string appeared or the client went away
 
     def on_tokens(tokens: list[int]) -> bool:  # the worker thread
         loop.call_soon_threadsafe(queue.put_nowait, tokens)
-        return halt.is_set()
+        return job.halt.is_set()
 
-    task = asyncio.ensure_future(s.engine.submit(job, on_tokens))
-    task.add_done_callback(lambda _t: queue.put_nowait(None))
+    def done(t: asyncio.Future) -> None:
+        if not t.cancelled():
+            t.exception()  # read here: when the client is gone, nobody else reads it
+        queue.put_nowait(None)
+
+    fut = _submit(s, job, on_tokens)
+    task = asyncio.ensure_future(_result(s, job, fut))
+    task.add_done_callback(done)
 
     async def events():  # noqa: ANN202
         pieces, answer_stream, generated = PieceDecoder(s.chain.tokenizer), AnswerStream(req.stop_list()), []
@@ -343,19 +476,23 @@ def _stream_response(s: _Served, kind: Literal["chat", "text"], req: Any, job: J
                 generated += tokens
                 text = answer_stream.push(pieces.push(tokens))
                 if answer_stream.stopped is not None:
-                    halt.set()
+                    job.halt.set()
                 if text:
                     yield sse(chunks.delta({"content": text} if kind == "chat" else text))
             try:
                 result = task.result()
-            except Exception as exc:  # the headers are out: report in the stream, keep serving
+            except ApiError as exc:  # the headers are out: the error is the last event
+                yield sse(exc.body())
+                yield SSE_DONE
+                return
+            except Exception as exc:
                 log.exception("generation failed")
                 yield sse(error_body(f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
                 yield SSE_DONE
                 return
-            s.metrics.observe_generation(len(ids), result.stats)
+            s.metrics.observe_generation(len(ids), result.stats, cut=job.cut)
             text = answer_stream.push([], tail=pieces.tail())
-            rest, answer = answer_stream.finish(generated, s.engine.eos, max_new)
+            rest, answer = answer_stream.finish(generated, s.engine.eos, max_new, cut=job.cut)
             rest = text + rest
             if rest:
                 yield sse(chunks.delta({"content": rest} if kind == "chat" else rest))
@@ -364,7 +501,8 @@ def _stream_response(s: _Served, kind: Literal["chat", "text"], req: Any, job: J
                 yield sse(chunks.usage(len(ids), answer.completion_tokens))
             yield SSE_DONE
         finally:
-            halt.set()  # the client is gone (or we are done): stop generating at the next round
+            job.halt.set()  # the client is gone (or we are done): stop generating at the next round
+            fut.cancel()  # and give the queue place back at once if it has not started
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

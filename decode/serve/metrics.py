@@ -13,6 +13,9 @@ from typing import Any
 
 TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)  # tokens/s per request
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Why a request was refused: a full queue (429), a deadline passed before its turn (503), a prompt over
+# --max-prompt-tokens (400), a body over the size limit (413)
+REJECTIONS = ("queue_full", "deadline", "prompt_too_long", "body_too_large")
 
 
 def _label(value: str) -> str:
@@ -31,9 +34,10 @@ class Metrics:
     """Requests by endpoint and status; generated and prompt tokens; tokens/s (last request and a histogram);
     mean accepted tokens per forward for every level over all requests (sum of tokens emitted / sum of forwards)."""
 
-    def __init__(self, model: str, mode: str, levels: list[str]):
+    def __init__(self, model: str, mode: str, levels: list[str], queue_limit: int = 0):
         self.model = model
         self.mode = mode
+        self.queue_limit = queue_limit
         self._lock = threading.Lock()
         self.requests: Counter[tuple[str, int]] = Counter()
         self.generations = 0
@@ -45,18 +49,35 @@ class Metrics:
         self.tps_sum = 0.0
         self.level_emitted = {name: 0 for name in levels}
         self.level_passes = {name: 0 for name in levels}
+        self.rejections: Counter[str] = Counter({reason: 0 for reason in REJECTIONS})
+        self.deadline_cuts = 0
 
     def observe_request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, int(status))] += 1
 
-    def observe_generation(self, prompt_tokens: int, stats: dict[str, Any]) -> None:
-        """Record one generation from :class:`ChainDecoder`'s stats (new_tokens, seconds, levels[...])."""
+    def observe_rejection(self, reason: str) -> None:
+        with self._lock:
+            self.rejections[reason] += 1
+
+    def refusals(self) -> dict[str, Any]:
+        """Rejections by reason and generations the deadline cut short (for /health)."""
+        with self._lock:
+            return {"rejected": dict(self.rejections), "deadline_cut": self.deadline_cuts}
+
+    def mean_generation_seconds(self) -> float:
+        with self._lock:
+            return self.generation_seconds / self.generations if self.generations else 0.0
+
+    def observe_generation(self, prompt_tokens: int, stats: dict[str, Any], *, cut: bool = False) -> None:
+        """Record one generation from :class:`ChainDecoder`'s stats (new_tokens, seconds, levels[...]); ``cut``: the
+        deadline stopped it."""
         new = int(stats.get("new_tokens", 0))
         seconds = float(stats.get("seconds", 0.0))
         tps = new / seconds if seconds > 0 else 0.0
         with self._lock:
             self.generations += 1
+            self.deadline_cuts += int(cut)
             self.generated_tokens += new
             self.prompt_tokens += int(prompt_tokens)
             self.generation_seconds += seconds
@@ -107,4 +128,9 @@ class Metrics:
                    [(f'{{level="{_label(n)}"}}', p) for n, p in self.level_passes.items()])
             metric("polyspec_queue_depth", "gauge", "Requests waiting for the batch-1 engine.", [("", queue_waiting)])
             metric("polyspec_requests_running", "gauge", "Requests being generated now (0 or 1).", [("", running)])
+            metric("polyspec_queue_limit", "gauge", "Requests that may wait (--max-queue).", [("", self.queue_limit)])
+            metric("polyspec_rejections_total", "counter", "Requests refused by the server's limits, by reason.",
+                   [(f'{{reason="{_label(r)}"}}', n) for r, n in sorted(self.rejections.items())])
+            metric("polyspec_deadline_cut_total", "counter", "Generations stopped by the request deadline.",
+                   [("", self.deadline_cuts)])
         return "\n".join(lines) + "\n"

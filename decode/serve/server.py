@@ -2,7 +2,8 @@
 
 This module stays light (argparse, sockets): fastapi, uvicorn and torch are imported only when a server is built, so
 ``polyspec --help`` does not pay for them. The app itself lives in :mod:`polyspec.decode.serve.app`, the wire format
-in :mod:`polyspec.decode.serve.api`, the Prometheus counters in :mod:`polyspec.decode.serve.metrics`.
+in :mod:`polyspec.decode.serve.api`, the Prometheus counters in :mod:`polyspec.decode.serve.metrics`, the load limits
+(queue, deadline, prompt length) in :mod:`polyspec.decode.serve.limits`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from polyspec.decode.serve.limits import ServeLimits
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.modes import MODES
 
@@ -36,6 +38,16 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set {API_KEY_ENV})")
     p.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists "
                    "(default: the chain folder's name)")
+    p.add_argument("--max-queue", type=int, default=ServeLimits.max_queue,
+                   help=f"requests that may wait for the one generation worker; more get 429 with Retry-After "
+                   f"(default {ServeLimits.max_queue})")
+    p.add_argument("--request-timeout", type=float, default=ServeLimits.request_timeout, metavar="SECONDS",
+                   help=f"deadline from a request's arrival (queue wait included): a request still waiting gets 503, "
+                   f"a running generation stops with finish_reason 'length' (default {ServeLimits.request_timeout:g}; "
+                   "0 = none)")
+    p.add_argument("--max-prompt-tokens", type=int, default=ServeLimits.max_prompt_tokens,
+                   help=f"longest prompt accepted, in tokens; longer is a 400 "
+                   f"(default {ServeLimits.max_prompt_tokens}; 0 = the model's context)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -66,7 +78,7 @@ def pick_mode(chain: Any, asked: str | None, manifest_mode: str | None) -> str:
 
 
 def build_app(chain_dir: Path, *, mode: str | None = None, device: str = "auto", dtype: str | None = None,
-              api_key: str | None = None, model_name: str | None = None) -> Any:
+              api_key: str | None = None, model_name: str | None = None, limits: ServeLimits | None = None) -> Any:
     """Validate and load ``chain_dir`` (a chain that does not validate raises PolyspecError) and return the app."""
     try:
         import fastapi  # noqa: F401
@@ -81,7 +93,8 @@ def build_app(chain_dir: Path, *, mode: str | None = None, device: str = "auto",
     chosen = pick_mode(chain, mode, decode.mode)
     defaults = ServeDefaults(temperature=decode.temperature, top_p=decode.top_p, max_tokens=decode.max_new_tokens)
     name = model_name or Path(chain_dir).resolve().name
-    return create_app(chain, mode=chosen, model_name=name, api_key=api_key or None, defaults=defaults)
+    return create_app(chain, mode=chosen, model_name=name, api_key=api_key or None, defaults=defaults,
+                      limits=limits)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -119,8 +132,10 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not 0 <= args.port <= 65535:
         raise PolyspecError(f"--port must be in 0..65535, got {args.port}")
+    # checked before the chain is loaded
+    limits = ServeLimits.from_cli(args.max_queue, args.request_timeout, args.max_prompt_tokens)
     app = build_app(args.chain, mode=args.mode, device=args.device, dtype=args.dtype, api_key=api_key,
-                    model_name=args.model_name)
+                    model_name=args.model_name, limits=limits)
     if not is_loopback(args.host) and not api_key:
         print(f"polyspec serve: warning: listening on {args.host}, beyond this machine, with no API key: anyone who "
               f"can reach it can use it. Set --api-key or {API_KEY_ENV}.", file=sys.stderr)

@@ -20,11 +20,11 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import temp_folder
 
 if TYPE_CHECKING:
     from polyspec.config import Recipe
@@ -233,8 +233,7 @@ def convert_gguf(gguf: Path, target: Path, info: dict[str, Any] | None = None) -
         if importlib.util.find_spec(pkg) is None:
             raise PolyspecError(f"converting {gguf.name} needs the {pkg} package: pip install {pkg}")
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = temp_folder(target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

@@ -135,3 +135,37 @@ def test_temp_folder_names_record_the_writer(tmp_path):
     tmp = temp_folder(tmp_path / "head")
     assert tmp.parent == tmp_path and tmp.name.startswith(f".head.tmp-{os.getpid()}@")
     assert remove_stale_temps(tmp_path / "head") == []  # this process is alive
+
+
+def test_export_removes_a_killed_exports_leftover_and_keeps_hash_records_out_of_the_chain(tiny_parts, tmp_path):
+    import shutil
+
+    import torch
+
+    from polyspec.config import DecodeConfig
+    from polyspec.export.package import export_chain
+    from polyspec.export.profile import ProfileSettings
+    from polyspec.export.stage import profile_folders
+    from polyspec.fsutil import write_file_hashes
+
+    out = tmp_path / "work" / "chain"
+    # a writer that stops without any cleanup, as under kill -9, leaves its partial chain beside the output
+    code = "import sys; from polyspec.fsutil import temp_folder; print(temp_folder(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=REPO, check=True)
+    leftover = Path(done.stdout.strip())
+    (leftover / "levels").mkdir()
+    (leftover / "levels" / "weights.bin").write_bytes(b"\x00" * 4096)
+
+    head = tmp_path / "head"
+    shutil.copytree(tiny_parts["head"], head)
+    write_file_hashes(head)  # as the train stage writes heads
+    parts = {**tiny_parts, "head": head}
+    prompts = [torch.randint(3, 500, (8,), generator=torch.Generator().manual_seed(0)).tolist()]
+    settings = ProfileSettings(max_new_tokens=4, kv_length=16, warmup=0, repeats=1, draft_ks=(2,), mus=(4,))
+    p = profile_folders(parts, tmp_path / "profile", settings, device="cpu", prompt_ids=prompts, threads=1,
+                        say=lambda _m: None)
+    export_chain(out, parts, p, DecodeConfig(), onnx=False)
+    assert not leftover.exists()
+    assert sorted(x.name for x in out.parent.iterdir()) == ["chain"]
+    assert not any(f.endswith(FILE_HASHES) for lv in json.loads((out / "manifest.json").read_text())["levels"]
+                   for f in lv["files"])

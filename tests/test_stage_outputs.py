@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from conftest import REPO
 
 from polyspec.fsutil import (

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polyspec.errors import PolyspecError
-from polyspec.fsutil import temp_folder
 
 if TYPE_CHECKING:
     from polyspec.config import Recipe
@@ -232,6 +231,8 @@ def convert_gguf(gguf: Path, target: Path, info: dict[str, Any] | None = None) -
     for pkg in ("gguf", "accelerate"):
         if importlib.util.find_spec(pkg) is None:
             raise PolyspecError(f"converting {gguf.name} needs the {pkg} package: pip install {pkg}")
+
+    from polyspec.fsutil import temp_folder
 
     tmp = temp_folder(target)
     try:

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from array import array
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from polyspec.data.chat import tokenize_with_length
 from polyspec.data.sharegpt import load_conversations, resolve_source
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import temp_folder
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
@@ -339,7 +339,7 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
         report["regen"] = regen_report
 
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:20]}-", dir=root))
+    tmp = temp_folder(final)
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the entry is an ordinary folder once in place
         with _quiet_datasets():

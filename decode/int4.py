@@ -32,7 +32,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from torch import nn
 
 from polyspec.decode import cpu_kernels
 from polyspec.errors import PolyspecError
-from polyspec.fsutil import swap_into_place
+from polyspec.fsutil import swap_into_place, temp_folder
 
 KERNEL_GROUPS = (256, 128, 64, 32)
 QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -419,8 +418,7 @@ def write_gptq_folder(out_dir: str | Path, hf_config: dict[str, Any], tensors: d
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise PolyspecError(f"{out_dir} already exists and is not empty; remove it or pass overwrite=True")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = temp_folder(out_dir)
     try:
         if copy_files_from is not None:
             for f in Path(copy_files_from).iterdir():

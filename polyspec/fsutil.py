@@ -1,22 +1,56 @@
 """Atomic writes of folders and files: build under a temporary name next to the target, then swap it into place, so
-a killed process never leaves a half-written artifact under the real name."""
+a killed process never leaves a half-written artifact under the real name.
+
+Temporary folders are named ``.<name>.tmp-<pid>@<host>.<random>`` (``.<name>.old-<pid>@<host>`` while a swap moves
+the old folder aside), so a later run can tell a dead writer's leftovers from a live writer's work and remove them
+(:func:`remove_stale_temps`). A finished stage output carries the sha256 of its files in ``polyspec-hashes.json``
+(:func:`write_file_hashes`) and is checked against it before it is reused (:func:`verify_output`).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+FILE_HASHES = "polyspec-hashes.json"
+HASHES_FORMAT = "polyspec.file-hashes/1"
+# leftovers without a pid in their name (written before names carried one) are removed after this long untouched;
+# so are another host's (a shared file system: its pids mean nothing here)
+STALE_AFTER_S = 24 * 3600
+_OWNED = re.compile(r"^\.{1,2}(?P<name>.+?)\.(?:tmp|old)-(?P<pid>\d+)@(?P<host>[A-Za-z0-9-]+)(?:\.|$)")
+_TEMP_NAME = re.compile(r"^\.{1,2}.+?\.(?:tmp|old)-")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+
+
+def _owner() -> str:
+    return f"{os.getpid()}@{_host()}"
+
+
+def temp_folder(out: str | Path) -> Path:
+    """A fresh temporary folder beside ``out`` whose name records this process (after removing the stale temporary
+    folders of dead writers there)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{_owner()}.", dir=out.parent))
 
 
 def swap_into_place(tmp: Path, out: Path) -> Path:
     """Rename the finished folder ``tmp`` to ``out``, replacing an existing ``out`` (moved aside, then removed)."""
     tmp, out = Path(tmp), Path(out)
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        old = out.with_name(f".{out.name}.old-{_owner()}")
         os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
@@ -25,18 +59,169 @@ def swap_into_place(tmp: Path, out: Path) -> Path:
     return out
 
 
-def atomic_folder(out: str | Path, write: Callable[[Path], object]) -> Path:
+def discard_folder(folder: str | Path) -> None:
+    """Remove ``folder`` so that a kill midway leaves no half-deleted folder under its name (it is renamed to a
+    temporary name first, which a later run cleans up)."""
+    folder = Path(folder)
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old-{_owner()}")
+        os.replace(folder, old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_folder(out: str | Path, write: Callable[[Path], object], *, hashes: bool = False) -> Path:
     """Call ``write(tmp)`` on a fresh temporary folder beside ``out``, then swap it into place; on any exception
-    (KeyboardInterrupt included) the temporary folder is removed and ``out`` is left as it was."""
+    (KeyboardInterrupt included) the temporary folder is removed and ``out`` is left as it was. ``hashes``: record
+    the sha256 of every written file in the folder (:func:`write_file_hashes`) before the swap."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_folder(out)
     try:
         write(tmp)
+        if hashes:
+            write_file_hashes(tmp)
         return swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _untouched_for(p: Path, now: float) -> float:
+    try:
+        return now - p.lstat().st_mtime
+    except OSError:  # already gone
+        return 0.0
+
+
+def _is_stale(p: Path, out_name: str, now: float) -> bool:
+    """Whether ``p`` (an entry beside an output named ``out_name``) is a temporary folder nobody is writing."""
+    m = _OWNED.match(p.name)
+    if m:
+        if m.group("host") == _host():
+            return not _alive(int(m.group("pid")))
+        return _untouched_for(p, now) > STALE_AFTER_S
+    # older names, only for this very output: ``.<name>.tmp-<pid>-<random>`` (pid known) or ``.<name>.tmp-<random>``
+    legacy = re.match(r"^\.{1,2}" + re.escape(out_name) + r"\.(?:tmp|old)-(?:(\d+)-)?", p.name)
+    if not legacy:
+        return False
+    if legacy.group(1) is not None:
+        return not _alive(int(legacy.group(1)))
+    return _untouched_for(p, now) > STALE_AFTER_S
+
+
+def remove_stale_temps(out: str | Path) -> list[Path]:
+    """Delete the temporary folders beside ``out`` that dead runs left (a kill -9 skips every cleanup): polyspec's
+    own names only, of any output when the name records its writer, of ``out`` itself for older names. A folder whose
+    writer is alive on this host is never touched. Returns what was removed."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    now, removed = time.time(), []
+    for p in out.parent.iterdir():
+        if p.name.startswith(".") and p.is_dir() and not p.is_symlink() and _is_stale(p, out.name, now):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# File hashes of a stage output
+
+
+def _listed_files(folder: Path) -> list[str]:
+    """Files below ``folder`` (relative POSIX paths, sorted) but the hash record and other writers' temporary
+    folders."""
+    files = []
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder)
+        if rel.as_posix() == FILE_HASHES or _TEMP_NAME.match(rel.parts[0]) or not p.is_file():
+            continue
+        files.append(rel.as_posix())
+    return sorted(files)
+
+
+def file_hashes(folder: str | Path) -> dict[str, str]:
+    """sha256 of every file of a stage output (the hash record and temporary folders left out), with the chain
+    manifest's hasher."""
+    from polyspec.manifest import sha256_file
+
+    folder = Path(folder)
+    return {rel: sha256_file(folder / rel) for rel in _listed_files(folder)}
+
+
+def write_file_hashes(folder: str | Path) -> Path:
+    """Record the sha256 of every file of ``folder`` in ``folder/polyspec-hashes.json`` (atomically)."""
+    folder = Path(folder)
+    return write_json(folder / FILE_HASHES, {"format": HASHES_FORMAT, "files": file_hashes(folder)}, sort_keys=True)
+
+
+def hash_problems(folder: str | Path) -> list[str] | None:
+    """Missing, changed and unlisted files of ``folder`` against its hash record ([] when intact); None when it has
+    no record (written before outputs carried one)."""
+    folder = Path(folder)
+    try:
+        record = json.loads((folder / FILE_HASHES).read_text(encoding="utf-8"))
+        listed = dict(record["files"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{folder / FILE_HASHES} is unreadable ({type(exc).__name__})"]
+    found = file_hashes(folder)
+    problems = [f"{rel} is missing" for rel in listed if rel not in found]
+    problems += [f"{rel} changed (its sha256 differs from the record)" for rel, h in found.items()
+                 if rel in listed and listed[rel] != h]
+    problems += [f"{rel} is not in the record" for rel in found if rel not in listed]
+    return problems
+
+
+def unreadable_weights(folder: str | Path) -> list[str]:
+    """The safetensors files below ``folder`` whose header does not open or does not cover the file (truncated)."""
+    from safetensors import SafetensorError, safe_open
+
+    folder, problems = Path(folder), []
+    for rel in _listed_files(folder):
+        if rel.endswith(".safetensors"):
+            try:
+                with safe_open(str(folder / rel), framework="numpy"):
+                    pass
+            except (SafetensorError, OSError) as exc:
+                problems.append(f"{rel} is not a readable safetensors file ({exc})")
+    return problems
+
+
+def verify_output(folder: str | Path) -> list[str]:
+    """What is wrong with the finished stage output ``folder`` ([] when it may be reused), after removing the stale
+    temporary folders beside it. A folder with a hash record is re-hashed against it; a folder from before records
+    existed is checked for readable safetensors files and, when they are, hashed now (trusted from then on)."""
+    folder = Path(folder)
+    remove_stale_temps(folder)
+    problems = hash_problems(folder)
+    if problems is None:
+        problems = unreadable_weights(folder)
+        if not problems:
+            try:
+                write_file_hashes(folder)
+            except OSError:  # a read-only folder: checked again (and hashed) on its next reuse
+                pass
+    return problems
+
+
+def damage_note(folder: str | Path, problems: list[str]) -> str:
+    """One message for a damaged stage output that is about to be redone."""
+    return f"{folder} is damaged ({'; '.join(problems[:5])}{'; ...' if len(problems) > 5 else ''}); redoing it"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Files
 
 
 def atomic_file(path: str | Path, write: Callable[[Path], object]) -> Path:

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,8 +232,9 @@ def convert_gguf(gguf: Path, target: Path, info: dict[str, Any] | None = None) -
         if importlib.util.find_spec(pkg) is None:
             raise PolyspecError(f"converting {gguf.name} needs the {pkg} package: pip install {pkg}")
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    from polyspec.fsutil import temp_folder
+
+    tmp = temp_folder(target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

@@ -26,16 +26,14 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import re
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError, missing_extra
-from polyspec.fsutil import swap_into_place
+from polyspec.fsutil import swap_into_place, temp_folder
 
 FORMAT_VERSION = 1
 RECORD_FILE = "polyspec_quantization.json"
@@ -276,9 +274,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
     if old is not None and old.get("key") == key:
         return out_dir
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
+    tmp = temp_folder(out_dir)  # (removes the temporary folders of killed runs beside it)
     try:
         if method == "gptq":
             run = _run_gptqmodel(model_dir, tmp, calibration, settings, device)
@@ -317,29 +313,6 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
             shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(tmp.parent / f".{tmp.name}.offload", ignore_errors=True)
     return out_dir
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temps(out_dir: Path) -> list[Path]:
-    """Delete temporary folders next to ``out_dir`` left by a killed run (their name carries the writer's pid and
-    that process is gone); returns what was removed."""
-    pattern = re.compile(r"^\.{1,2}" + re.escape(out_dir.name) + r"\.tmp-(\d+)-")
-    removed = []
-    for p in out_dir.parent.iterdir() if out_dir.parent.is_dir() else []:
-        m = pattern.match(p.name)
-        if m and p.is_dir() and not _alive(int(m.group(1))):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
 
 
 def model_id_safe(model_dir: Path) -> str:

@@ -7,21 +7,24 @@ under ``<workdir>/quantize/<key>/``::
     model/         the int4 intermediate M2 (GPTQ format, polyspec_quantization.json inside)
     rtn/           the round-to-nearest baseline (method gptq only)
     report.json    quality + acceptance + speed (:mod:`polyspec.quantize.report`)
+    polyspec-hashes.json  the sha256 of every file above, written last (polyspec.fsutil.write_file_hashes)
 
 ``<key>`` hashes the target's content id, the quantize settings and the calibration token ids, so a rerun with the
-same inputs returns at once and any change makes a new folder. Returns the ``model/`` folder.
+same inputs returns at once (after re-hashing the folder: a damaged one is removed and quantised again) and any
+change makes a new folder. Returns the ``model/`` folder.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from polyspec.device import device_name
 from polyspec.errors import PolyspecError
-from polyspec.fsutil import write_json
+from polyspec.fsutil import damage_note, discard_folder, verify_output, write_file_hashes, write_json
 
 HELDOUT_SEQUENCES = 32  # held-out conversations scored for perplexity / agreement / KL (bounded for CPU runs)
 REPORT_FILE = "report.json"
@@ -54,8 +57,12 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
     report_path = root / REPORT_FILE
     record = read_record(model_dir)
     if record is not None and record.get("key") == key and report_path.is_file():
-        _log(tracker, json.loads(report_path.read_text(encoding="utf-8")), report_path, flat_metrics, cached=True)
-        return model_dir
+        damage = verify_output(root)
+        if not damage:
+            _log(tracker, json.loads(report_path.read_text(encoding="utf-8")), report_path, flat_metrics, cached=True)
+            return model_dir
+        print(f"quantize: {damage_note(root, damage)}", file=sys.stderr, flush=True)
+        discard_folder(root)  # the int4 folder would otherwise be reused by its recorded key
 
     root.mkdir(parents=True, exist_ok=True)
     cal_info = {"source": split.source, "train_conversations": len(split.train), "seed": recipe.data.seed,
@@ -87,6 +94,7 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
         "group_layout": {k: v for k, v in (record.get("group_layout") or {}).items() if k != "layers"},
     })
     write_json(report_path, report)
+    write_file_hashes(root)  # last: the stage is complete (and checked on every reuse) once this record exists
     _log(tracker, report, report_path, flat_metrics, cached=False)
     return model_dir
 

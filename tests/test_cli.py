@@ -59,3 +59,50 @@ def test_validate_bad_key_exits_2(capsys, tmp_path):
     assert main(["validate", str(p)]) == 2
     err = capsys.readouterr().err
     assert "quantize.bitz" in err and str(p) in err and "group_size" in err
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """``polyspec ARGV`` exits 2 with one error line set and no traceback; returns stderr."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and f"polyspec {argv[0]}: error: " in captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
+def test_an_empty_recipe_is_refused_by_validate_and_run(capsys, tmp_path, monkeypatch, text):
+    monkeypatch.chdir(tmp_path)
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    for verb in ("validate", "run"):
+        err = _refused(capsys, [verb, str(p)])
+        assert "the recipe is empty" in err and str(p) in err
+    assert list(tmp_path.iterdir()) == [p], "run must start no work from an empty recipe"
+
+
+def test_a_duplicate_key_is_refused_with_its_line(capsys, tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("workdir: w\ntrain:\n  lr: 0.1\n  epochs: 2\n  lr: 0.2\n")
+    err = _refused(capsys, ["validate", str(p)])
+    assert "line 5" in err and "'lr'" in err and "line 3" in err and str(p) in err
+    p.write_text("workdir: a\ntrain: {lr: 0.1}\nworkdir: b\n")
+    assert "key 'workdir'" in _refused(capsys, ["run", str(p)])
+
+
+def test_missing_local_sources_fail_validation(capsys, tmp_path):
+    from conftest import make_tiny_llama
+
+    p = tmp_path / "r.yaml"
+    sample = REPO / "tests" / "assets" / "sharegpt_sample.json"
+    p.write_text(f"workdir: {tmp_path / 'w'}\ntarget: {{source: {tmp_path / 'no_model'}}}\n"
+                 f"data: {{source: {sample}}}\n")
+    err = _refused(capsys, ["validate", str(p)])
+    assert "target.source" in err and str(tmp_path / "no_model") in err and "does not exist" in err
+    model = make_tiny_llama(tmp_path / "model")
+    err = _refused(capsys, ["validate", str(p), f"target.source={model}", f"data.source={tmp_path / 'none.json'}"])
+    assert "data.source" in err and str(tmp_path / "none.json") in err and "does not exist" in err
+    # hub and packaged sources are checked for their form only (no network here)
+    assert main(["validate", str(p), f"target.source={model}", "data.source=hf:someone/some-data"]) == 0
+    assert main(["validate", str(p), "target.source=hf:org/name"]) == 0
+    capsys.readouterr()
+    assert "hf:ORG/NAME" in _refused(capsys, ["validate", str(p), "target.source=hf:noslash"])

@@ -55,6 +55,16 @@ def test_run_end_to_end_rerun_and_interrupted_stage(tmp_path, monkeypatch, capsy
     capsys.readouterr()
     assert json.loads((chain / "manifest.json").read_text())["levels"] == json.loads(before)["levels"]
 
+    # a truncated head is named and trained again on the next run (it used to be reused, and the profile crashed)
+    (head,) = [p for p in (tmp_path / "work" / "head").iterdir() if not p.name.startswith(".")]
+    weights = head / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:100])
+    assert main(["run", str(recipe)]) == 0
+    assert "is damaged" in capsys.readouterr().err
+    assert weights.stat().st_size == len(whole)
+    assert main(["validate-chain", str(chain)]) == 0
+
     # a stage killed midway (new train settings -> new head) leaves no half-written folder; the next run redoes it
     import polyspec.decode.head as head_mod
 

@@ -195,6 +195,14 @@ def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
     assert time.perf_counter() - t0 < 5 and second.key == first.key and second.path == first.path
     assert to_json(second) == json.loads(json.dumps(to_json(first)))
 
+    # a damaged stored profile is named and measured again
+    said = []
+    table = next((Path(first.path) / "tables").iterdir())
+    table.write_text(table.read_text()[:20])
+    third = profile_stage(recipe, None, parts=tiny_parts, say=said.append)
+    assert any("is damaged" in m and table.name in m for m in said), said
+    assert third.key == first.key and json.loads(table.read_text())
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Pure functions

@@ -300,13 +300,24 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
             raise AssertionError("a rerun with the same inputs must not train")
 
     assert train_stage(recipe, progress=False, callbacks=[MustNotTrain()]) == out
-    # a head from before heads carried token counts gets them on a rerun, without training
+    # a head from before heads carried token counts (or file hashes) gets them on a rerun, without training
     from polyspec.decode.head import TOKEN_COUNTS_FILE, read_token_counts
+    from polyspec.fsutil import FILE_HASHES, hash_problems
 
     counts = read_token_counts(out, target.args.vocab_size)
     (out / TOKEN_COUNTS_FILE).unlink()
+    (out / FILE_HASHES).unlink()
     assert train_stage(recipe, progress=False, callbacks=[MustNotTrain()]) == out
     assert torch.equal(read_token_counts(out, target.args.vocab_size), counts)
+    assert hash_problems(out) == [], "the head's files are hashed on its first reuse"
+
+    # a truncated head is found by its hashes and trained again, not reused
+    weights = out / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 3])
+    assert train_stage(recipe, progress=False) == out
+    assert weights.stat().st_size == len(whole) and hash_problems(out) == []
+    load_head(out, target)
 
 
 def test_tiny_eagle3_training_lowers_the_loss_and_decodes_losslessly(tmp_path, peaked_model):

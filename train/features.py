@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from polyspec.errors import PolyspecError
+from polyspec.fsutil import temp_folder
 from polyspec.train.losses import padded_batch
 
 INDEX = "index.json"
@@ -231,8 +231,7 @@ def build_feature_cache(teacher: torch.nn.Module, splits: dict[str, Any], out_di
     out_dir = Path(out_dir)
     if (out_dir / INDEX).is_file():
         return read_cache_index(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = temp_folder(out_dir)
     total = sum(sum(len(r) for r in split["input_ids"]) for split in splits.values())
     hidden_size = None
     index: dict[str, Any] = {"format": CACHE_FORMAT, **info, "splits": {}}

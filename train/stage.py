@@ -22,10 +22,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
-import os
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +31,7 @@ from typing import Any
 from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_KEYS, Recipe, TrainConfig
 from polyspec.device import device_name, fast_bf16_matmul, is_global_rank_zero, resolve_dtype
 from polyspec.errors import PolyspecError, missing_extra
-from polyspec.fsutil import atomic_file
+from polyspec.fsutil import atomic_file, atomic_folder, damage_note, verify_output, write_file_hashes
 
 TRAIN_FORMAT = 1
 TRAINING_JSON = "training.json"
@@ -207,11 +204,14 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     workdir = Path(recipe.workdir)
     out_dir = workdir / "head" / key[:16]
     if head_is_complete(out_dir, key):
-        _say(progress and rank0, f"train: head for these inputs already exists: {out_dir}")
-        tracker.set_tags({"polyspec.train.skipped": "true", "polyspec.train.head": str(out_dir)})
-        if rank0:
-            _add_token_counts(out_dir, recipe, tokenizer, target_id)
-        return out_dir
+        damage = verify_output(out_dir)
+        if not damage:
+            _say(progress and rank0, f"train: head for these inputs already exists: {out_dir}")
+            tracker.set_tags({"polyspec.train.skipped": "true", "polyspec.train.head": str(out_dir)})
+            if rank0:
+                _add_token_counts(out_dir, recipe, tokenizer, target_id)
+            return out_dir
+        _say(rank0, f"train: {damage_note(out_dir, damage)}")
 
     prepared = prepare_dataset(recipe, tokenizer, tokenizer_id=target_id, progress=progress and rank0)
     teacher_dtype = _teacher_dtype(runtime["precision"], recipe.target.dtype)
@@ -304,6 +304,7 @@ def _add_token_counts(out_dir: Path, recipe: Recipe, tokenizer: Any, target_id: 
     vocab = int(json.loads((out_dir / "config.json").read_text(encoding="utf-8"))["args"]["vocab_size"])
     counts = _token_counts(prepare_dataset(recipe, tokenizer, tokenizer_id=target_id), vocab)
     atomic_file(path, lambda tmp: save_file({"counts": counts}, str(tmp), metadata={"format": "pt"}))
+    write_file_hashes(out_dir)
 
 
 def _token_counts(prepared: Any, vocab_size: int) -> Any:
@@ -315,22 +316,16 @@ def _token_counts(prepared: Any, vocab_size: int) -> Any:
 
 def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict[str, Any],
                 token_counts: Any = None) -> Path:
-    """save_head (with the training targets' token counts) into a temporary folder, add training.json, rename into
-    place (atomic)."""
+    """save_head (with the training targets' token counts) plus training.json and the files' hashes, written as one
+    folder atomically (replacing a stale or damaged folder for the same key)."""
     from polyspec.decode.head import save_head
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        built = save_head(head, tmp / "head", target_info, token_counts)
-        (built / TRAINING_JSON).write_text(json.dumps(training, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        built.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)  # an incomplete or stale folder for the same key
-        os.rename(built, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    def write(tmp: Path) -> None:
+        save_head(head, tmp, target_info, token_counts)
+        (tmp / TRAINING_JSON).write_text(json.dumps(training, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        tmp.chmod(0o755)
+
+    return atomic_folder(out_dir, write, hashes=True)
 
 
 def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):

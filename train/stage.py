@@ -266,7 +266,7 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
 
 def _teacher_dtype(precision: str, target_dtype: str | None) -> Any:
     """The dtype the teacher computes features in: float32 for 32-true training, bfloat16 for bf16-mixed (the
-    features are stored and trained on in bf16 either way, and a bf16 forward ran 3.5x faster than a float32 one on
+    features are stored and trained on in bf16 either way, and a bf16 forward ran about 3x faster than a float32 one on
     the 2-core CPU: docs/TRAIN.md), else the target's recipe dtype."""
     import torch
 

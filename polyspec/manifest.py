@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -29,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from polyspec import __version__
 from polyspec.config import DecodeConfig
 from polyspec.errors import PolyspecError
-from polyspec.fsutil import write_text
+from polyspec.fsutil import temp_folder, write_text
 from polyspec.weights import SAFETENSORS_SUFFIX, check_safetensors, is_pickle_name
 
 SCHEMA_VERSION = 1
@@ -302,8 +301,7 @@ def assemble_chain(out: Path, target: Path, intermediates: list[Path] = (), draf
         parts.append((f"int4_{i}" if len(intermediates) > 1 else "intermediate", Path(p)))
     if draft is not None:
         parts.append(("draft", Path(draft)))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_folder(out)  # names this process, so a killed assemble's leftover is removed by the next write
     try:
         levels = [_copy_level(tmp, parts, i) for i in range(len(parts))]
         if levels[-1].kind == "head" and len(levels) == 1:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 from polyspec.fsutil import (
@@ -168,3 +169,27 @@ def test_export_removes_a_killed_exports_leftover_and_keeps_hash_records_out_of_
     assert sorted(x.name for x in out.parent.iterdir()) == ["chain"]
     assert not any(f.endswith(FILE_HASHES) for lv in json.loads((out / "manifest.json").read_text())["levels"]
                    for f in lv["files"])
+
+
+def test_chain_assemble_names_its_temporary_folder_and_removes_a_killed_ones(tmp_path):
+    """`polyspec chain assemble` (assemble_chain, also export's writer) writes through fsutil.temp_folder: the
+    leftover of a killed assemble of the same chain is removed, and a failed assemble leaves nothing behind."""
+    from conftest import make_tiny_llama
+
+    from polyspec.errors import PolyspecError
+    from polyspec.manifest import assemble_chain
+
+    model = make_tiny_llama(tmp_path / "m", hidden=32, intermediate=64, heads=2, kv_heads=1)
+    out = tmp_path / "chain"
+    killed = _writer(out)
+    try:
+        dead_tmp = Path(killed.stdout.readline().strip())
+    finally:
+        killed.kill()
+        killed.wait()
+    assert dead_tmp.is_dir()
+    assemble_chain(out, model)
+    assert not dead_tmp.exists() and (out / "manifest.json").is_file()
+    with pytest.raises(PolyspecError):
+        assemble_chain(tmp_path / "bad", tmp_path / "missing")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".bad.")] == []

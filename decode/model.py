@@ -723,7 +723,10 @@ def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
         weight_map = read_json_object(index).get("weight_map", {})
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(set(weight_map.values())):
-            shard_path = path / shard
+            shard_path = path / str(shard)
+            if not shard_path.resolve().is_relative_to(path.resolve()) or not str(shard).endswith(".safetensors"):
+                raise PolyspecError(f"{index} names shard {shard!r} outside {path} (or not a .safetensors file); an "
+                                    "index may only name safetensors shards inside its own folder")
             if not shard_path.is_file():
                 raise PolyspecError(f"{index} lists shard {shard} but {shard_path} does not exist")
             tensors.update(load_safetensors(shard_path))

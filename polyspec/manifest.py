@@ -211,7 +211,26 @@ def _level_problems(i: int, lv: LevelEntry, folder: Path, hashes: bool) -> list[
     problems += [_header_problem(folder / rel) for rel in intact if rel.endswith(SAFETENSORS_SUFFIX)]
     if "config.json" in intact:
         problems += _claim_problems(i, lv, folder)
+    problems += [_index_problem(lv, folder, rel) for rel in intact if rel.endswith(SAFETENSORS_SUFFIX + ".index.json")]
     return [p for p in problems if p]
+
+
+def _index_problem(lv: LevelEntry, folder: Path, rel: str) -> str | None:
+    """A sharded checkpoint's index names its shards: each must be a file this level lists (so it is relative,
+    confined and hashed like every listed file); a loader opens exactly what the index says."""
+    try:
+        weight_map = _read_json(folder / rel).get("weight_map", {})
+    except PolyspecError as exc:
+        return f"level {lv.name}: {exc}"
+    if not isinstance(weight_map, dict):
+        return f"level {lv.name}: {folder / rel}: weight_map is not an object"
+    base = PurePosixPath(rel).parent
+    for shard in sorted({str(v) for v in weight_map.values()}):
+        listed = str(base / shard) if str(base) != "." else shard
+        if listed not in lv.files or not shard.endswith(SAFETENSORS_SUFFIX):
+            return (f"level {lv.name}: {folder / rel} names shard {shard!r}, which is not a safetensors file this "
+                    "level lists; an index may only name the level's own listed shards")
+    return None
 
 
 def _file_list_problems(i: int, lv: LevelEntry, folder: Path) -> list[str]:

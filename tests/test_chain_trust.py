@@ -267,3 +267,42 @@ def test_assemble_names_a_damaged_part_at_its_source(tiny_parts, tmp_path):
     with pytest.raises(PolyspecError, match=str(head / "model.safetensors")):
         assemble_chain(tmp_path / "chain", tiny_parts["target"], [tiny_parts["int4"]], head)
     assert not (tmp_path / "chain").exists() and not list(tmp_path.glob(".chain.*"))
+
+
+def _shard_target(chain: Path, shard_ref: str) -> Path:
+    """Turn the target level into a sharded checkpoint whose index names ``shard_ref``; manifest updated to match."""
+    from safetensors import safe_open
+
+    level = chain / "levels" / "target"
+    (level / "model.safetensors").rename(level / "model-00001-of-00001.safetensors")
+    with safe_open(str(level / "model-00001-of-00001.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    (level / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard_ref for n in names}}))
+
+    def change(raw):
+        files = raw["levels"][0]["files"]
+        files.pop("model.safetensors")
+        for rel in ("model-00001-of-00001.safetensors", "model.safetensors.index.json"):
+            files[rel] = sha256_file(level / rel)
+
+    edit_manifest(chain, change)
+    return level
+
+
+def test_a_shard_index_may_name_only_the_levels_own_listed_shards(chain, capsys):
+    from polyspec.decode.model import load_safetensors_dir
+
+    level = _shard_target(chain, "model-00001-of-00001.safetensors")
+    validate_chain(chain)  # a sharded level is fine
+    assert load_safetensors_dir(level)
+    outside = chain.parent / "outside" / "evil.safetensors"
+    shutil.copy(level / "model-00001-of-00001.safetensors", outside)
+    for ref in (str(outside), "../../../outside/evil.safetensors"):
+        index = json.loads((level / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {n: ref for n in index["weight_map"]}
+        (level / "model.safetensors.index.json").write_text(json.dumps(index))
+        edit_manifest(chain, lambda raw: raw["levels"][0]["files"].update(
+            {"model.safetensors.index.json": sha256_file(level / "model.safetensors.index.json")}))
+        refused(chain, "names shard", capsys)
+        with pytest.raises(PolyspecError, match="outside"):
+            load_safetensors_dir(level)

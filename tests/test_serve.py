@@ -723,3 +723,21 @@ def test_mixed_load_every_answer_in_its_class_and_the_server_healthy_after(loade
         assert not any(k.startswith("polyspec_requests_total") and 'status="5' in k for k in m)
         after = h.post(url, json=valid)
         assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_prompt_far_over_the_limit_is_refused_before_tokenising(loaded, monkeypatch):
+    """Megabytes of prompt are refused by their length alone (tokenising them would hold the event loop)."""
+    from polyspec.decode.serve import app as app_module
+
+    calls = []
+    real = app_module.encode_text
+    monkeypatch.setattr(app_module, "encode_text", lambda tok, prompt: calls.append(len(prompt)) or real(tok, prompt))
+    with TestClient(_app(loaded, limits=ServeLimits(max_prompt_tokens=8))) as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * (8 * app_module.MAX_CHARS_PER_TOKEN + 1), "max_tokens": 2})
+        assert _assert_error(r, 400, "characters")["code"] == "prompt_too_long"
+        assert calls == []
+        chat = c.post("/v1/chat/completions", json={"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "y" * (8 * app_module.MAX_CHARS_PER_TOKEN + 1)}]}]})
+        assert _assert_error(chat, 400, "characters")["param"] == "messages"
+        assert c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+    assert calls == [5]

@@ -336,13 +336,24 @@ async def _read_body(s: _Served, request: Request) -> bytes:
     return raw
 
 
+MAX_CHARS_PER_TOKEN = 32  # a prompt longer than this many characters per allowed token is refused untokenised
+
+
 def _prompt_ids(s: _Served, req: Any, kind: Literal["chat", "text"]) -> list[int]:
-    """The prompt's token ids; over the server's prompt limit is a 400 naming the limit."""
+    """The prompt's token ids; over the server's prompt limit is a 400 naming the limit. A prompt whose text alone
+    is far over it (MAX_CHARS_PER_TOKEN characters per allowed token) is refused before tokenising: tokenising
+    megabytes takes seconds."""
+    limit = s.limits.max_prompt_tokens
+    chars = sum(len(m.as_template_dict()["content"]) for m in req.messages) if kind == "chat" else len(req.prompt)
+    if limit is not None and chars > limit * MAX_CHARS_PER_TOKEN:
+        s.metrics.observe_rejection("prompt_too_long")
+        raise ApiError(400, f"the prompt has {chars} characters, far over the {limit} tokens this server accepts "
+                       "(--max-prompt-tokens); shorten it", param="messages" if kind == "chat" else "prompt",
+                       code="prompt_too_long")
     if kind == "chat":
         ids = encode_chat(s.chain.tokenizer, [m.as_template_dict() for m in req.messages])
     else:
         ids = encode_text(s.chain.tokenizer, req.prompt)
-    limit = s.limits.max_prompt_tokens
     if limit is not None and len(ids) > limit:
         s.metrics.observe_rejection("prompt_too_long")
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {limit} "

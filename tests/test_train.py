@@ -449,3 +449,22 @@ def test_max_minutes_is_a_time_budget_that_ends_training_with_a_head(tmp_path, t
     info = _info(out)
     assert 0 < info["steps"] and info["epochs_completed"] < 1000  # the budget, not the epochs, ended it
     assert info["fit_seconds"] < 60
+
+
+def test_a_damaged_feature_cache_is_named_and_extracted_again(tmp_path, tiny_model, capsys):
+    from polyspec.data.prepare import prepare_dataset
+    from polyspec.sources import load_tokenizer, model_id
+    from polyspec.train.features import build_feature_cache, cache_damage, load_teacher
+
+    recipe = _recipe(tmp_path, tiny_model, features="offline")
+    prepared = prepare_dataset(recipe, load_tokenizer(tiny_model), tokenizer_id=model_id("local", tiny_model))
+    teacher = load_teacher(tiny_model, torch.float32, "cpu")
+    cache = tmp_path / "cache"
+    index = build_feature_cache(teacher, {"train": prepared.train}, cache, info={"teacher": "t"}, batch_size=3)
+    assert cache_damage(cache) is None
+    shard = cache / index["splits"]["train"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-100])  # truncated
+    assert "safetensors" in cache_damage(cache).lower() or str(shard) in cache_damage(cache)
+    again = build_feature_cache(teacher, {"train": prepared.train}, cache, info={"teacher": "t"}, batch_size=3)
+    assert "is damaged" in capsys.readouterr().err
+    assert cache_damage(cache) is None and again["tokens"] == index["tokens"]

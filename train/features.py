@@ -222,6 +222,20 @@ class _ShardWriter:
         self.rows, self.size = [], 0
 
 
+def cache_damage(cache_dir: Path) -> str | None:
+    """What is wrong with a finished cache folder (an unreadable index, a missing or damaged shard), or None."""
+    from polyspec.weights import check_safetensors
+
+    try:
+        index = read_cache_index(cache_dir)
+        for shards in index["splits"].values():
+            for shard in shards:
+                check_safetensors(Path(cache_dir) / shard["file"])
+    except (PolyspecError, KeyError, TypeError, ValueError) as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
 def build_feature_cache(teacher: torch.nn.Module, splits: dict[str, Any], out_dir: Path, *, info: dict[str, Any],
                         batch_size: int = 8, device: str | torch.device = "cpu", shard_bytes: int = 1 << 30,
                         progress: bool = False) -> dict[str, Any]:
@@ -230,7 +244,13 @@ def build_feature_cache(teacher: torch.nn.Module, splits: dict[str, Any], out_di
     complete cache is returned as is."""
     out_dir = Path(out_dir)
     if (out_dir / INDEX).is_file():
-        return read_cache_index(out_dir)
+        damage = cache_damage(out_dir)
+        if damage is None:
+            return read_cache_index(out_dir)
+        import sys
+
+        print(f"feature cache {out_dir} is damaged ({damage}); extracting it again", file=sys.stderr, flush=True)
+        shutil.rmtree(out_dir)
     tmp = temp_folder(out_dir)
     total = sum(sum(len(r) for r in split["input_ids"]) for split in splits.values())
     hidden_size = None

@@ -26,8 +26,8 @@ def is_pickle_name(name: str) -> bool:
 
 def _unreadable(path: Path, exc: Exception) -> PolyspecError:
     return PolyspecError(f"{path} is not a readable safetensors file ({exc}); it is damaged or another format under "
-                         "a .safetensors name: replace it with the file that was written (or rerun the stage that "
-                         "wrote it)")
+                         "a .safetensors name: replace it with the file that was written, or, if polyspec wrote it "
+                         f"under a workdir, delete {path.parent} and run again (a rerun writes it anew)")
 
 
 def check_safetensors(path: str | Path) -> None:

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
 
 def _seconds(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up: oneDNN picks and caches its kernels
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
+    """Mean seconds of ``fn`` over ``repeats`` calls after one warm-up (oneDNN picks and caches its kernels)."""
+    from polyspec.decode.timing import timed
+
+    fn()
+    return timed(lambda: [fn() for _ in range(repeats)], "cpu")[1] / repeats
 
 
 def _matmul(dtype, rows: int, hidden: int, vocab: int, repeats: int) -> dict[str, float]:
@@ -94,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
 def _hidden(model_dir: str) -> int:
     from pathlib import Path
 
-    return int(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))["hidden_size"])
+    from polyspec.decode.model import read_hf_config
+
+    return int(read_hf_config(Path(model_dir))["hidden_size"])
 
 
 if __name__ == "__main__":

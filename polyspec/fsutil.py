@@ -185,16 +185,13 @@ def hash_problems(folder: str | Path) -> list[str] | None:
 
 def unreadable_weights(folder: str | Path) -> list[str]:
     """The safetensors files below ``folder`` whose header does not open or does not cover the file (truncated)."""
-    from safetensors import SafetensorError, safe_open
+    from polyspec.weights import SAFETENSORS_SUFFIX, header_problem
 
     folder, problems = Path(folder), []
     for rel in _listed_files(folder):
-        if rel.endswith(".safetensors"):
-            try:
-                with safe_open(str(folder / rel), framework="numpy"):
-                    pass
-            except (SafetensorError, OSError) as exc:
-                problems.append(f"{rel} is not a readable safetensors file ({exc})")
+        reason = header_problem(folder / rel) if rel.endswith(SAFETENSORS_SUFFIX) else None
+        if reason is not None:
+            problems.append(f"{rel} is not a readable safetensors file ({reason})")
     return problems
 
 

@@ -24,23 +24,30 @@ def is_pickle_name(name: str) -> bool:
     return Path(name).suffix.lower() in PICKLE_SUFFIXES
 
 
-def _unreadable(path: Path, exc: Exception) -> PolyspecError:
+def _unreadable(path: Path, exc: object) -> PolyspecError:
     return PolyspecError(f"{path} is not a readable safetensors file ({exc}); it is damaged or another format under "
                          "a .safetensors name: replace it with the file that was written, or, if polyspec wrote it "
                          f"under a workdir, delete {path.parent} and run again (a rerun writes it anew)")
 
 
-def check_safetensors(path: str | Path) -> None:
-    """Parse the header of ``path`` (not the tensors): its length, JSON, and that the tensors' offsets cover the file
-    exactly. Cheap, and needs no torch."""
+def header_problem(path: str | Path) -> str | None:
+    """Why the header of ``path`` does not parse (its length, JSON, the tensors' offsets covering the file exactly),
+    or None when it does. Reads the header only; needs no torch."""
     from safetensors import SafetensorError, safe_open
 
-    path = Path(path)
     try:
         with safe_open(str(path), framework="np") as f:
             f.keys()
     except (SafetensorError, OSError) as exc:
-        raise _unreadable(path, exc) from None
+        return str(exc)
+    return None
+
+
+def check_safetensors(path: str | Path) -> None:
+    """A PolyspecError naming ``path`` when its safetensors header does not parse (:func:`header_problem`)."""
+    problem = header_problem(path)
+    if problem is not None:
+        raise _unreadable(Path(path), problem)
 
 
 def load_safetensors(path: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:

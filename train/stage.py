@@ -182,7 +182,6 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     with ETA for feature extraction and training. ``callbacks``: extra Lightning callbacks (tests use one to
     interrupt a run). ``log_every``: optimizer steps between logs of loss components, lr and tokens/s.
     """
-    import torch
 
     from polyspec.data.prepare import cache_key, prepare_dataset
     from polyspec.sources import load_tokenizer, model_id, target_stage

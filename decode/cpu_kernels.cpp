@@ -11,8 +11,9 @@
 // over k = 0, 32, ... and k = 16, 48, ..., an odd 16-wide step into the first, their sum, a fixed-order lane sum, the
 // K % 16 tail, then the bias), so a token's logits do not depend on how many tokens share its forward. Built by
 // polyspec/decode/cpu_kernels.py with -O3 -march=native; plain C ABI, called through ctypes with torch tensors' data
-// pointers. Weights: fp32, or bf16 (uint16 bits, widened to fp32 by a 16-bit shift). Inputs, biases and outputs are
-// fp32 (the caller widens a bf16 input and rounds the output).
+// pointers. Weights: fp32, or bf16 (uint16 bits): for a bf16 input the vdpbf16ps rows (AVX512-BF16; bf16 products
+// summed in fp32), else widened to fp32 by a 16-bit shift. Inputs, biases and outputs are fp32 at the ABI (the
+// caller widens a bf16 input and rounds the output).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -191,8 +192,8 @@ static inline void row_dots_i4(const I4Input& in, const uint8_t* q, const float*
 // were limited by. The input is rounded to bf16 once per call (x's 24 mantissa bits -> 8; the weights carry 4), so
 // this path agrees with the portable fp32 one to ~1e-3 relative, not bitwise. Per (m, n) the arithmetic is
 // independent of M (passes of up to 4 rows, each row on its own registers): batch-invariant like the rest.
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(POLYSPEC_PORTABLE_I4)
-#define POLYSPEC_I4_BF16 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(POLYSPEC_PORTABLE_ROWS)
+#define POLYSPEC_DPBF16 1
 #include <immintrin.h>
 
 static inline uint16_t bf16_bits_rne(float f) {  // finite inputs only (activations)
@@ -268,12 +269,80 @@ static inline void row_dots_i4b(const I4Input& in, const uint8_t* q, const float
 }
 #endif
 
+#ifdef POLYSPEC_DPBF16
+// x [M, K] -> xb [M, row] bf16 bits (round to nearest even), row = K rounded up to 32, zero past K.
+static int64_t bf16_prepare(const float* x, int64_t M, int64_t K, std::vector<uint16_t>& xb) {
+    const int64_t row = (K + 31) / 32 * 32;
+    xb.assign(M * row, 0);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) xb[m * row + k] = bf16_bits_rne(x[m * K + k]);
+    return row;
+}
+
+// One bf16 weight row against G bf16 input rows on vdpbf16ps: lane i of a 32-word chunk accumulates the products of
+// words 2i and 2i + 1; two accumulators per input row (chunks k = 0, 64, ... and k = 32, 96, ...), a masked last
+// chunk into the first, their sum, a fixed-order lane sum. The same instruction sequence for every G: batch-invariant.
+template <int G>
+static inline void row_dots_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* row, int64_t K, float* out) {
+    __m512 a0[G], a1[G];
+    for (int g = 0; g < G; g++) a0[g] = a1[g] = _mm512_setzero_ps();
+    const int64_t k64 = K - K % 64;
+    for (int64_t k = 0; k < k64; k += 64) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k), w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
+        for (int g = 0; g < G; g++) {
+            a0[g] = _mm512_dpbf16_ps(a0[g], w0, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k));
+            a1[g] = _mm512_dpbf16_ps(a1[g], w1, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k + 32));
+        }
+    }
+    for (int64_t k = k64; k < K; k += 32) {  // at most two chunks, the last one masked (xb is zero there)
+        const int64_t r = K - k;
+        const __mmask32 mk = r >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << r) - 1);
+        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mk, row + k);
+        for (int g = 0; g < G; g++) a0[g] = _mm512_dpbf16_ps(a0[g], w0, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k));
+    }
+    for (int g = 0; g < G; g++) {
+        v16f t;
+        const __m512 s = _mm512_add_ps(a0[g], a1[g]);
+        memcpy(&t, &s, sizeof(t));
+        out[g] = lane_sum(t);
+    }
+}
+
+// Rows n_begin..n_end-1 of a bf16 weight against the M prepared input rows, passes of up to 8 (each row read from
+// memory once, from L1 for later passes).
+static void rows_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* w, const float* bias, int64_t M, int64_t K,
+                      int64_t N, int64_t n_begin, int64_t n_end, float* y) {
+    float out[8];
+    for (int64_t n = n_begin; n < n_end; n++) {
+        const uint16_t* row = w + n * K;
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M;) {
+            const uint16_t* xm = xb + m0 * xrow;
+            const int64_t g = M - m0 >= 8 ? 8 : M - m0;
+            switch (g) {
+                case 1: row_dots_bf16<1>(xm, xrow, row, K, out); break;
+                case 2: row_dots_bf16<2>(xm, xrow, row, K, out); break;
+                case 3: row_dots_bf16<3>(xm, xrow, row, K, out); break;
+                case 4: row_dots_bf16<4>(xm, xrow, row, K, out); break;
+                case 5: row_dots_bf16<5>(xm, xrow, row, K, out); break;
+                case 6: row_dots_bf16<6>(xm, xrow, row, K, out); break;
+                case 7: row_dots_bf16<7>(xm, xrow, row, K, out); break;
+                default: row_dots_bf16<8>(xm, xrow, row, K, out); break;
+            }
+            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
+            m0 += g;
+        }
+    }
+}
+#endif
+
 // Weight descriptors for run3: a dense fp32 or bf16 matrix [N, K], or an int4 one.
 struct WF32 {
     const float* w;
 };
 struct WBF16 {
     const uint16_t* w;
+    bool dot;  // inputs rounded to bf16, vdpbf16ps rows (where built); false: weights widened, fp32 inputs
 };
 struct WI4 {
     const uint8_t* q;   // [N, K / 2]
@@ -286,14 +355,17 @@ static inline void rows_w(const float* x, const I4Input&, const WF32& w, const f
                           int64_t N, int64_t nb, int64_t ne, float* y) {
     rows<float>(x, w.w, bias, M, K, N, nb, ne, y);
 }
-static inline void rows_w(const float* x, const I4Input&, const WBF16& w, const float* bias, int64_t M, int64_t K,
-                          int64_t N, int64_t nb, int64_t ne, float* y) {
+static inline void rows_w(const float* x, const I4Input& in, const WBF16& w, const float* bias, int64_t M,
+                          int64_t K, int64_t N, int64_t nb, int64_t ne, float* y) {
+#ifdef POLYSPEC_DPBF16
+    if (w.dot) return rows_bf16(in.xb, in.xb_row, w.w, bias, M, K, N, nb, ne, y);
+#endif
     rows<uint16_t>(x, w.w, bias, M, K, N, nb, ne, y);
 }
 
 // One pass of G input rows (from row m0) over an int4 weight row, with this build's row kernel. Passes hold up to
 // I4_PASS rows: 4 on the bf16 path (2 accumulators + 1 total per row in registers), 8 on the portable one.
-#ifdef POLYSPEC_I4_BF16
+#ifdef POLYSPEC_DPBF16
 static const int64_t I4_PASS = 4;
 #else
 static const int64_t I4_PASS = 8;
@@ -302,7 +374,7 @@ static const int64_t I4_PASS = 8;
 template <int G>
 static inline void i4_dots(const I4Input& in, int64_t m0, int64_t K, int64_t ng, const uint8_t* q, const float* sc,
                            const uint8_t* zr, int64_t gs, float* out) {
-#ifdef POLYSPEC_I4_BF16
+#ifdef POLYSPEC_DPBF16
     if constexpr (G <= I4_PASS) row_dots_i4b<G>({nullptr, in.xs + m0 * ng, in.xb + m0 * in.xb_row, in.xb_row}, q, sc,
                                                 zr, K, gs, out);
 #else
@@ -336,6 +408,9 @@ static inline void rows_w(const float*, const I4Input& in, const WI4& w, const f
     }
 }
 
+static inline bool dot_rows(const WF32&) { return false; }
+static inline bool dot_rows(const WBF16& w) { return w.dot; }
+static inline bool dot_rows(const WI4&) { return false; }
 static inline int64_t group_size_of(const WF32&) { return 0; }
 static inline int64_t group_size_of(const WBF16&) { return 0; }
 static inline int64_t group_size_of(const WI4& w) { return w.gs; }
@@ -353,7 +428,7 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
     if (gs > 0) {  // int4: de-interleave the input (or split it into bf16 parts) and sum its groups, once
         const int64_t ng = (K + gs - 1) / gs;
         xs.assign(M * ng, 0.0f);
-#ifdef POLYSPEC_I4_BF16
+#ifdef POLYSPEC_DPBF16
         in.xb_row = i4b_prepare(x, M, K, gs, xb, xs.data());
         in.xb = xb.data();
 #else
@@ -374,6 +449,12 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
 #endif
         in.xs = xs.data();
     }
+#ifdef POLYSPEC_DPBF16
+    if (dot_rows(ws[0])) {  // bf16 rows: the input rounded to bf16 once
+        in.xb_row = bf16_prepare(x, M, K, xb);
+        in.xb = xb.data();
+    }
+#endif
     if (threads < 1) threads = 1;
     if (N * M < 64 * threads) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -603,11 +684,12 @@ static LayerWeights<WT> dense_weights(const void* const* ptrs) {
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 5; }
+int polyspec_linear_abi(void) { return 6; }
 
-// Which int4 row kernel this build has: 1 = AVX512-BF16 lookups and dot products, 0 = the portable fp32 one.
-int polyspec_i4_path(void) {
-#ifdef POLYSPEC_I4_BF16
+// Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs, 0 = the
+// portable fp32 ones.
+int polyspec_dot_path(void) {
+#ifdef POLYSPEC_DPBF16
     return 1;
 #else
     return 0;
@@ -625,11 +707,12 @@ void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, cons
 }
 
 // bf16 weights (their uint16 bits); fp32 input, biases and output: the caller widens the tiny [M, K] input and
-// rounds y.
+// rounds y. dot = 1: the input is bf16 (a bf16 model), so the vdpbf16ps rows take it where built (rounding it to
+// bf16 is exact); dot = 0: an fp32 input against widened weights (a 16-bit lm_head in an fp32 model).
 void polyspec_linear3_bf16w(const float* x, const uint16_t* w0, const uint16_t* w1, const uint16_t* w2,
                             const float* b0, const float* b1, const float* b2, int64_t n0, int64_t n1, int64_t n2,
-                            int64_t M, int64_t K, float* y, int threads) {
-    const WBF16 ws[3] = {{w0}, {w1}, {w2}};
+                            int64_t M, int64_t K, float* y, int threads, int dot) {
+    const WBF16 ws[3] = {{w0, dot != 0}, {w1, dot != 0}, {w2, dot != 0}};
     const float* bs[3] = {b0, b1, b2};
     const int64_t ns[3] = {n0, n1, n2};
     run3(x, ws, bs, ns, M, K, y, threads);
@@ -656,8 +739,9 @@ int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, int64_t T, 
 int polyspec_layer_bf16(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
                         int64_t D, int64_t I, const float* cos_, const float* sin_, uint16_t* kcache,
                         uint16_t* vcache, int64_t S, int64_t start, const uint8_t* mask, int threads) {
-    return layer(x, dense_weights<WBF16, uint16_t>(ptrs), eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S,
-                 start, mask, threads);
+    LayerWeights<WBF16> w = dense_weights<WBF16, uint16_t>(ptrs);
+    for (int i = 0; i < 7; i++) w.w[i].dot = true;  // a bf16 model's activations are bf16 at every matmul
+    return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
 }
 
 // A decoder layer with int4 projections of group size gs: ptrs = (codes, scales, zeros) x 7, 7 biases, 2 norms.

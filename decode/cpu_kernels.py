@@ -37,17 +37,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_ABI = 5
+_ABI = 6
 MAX_ROWS = 16  # wider inputs (prefill) go to torch's GEMM, which is faster there
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
 def _flags() -> list[str]:
-    """The compiler flags; POLYSPEC_PORTABLE_I4=1 builds the portable fp32 int4 rows even where AVX512-BF16 is
-    there (the tests compare both paths this way)."""
-    portable = os.environ.get("POLYSPEC_PORTABLE_I4", "") not in ("", "0")
-    return _FLAGS + (["-DPOLYSPEC_PORTABLE_I4"] if portable else [])
+    """The compiler flags; POLYSPEC_PORTABLE_ROWS=1 builds the portable fp32 rows for int4 and bf16 weights even
+    where AVX512-BF16 is there (the tests compare both paths this way)."""
+    portable = os.environ.get("POLYSPEC_PORTABLE_ROWS", "") not in ("", "0")
+    return _FLAGS + (["-DPOLYSPEC_PORTABLE_ROWS"] if portable else [])
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -147,8 +147,9 @@ def _load() -> ctypes.CDLL | None:
             if lib.polyspec_linear_abi() != _ABI:
                 raise RuntimeError("the cached library has another ABI version")
             argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int]
-            for fn in (lib.polyspec_linear3_f32, lib.polyspec_linear3_bf16w):
-                fn.argtypes, fn.restype = argtypes, None
+            lib.polyspec_linear3_f32.argtypes, lib.polyspec_linear3_f32.restype = argtypes, None
+            lib.polyspec_linear3_bf16w.argtypes = argtypes + [ctypes.c_int]
+            lib.polyspec_linear3_bf16w.restype = None
             lib.polyspec_layer_f32.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
                                                + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
                                                + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
@@ -162,7 +163,7 @@ def _load() -> ctypes.CDLL | None:
             lib.polyspec_linear_i4.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
                                                + [ctypes.c_void_p, ctypes.c_int])
             lib.polyspec_linear_i4.restype = ctypes.c_int
-            lib.polyspec_i4_path.argtypes, lib.polyspec_i4_path.restype = [], ctypes.c_int
+            lib.polyspec_dot_path.argtypes, lib.polyspec_dot_path.restype = [], ctypes.c_int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _failure = str(e)
@@ -182,15 +183,16 @@ def state() -> str:
         return "off (POLYSPEC_CPU_KERNELS or set_enabled)"
     if _load() is None:
         return f"unavailable ({_failure})"
-    return f"on ({library_path().name}, int4 rows: {int4_path()})"
+    return f"on ({library_path().name}, int4 and bf16 rows: {dot_path()})"
 
 
-def int4_path() -> str | None:
-    """Which int4 row kernel the loaded library runs: "avx512-bf16" (bf16 activations, vdpbf16ps) or "fp32"
-    (portable: fp32 activations); None when the library is not loaded."""
+def dot_path() -> str | None:
+    """Which row kernels the loaded library runs for int4 weights and for bf16 weights under bf16 inputs:
+    "avx512-bf16" (activations rounded to bf16, vdpbf16ps) or "fp32" (portable: fp32 activations, weights widened);
+    None when the library is not loaded."""
     if not _enabled or _load() is None:
         return None
-    return "avx512-bf16" if _lib.polyspec_i4_path() == 1 else "fp32"
+    return "avx512-bf16" if _lib.polyspec_dot_path() == 1 else "fp32"
 
 
 def failure() -> str | None:
@@ -240,8 +242,11 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             keep.append(b)
             bs[i] = b.data_ptr()
     y = torch.empty((*x.shape[:-1], ns[0] + ns[1] + ns[2]), dtype=torch.float32)
-    fn = _lib.polyspec_linear3_f32 if weight.dtype == torch.float32 else _lib.polyspec_linear3_bf16w
-    fn(xf.data_ptr(), *ws, *bs, *ns, xf.numel() // k, k, y.data_ptr(), torch.get_num_threads())
+    args = (xf.data_ptr(), *ws, *bs, *ns, xf.numel() // k, k, y.data_ptr(), torch.get_num_threads())
+    if weight.dtype == torch.float32:
+        _lib.polyspec_linear3_f32(*args)
+    else:  # a bf16 input (rounding it back to bf16 is exact) may take the vdpbf16ps rows
+        _lib.polyspec_linear3_bf16w(*args, int(not fp32))
     return y if fp32 else y.to(x.dtype)
 
 

@@ -333,7 +333,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (the one place that picks the kernel)."""
-        fast = cpu_kernels.int4_linear(x, self)  # the CPU streaming kernel at decode widths (see int4_path())
+        fast = cpu_kernels.int4_linear(x, self)  # the CPU streaming kernel at decode widths (see dot_path())
         if fast is not None:
             return fast
         lead = x.shape[:-1]

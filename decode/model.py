@@ -295,6 +295,36 @@ class StaticKVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+SMALL_ATTENTION_ROWS = 16  # query rows per head up to which 16-bit CPU attention takes two matmuls (attend)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), masked) v with grouped K/V heads: q [B, h, T, D], k/v [B, kv, S, D], mask bool [T, S]
+    or [B, 1, T, S] (True = visible; None: all) -> [B, h, T, D].
+
+    torch's fused CPU attention takes ~10x the time of two batched matmuls for 16-bit inputs at decode widths (a few
+    query rows per head: batched generation, docs/DECODE.md), so that case runs :func:`attend_matmul` (the same
+    maths: fp32 scores and softmax); everything else, training included, is ``F.scaled_dot_product_attention``."""
+    small = q.is_cpu and q.dtype != torch.float32 and q.shape[2] <= SMALL_ATTENTION_ROWS
+    if small and not torch.is_grad_enabled() and (mask is None or mask.dim() == 2 or mask.shape[1] == 1):
+        return attend_matmul(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """:func:`attend` as two batched matmuls, each K/V head shared by its group of query heads without copying."""
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    g = h // kv
+    scores = (q.reshape(b, kv, g * t, d) @ k.transpose(-1, -2)).float() * d ** -0.5  # [B, kv, g T, S]
+    scores = scores.view(b, kv, g, t, s)
+    if mask is not None:
+        m = mask if mask.dim() == 2 else mask[:, :, None]  # [T, S] or [B, 1, 1, T, S]
+        scores = scores.masked_fill(~m, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kv, g * t, s)
+    return (p @ v).view(b, h, t, d)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -327,8 +357,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
             k, v = cache.store(layer_idx, start, k, v)  # [B, kv, S, D] each
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, h, T, D]
+        out = attend(q, k, v, mask)  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 

@@ -105,6 +105,50 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
 
 
+def _with_portable_build(tmp_path, monkeypatch, fn):
+    """fn() run against the portable build (POLYSPEC_PORTABLE_ROWS: fp32 rows for int4 and bf16 weights), the loaded
+    library restored afterwards; returns (fn's result, that build's dot_path())."""
+    saved = ck._lib, ck._tried, ck._failure
+    monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", "1")
+    monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(tmp_path))
+    ck._lib, ck._tried, ck._failure = None, False, None
+    try:
+        return fn(), ck.dot_path()
+    finally:
+        ck._lib, ck._tried, ck._failure = saved
+
+
+@pytest.mark.parametrize("k", [576, 100, 1536])
+def test_both_bf16_row_kernels_compute_the_bf16_matmul(k, tmp_path, monkeypatch):
+    """A bf16 input against bf16 weights: the vdpbf16ps rows (where AVX512-BF16 is built) and the portable widened
+    rows both compute the exact bf16 products summed in fp32 (to fp32 rounding), so they agree with each other and
+    with the fp64 matmul to the one bf16 rounding of the output."""
+    g = _gen(40 + k)
+    w = torch.randn(300, k, generator=g).bfloat16()
+    b = torch.randn(300, generator=g).bfloat16()
+    x = torch.randn(6, k, generator=g).bfloat16()
+    with torch.inference_mode():
+        native, native_path = ck.kernel_linear(x, w, b), ck.dot_path()
+        portable, portable_path = _with_portable_build(tmp_path, monkeypatch, lambda: ck.linear(x, w, b))
+    assert portable_path == "fp32" and native_path in ("fp32", "avx512-bf16")
+    ref = F.linear(x.double(), w.double(), b.double())
+    for y in (native, portable):
+        assert y.dtype == torch.bfloat16 and ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    # both sum exact products in fp32: they differ by at most one bf16 rounding step of the output
+    assert ((native.double() - portable.double()).abs() <= 2 ** -7 * portable.double().abs() + 1e-3).all()
+
+
+def test_an_fp32_input_against_bf16_weights_is_not_rounded():
+    """A 16-bit lm_head in an fp32 model: the fp32 activations reach the weights unrounded (fp32 result)."""
+    g = _gen(41)
+    w = torch.randn(200, 576, generator=g).bfloat16()
+    x = torch.randn(3, 576, generator=g) * (1 + 2 ** -12)  # values bf16 cannot hold
+    with torch.inference_mode():
+        y = ck.kernel_linear(x, w)
+    ref = x.double() @ w.double().t()
+    assert y.dtype == torch.float32 and ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+
+
 # -- int4 -------------------------------------------------------------------------------------------------------
 
 
@@ -131,12 +175,12 @@ def test_int4_linear_matches_dequantised_matmul_and_is_batch_invariant(k, gs, mo
 
 def _int4_input(x: torch.Tensor) -> torch.Tensor:
     """x as the loaded library's int4 rows take it, in fp64: rounded to bf16 on the AVX512-BF16 path."""
-    return (x.bfloat16() if ck.int4_path() == "avx512-bf16" else x).double()
+    return (x.bfloat16() if ck.dot_path() == "avx512-bf16" else x).double()
 
 
 def _int4_reference_mode() -> str:
     """The POLYSPEC_INT4_REFERENCE value whose dequantised matmul takes the activations as the kernel does."""
-    return "bf16" if ck.int4_path() == "avx512-bf16" else "1"
+    return "bf16" if ck.dot_path() == "avx512-bf16" else "1"
 
 
 def test_both_int4_row_kernels_compute_the_dequantised_matmul(tmp_path, monkeypatch):
@@ -150,15 +194,8 @@ def test_both_int4_row_kernels_compute_the_dequantised_matmul(tmp_path, monkeypa
     w = dequantize(q, s, z, gs).double()
     x = torch.randn(5, k, generator=g)
     with torch.inference_mode():
-        native, native_path = ck.int4_linear(x, layer), ck.int4_path()
-        saved = ck._lib, ck._tried, ck._failure
-        monkeypatch.setenv("POLYSPEC_PORTABLE_I4", "1")
-        monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(tmp_path))
-        ck._lib, ck._tried, ck._failure = None, False, None
-        try:
-            portable, portable_path = ck.int4_linear(x, layer), ck.int4_path()
-        finally:
-            ck._lib, ck._tried, ck._failure = saved
+        native, native_path = ck.int4_linear(x, layer), ck.dot_path()
+        portable, portable_path = _with_portable_build(tmp_path, monkeypatch, lambda: ck.int4_linear(x, layer))
     assert portable_path == "fp32" and native_path in ("fp32", "avx512-bf16")
     bias = layer.bias.double()
     for y, xin in ((portable, x.double()), (native, _int4_input(x))):

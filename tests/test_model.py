@@ -301,3 +301,31 @@ def test_smollm2_parity_and_greedy(smollm2_dir):
             nxt = int(model(torch.tensor([nxt]))[0][-1].argmax())
     assert len(hf_out) >= 8  # (generate stops early at the end-of-turn token)
     assert out[: len(hf_out)] == hf_out.tolist()
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("mask_kind", ["none", "2d", "4d"])
+def test_attend_matmul_matches_sdpa(t, mask_kind):
+    """The two-matmul attention that 16-bit CPU inputs at decode widths take equals torch's SDPA (fp32, K/V heads
+    repeated per group) on the same bf16 inputs, with every mask shape the layers pass; it is what attend() picks."""
+    import torch.nn.functional as F
+
+    from polyspec.decode import model as m
+
+    g = torch.Generator().manual_seed(t)
+    b, h, kv, s, d = 3, 6, 2, 40, 32
+    q = torch.randn(b, h, t, d, generator=g).bfloat16()
+    k, v = (torch.randn(b, kv, s, d, generator=g).bfloat16() for _ in range(2))
+    mask = {"none": None, "2d": torch.rand(t, s, generator=g) > 0.3,
+            "4d": torch.rand(b, 1, t, s, generator=g) > 0.3}[mask_kind]
+    if mask is not None:
+        mask[..., 0] = True  # no empty row
+    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(h // kv, 1),
+                                         v.float().repeat_interleave(h // kv, 1), attn_mask=mask)
+    with torch.inference_mode():
+        got = m.attend(q, k, v, mask)
+    assert got.dtype == torch.bfloat16 and (got.float() - ref).abs().max().item() < 2e-2
+    assert torch.equal(got, m.attend_matmul(q, k, v, mask))  # the small 16-bit case takes the matmuls
+    with torch.inference_mode():
+        wide = m.attend(q.float(), k.float(), v.float(), mask)  # fp32 stays on SDPA
+    assert (wide - ref).abs().max().item() < 1e-5

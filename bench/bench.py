@@ -472,7 +472,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=int, default=None, help="*-tree modes: draft forwards per tree")
     p.add_argument("--tree-tokens", type=int, default=None, help="*-tree modes: most draft tokens per tree")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the dtype the chain's profile chose, else float32 on CPU)")
     p.add_argument("--recipe", type=Path, default=None,
                    help="recipe whose data section defines the held-out ShareGPT split (default: DataConfig defaults)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")

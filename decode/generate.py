@@ -83,7 +83,9 @@ def load_model(folder: Path, *, dtype: torch.dtype, device: torch.device) -> Any
 def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = None,
                draft_vocab: int | None = None) -> LoadedChain:
     """Validate a chain folder and load every level (target, verifiers, head) onto ``device``. ``draft_vocab``: the
-    head's draft vocabulary size (None: the manifest's ``decode.draft_vocab``; 0: the full vocabulary)."""
+    head's draft vocabulary size (None: the manifest's ``decode.draft_vocab``; 0: the full vocabulary). ``dtype``:
+    None = the dtype the chain's profile measured in (``measurements.dtype``) when it ran on this kind of device,
+    else the device's default."""
     from polyspec.decode.head import load_head
     from polyspec.manifest import validate_chain
     from polyspec.sources import load_tokenizer
@@ -91,6 +93,9 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
     chain_dir = Path(chain_dir)
     manifest = validate_chain(chain_dir)
     dev = resolve_device(device)
+    measured = manifest.measurements
+    if dtype is None and str(measured.get("device", "")).split(":")[0] == dev.type:
+        dtype = measured.get("dtype")
     tdtype = resolve_dtype(dtype, dev)
     top = manifest.levels[0]
     models: dict[str, Any] = {}

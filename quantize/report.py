@@ -160,7 +160,9 @@ def build_report(target_dir: Any, int4_dirs: dict[str, Any], tokenizer: Any,
 
     if not int4_dirs:
         raise PolyspecError("build_report needs at least one int4 folder")
-    torch_dtype = getattr(torch, dtype)
+    from polyspec.device import resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype, device)
     target = Transformer.from_pretrained(target_dir, dtype=torch_dtype, device=device).eval()
     models = {name: Transformer.from_pretrained(d, dtype=torch_dtype, device=device).eval()
               for name, d in int4_dirs.items()}

@@ -315,3 +315,28 @@ def test_cli_profile_verb_with_given_and_rtn_levels(tiny_parts, tmp_path, capsys
     saved = json.loads((folder / "profile.json").read_text())
     assert saved["notes"]["int4"].startswith("RTN int4") and saved["torch_threads"] == 1
     assert saved["levels"][1]["folder"] == str(tmp_path / "w" / "profile" / "rtn_int4")
+
+
+def test_dtype_auto_times_the_candidates_and_the_chain_decodes_in_the_choice(tiny_parts, tmp_path, monkeypatch):
+    """target.dtype auto: the profile times the target in every candidate dtype, profiles in the fastest by the
+    measured sum, records the table, and the exported chain loads in that dtype unless one is asked for."""
+    from polyspec.config import DecodeConfig
+    from polyspec.decode.generate import load_chain
+    from polyspec.device import decode_dtype_candidates, resolve_dtype
+    from polyspec.export import stage
+    from polyspec.export.package import export_chain
+
+    assert decode_dtype_candidates("cpu") == ("float32", "bfloat16")
+    assert resolve_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)
+    s = ProfileSettings(max_new_tokens=6, kv_length=16, warmup=1, repeats=2, draft_ks=(2,), mus=(4,))
+    name, table = stage.pick_dtype(tiny_parts["target"], "cpu", s, say=lambda _m: None)
+    assert set(table) == {"float32", "bfloat16"} and all(set(r) == {1, 3} for r in table.values())
+    assert name == min(table, key=lambda n: sum(table[n].values()))
+    # which dtype wins on this machine is a measurement; make bf16 win to see it carried through
+    monkeypatch.setattr(stage, "pick_dtype", lambda *a, **k: ("bfloat16", {"bfloat16": {1: 1.0}, "float32": {1: 2.0}}))
+    prof = stage.profile_folders(tiny_parts, tmp_path / "p", s, device="cpu", dtype="auto", prompt_ids=_prompts(),
+                                 threads=1, say=lambda _m: None)
+    assert prof.dtype == "bfloat16" and prof.notes["dtype_probe"]["float32"] == {"1": 2.0}
+    out = export_chain(tmp_path / "chain", tiny_parts, prof, DecodeConfig(), onnx=False)
+    assert load_chain(out, device="cpu").models["target"].embed_tokens.weight.dtype == torch.bfloat16
+    assert load_chain(out, device="cpu", dtype="float32").models["target"].embed_tokens.weight.dtype == torch.float32

@@ -273,7 +273,7 @@ def _teacher_dtype(precision: str, target_dtype: str | None) -> Any:
         return torch.float32
     if precision == "bf16-mixed":
         return torch.bfloat16
-    return getattr(torch, target_dtype or "float16")
+    return getattr(torch, target_dtype if target_dtype not in (None, "auto") else "float16")  # 16-mixed's dtype
 
 
 def _say(enabled: bool, text: str) -> None:

@@ -33,7 +33,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="decoding mode (default: the manifest's, or the most levels the chain has)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype of unquantised levels (default: bfloat16 on CUDA, float32 on CPU)")
+                   help="weights dtype of unquantised levels (default: the dtype the chain's profile chose on this kind of "
+                        "device, else bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (or set {API_KEY_ENV})")
     p.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists "

@@ -25,7 +25,9 @@ j is in a block is decided before token j is drawn), and cutting a block at an E
 is too, so the property survives them. The target's emitted tokens are therefore exact samples of the warped target.
 
 The generator passed around is the only randomness. Temperature 0 makes every warped row one-hot, so acceptance is
-argmax matching and the output is greedy decoding of the target, token for token.
+argmax matching and the output is greedy decoding of the target, token for token; the linear rounds then carry each
+one-hot row as its hot index and verify by argmax matching (:func:`~polyspec.decode.sampling.greedy_verify`), without
+building [k, V] rows (the tree keeps its own T = 0 rules).
 
 Features for an EAGLE draft (a level with ``needs_features``, allowed only at the bottom): the input at position p
 pairs token x_p with the feature f_{p-1} = hidden state at position p-1. Source, in order of preference: the nearest
@@ -52,7 +54,9 @@ import torch
 
 from polyspec.decode.levels import Level
 from polyspec.decode.sampling import (
+    argmax_rows,
     check_sampling,
+    greedy_verify,
     sample,
     sample_without_replacement,
     verify_block,
@@ -316,7 +320,8 @@ class _Run:
 
     def _produce(self, i: int, ctx: list[int], need: int) -> tuple[list[int], torch.Tensor | None]:
         """Level i continues ctx with >= min(need, room) tokens (fewer only after an EOS); returns them and level i's
-        distributions at their positions ([k, V], None when k = 0)."""
+        distributions at their positions ([k, V]; at T = 0 their hot indices [k]: sampling.argmax_rows; None when
+        k = 0)."""
         room = self.limit - len(ctx)
         if i == self.n - 1:
             return self._draft(ctx, min(need, room))
@@ -336,11 +341,14 @@ class _Run:
         room = self.limit - len(ctx)
         block, q = self._produce(i + 1, ctx, self._block_size(i)) if i + 1 < self.n else ([], None)
         logits = self._forward(i, ctx + block, first_row=len(ctx) - 1)  # [len(block) + 1, V]
-        p = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
-        if q is None:
-            q = p.new_zeros((0, p.shape[-1]))
-        self._check_vocab(p.shape[-1], i)
-        n_acc, nxt = verify_block(p, q, block, self.gen)
+        self._check_vocab(logits.shape[-1], i)
+        if self.sampling.temperature == 0:
+            p, (n_acc, nxt) = argmax_rows(logits), greedy_verify(logits, block)
+        else:
+            p = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+            if q is None:
+                q = p.new_zeros((0, p.shape[-1]))
+            n_acc, nxt = verify_block(p, q, block, self.gen)
         out = self._cut(block[:n_acc] + [nxt], room)
         self._truncate(i, len(ctx) + n_acc)  # this level drops the rejected tokens ...
         for j in range(i + 1, self.n):  # ... and every level below rolls back to what it shares with the new context
@@ -356,11 +364,16 @@ class _Run:
         full = list(ctx)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        greedy = self.sampling.temperature == 0
         for _ in range(k):
             logits = self._forward(i, full, first_row=len(full) - 1)  # [1, V]
-            q = warp(logits[-1], self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)  # [V]
-            self._check_vocab(q.shape[-1], i)
-            x = sample(q, self.gen)
+            self._check_vocab(logits.shape[-1], i)
+            if greedy:  # q's one-hot row, as its hot index (argmax_rows)
+                q = argmax_rows(logits[-1:])[0]
+                x = int(q)
+            else:
+                q = warp(logits[-1], self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)  # [V]
+                x = sample(q, self.gen)
             tokens.append(x)
             probs.append(q)
             if x in self.eos:

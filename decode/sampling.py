@@ -114,6 +114,27 @@ def verify_block(p: torch.Tensor, q: torch.Tensor, tokens: list[int] | torch.Ten
     return n_acc, nxt
 
 
+# -- temperature 0 without full-vocabulary rows -----------------------------------------------------------------------
+# At T = 0 every warped row is one-hot, so a distribution is its hot index and verify_block reduces to argmax matching.
+# The decoder's linear rounds use these at T = 0 (no [m, V] rows built, no uniforms drawn: nothing random happens at
+# T = 0); tests/test_sampling.py holds them to warp + verify_block on the same logits.
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [m, V] -> the hot index of each row's warp at T = 0 [m] (long): the first maximal index."""
+    return torch.argmax(logits.float(), dim=-1)
+
+
+def greedy_verify(logits: torch.Tensor, tokens: list[int]) -> tuple[int, int]:
+    """verify_block at T = 0 from the verifier's logits [m+1, V] and the m block tokens (each the draft's argmax):
+    (n_accepted = length of the prefix where the verifier's argmax equals the token, the verifier's argmax after it)."""
+    best = argmax_rows(logits).tolist()  # [m + 1]
+    n_acc = 0
+    while n_acc < len(tokens) and best[n_acc] == int(tokens[n_acc]):
+        n_acc += 1
+    return n_acc, best[n_acc]
+
+
 # -- multi-candidate verification (the EAGLE-2 draft tree) ------------------------------------------------------------
 
 

@@ -169,3 +169,22 @@ def test_verify_block_first_token_has_the_verifier_law_and_wrong_residual_does_n
     monkeypatch.setattr(sampling, "residual", lambda p_, q_: p_)  # the classic bug: resample from p
     stat, df = chi2_stat(emitted(3000, 1), p)
     assert stat > chi2_critical(df, 1e-3)
+
+
+def test_greedy_rows_and_verification_equal_the_one_hot_maths():
+    """T = 0 without full-vocabulary rows: argmax_rows is warp's hot index (ties: the first), and greedy_verify
+    returns what verify_block returns on the warped rows, for blocks accepted fully, partly and not at all."""
+    from polyspec.decode.sampling import argmax_rows, greedy_verify, verify_block, warp
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        m, v = int(torch.randint(0, 6, (1,), generator=g)), 11
+        logits = torch.randint(0, 4, (m + 1, v), generator=g).float()  # many ties
+        hot = argmax_rows(logits)
+        assert torch.equal(warp(logits, 0.0), torch.zeros(m + 1, v).scatter_(-1, hot[:, None], 1.0))
+        # a block that follows the verifier's argmax for a random prefix, then (maybe) departs from it
+        keep = int(torch.randint(0, m + 1, (1,), generator=g))
+        block = [int(hot[j]) if j < keep else int((hot[j] + 1 + trial % (v - 1)) % v) for j in range(m)]
+        q = torch.zeros(m, v).scatter_(-1, torch.tensor(block, dtype=torch.long)[:, None], 1.0)
+        want = verify_block(warp(logits, 0.0), q, block, torch.Generator().manual_seed(trial))
+        assert greedy_verify(logits, block) == want and want[0] == keep

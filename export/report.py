@@ -93,6 +93,19 @@ def _chosen_row(p: Profile) -> str:
     return f"| chosen | {dec.mode}{why}, {how}, mu={dec.mu} |"
 
 
+def _needed_row(p: Profile) -> list[str]:
+    """What dual's L would have to be for it to match ar and to reach 1.5x ar, by Lemma 3.1 at the measured T and beta
+    (T/N = (T_target + beta T_draft) / L against T_target(1)): the bound that says why ar wins where it does."""
+    dual, ar = p.final.get("dual"), p.final.get("ar")
+    if dual is None or ar is None or dual.predicted is None or ar.predicted is None or len(dual.predicted.T) != 2:
+        return []
+    pd = dual.predicted
+    per_verification = pd.T[0] + (pd.beta or 0.0) * pd.T[1]
+    need = per_verification / ar.predicted.T[0]
+    return [f"| L needed by dual ({dual.label}) to match ar / to reach 1.5x ar (Lemma 3.1: (T_target + beta T_draft) "
+            f"/ T_ar) | {need:.2f} / {1.5 * need:.2f} (measured L {pd.L_eff[0]:.2f}) |"]
+
+
 def _same_as_dual(p: Profile, name: str) -> bool:
     return name == "dual_at_chain_k" and p.final[name].label == p.final["dual"].label
 
@@ -122,7 +135,7 @@ def verdict_markdown(p: Profile) -> str:
              f"KV length {p.kv_length})", "", "| quantity | value |", "|---|---|"]
     for v in p.insertions:
         lines += _insertion_rows(p, v)
-    lines += [_chosen_row(p), *_run_rows(p)]
+    lines += [_chosen_row(p), *_needed_row(p), *_run_rows(p)]
     lines += ["", f"Lossless (greedy outputs identical across ar/dual/chain): {p.lossless_greedy}",
               f"Hardware: {hw.get('cpu')}, {hw.get('logical_cores')} cores, CUDA "
               f"{'yes' if (hw.get('cuda') or {}).get('available') else 'no'}; load average "

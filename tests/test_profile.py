@@ -142,6 +142,11 @@ def test_tables_are_stamped_and_plots_written(profile):
                 "| cond1: ", "| cond2: ", "| valid regime ", "| Lemma 3.1 ms/token before -> after |", "| chosen | ",
                 "| tokens/s int4_over_head (int4<-head k=", "| Var[accept] chain_target (n=", "Hardware:"):
         assert row in md, row
+    # the break-even L of dual against ar, from the same Lemma 3.1 terms the prediction used
+    dual, ar = profile.final["dual"].predicted, profile.final["ar"].predicted
+    need = (dual.T[0] + dual.beta * dual.T[1]) / ar.T[0]
+    assert f"to match ar / to reach 1.5x ar (Lemma 3.1: (T_target + beta T_draft) / T_ar) | {need:.2f} / " \
+           f"{1.5 * need:.2f} (measured L {dual.L_eff[0]:.2f}) |" in md
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
 
 

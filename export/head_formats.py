@@ -123,7 +123,7 @@ def refusal(src: HeadSource, fmt: str) -> str | None:
     if src.kind == "eagle3" and len(set(src.aux_layers)) != 3:
         return (f"the head fuses the target layers {src.aux_layers}; vLLM, SGLang and EAGLE build fc for exactly 3 "
                 "distinct layers (each engine captures a layer once), so train.aux_layers needs three different "
-                "layers (a target of at least 5 layers gets them by default)")
+                "layers (a target of 7 or more layers gets them by default)")
     if fmt in ("sglang", "eagle") and (a.attention_bias or a.has_o_bias or a.mlp_bias):
         return (f"the head's layer has biases (attention {a.attention_bias}, mlp {a.mlp_bias}) that "
                 f"{'SGLang' if fmt == 'sglang' else 'EAGLE'}'s draft layer does not load; --format speculators "
@@ -290,6 +290,10 @@ def write_export(exp: HeadExport, out: Path) -> Path:
         save_file(exp.tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if exp.token_map is not None:
             torch.save(exp.token_map.to(torch.int64).clone(), tmp / TOKEN_MAP_FILE)
+        # a temporary folder is private (0700): an engine may run as another user or in a container
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
 
     return atomic_folder(out, write)
 

@@ -76,10 +76,12 @@ def eagle1_chain(target_dir, target, tmp_path_factory):
     return _chain(tmp_path_factory.mktemp("e1"), target_dir, head, counts)
 
 
-def _eagle3_head(target, aux: list[int] | None = None):
+def _eagle3_head(target, aux: list[int] | None = None, qkv_bias: bool = False):
     from polyspec.decode.head3 import Eagle3Head, default_aux_layers, draft_vocab_ids, init_from_target
 
-    args = dataclasses.replace(target.args, num_layers=1)
+    # qkv_bias: Qwen2's layer (q/k/v bias, no o_proj bias)
+    args = dataclasses.replace(target.args, num_layers=1, attention_bias=qkv_bias, o_proj_bias=False if qkv_bias
+                               else None)
     aux = aux if aux is not None else default_aux_layers(target.args.num_layers)
     head = Eagle3Head(args, target.embed_tokens, aux, DRAFT_VOCAB)
     counts = torch.randint(0, 1000, (target.args.vocab_size,), generator=torch.Generator().manual_seed(3))
@@ -239,20 +241,31 @@ def read_draft_k(chain: Path) -> int:
     return read_manifest(chain).decode.draft_k
 
 
-def _speculators_available() -> bool:
-    try:
-        import speculators.models  # noqa: F401
-    except Exception:  # not installed, or a dependency it needs is missing
-        return False
-    return True
+@pytest.fixture(scope="module")
+def qkv_bias_chain(target_dir, target, tmp_path_factory):
+    return _chain(tmp_path_factory.mktemp("e3b"), target_dir, _eagle3_head(target, qkv_bias=True), None)
 
 
-@pytest.mark.skipif(not _speculators_available(), reason="speculators is not installed (docs/SERVE.md)")
-def test_speculators_loads_the_folder_and_computes_the_same_logits(eagle3_chain, target, tmp_path):
+def test_a_qkv_bias_head_gets_a_zero_o_bias_for_vllm_and_is_refused_by_sglang(qkv_bias_chain, tmp_path):
+    from polyspec.export.head_formats import export_head
+
+    _, w = _read(export_head(qkv_bias_chain, "speculators", tmp_path / "spec"))
+    assert {"layers.0.self_attn.q_proj.bias", "layers.0.self_attn.k_proj.bias", "layers.0.self_attn.v_proj.bias"} <= \
+        set(w)
+    assert not w["layers.0.self_attn.o_proj.bias"].any()  # vLLM and speculators give o_proj a bias with attention_bias
+    for fmt in ("sglang", "eagle"):
+        with pytest.raises(PolyspecError, match="biases"):
+            export_head(qkv_bias_chain, fmt, tmp_path / fmt)
+
+
+@pytest.mark.parametrize("chain_name", ["eagle3_chain", "qkv_bias_chain"])
+def test_speculators_loads_the_folder_and_computes_the_same_logits(request, chain_name, target, tmp_path):
+    pytest.importorskip("speculators.models", reason="speculators is not installed (docs/SERVE.md)")
     from speculators.models import Eagle3DraftModel
 
     from polyspec.export.head_formats import export_head
 
+    eagle3_chain = request.getfixturevalue(chain_name)
     out = export_head(eagle3_chain, "speculators", tmp_path / "spec", verifier=None)
     model = Eagle3DraftModel.from_pretrained(str(out)).eval()
     c = model.config

@@ -55,7 +55,8 @@ class HeadSource:
     verifier_architectures: list[str]
     draft_k: int
     aux_layers: list[int] = field(default_factory=list)  # EAGLE-3: 0-based layers whose outputs the head fuses
-    draft_ids: torch.Tensor | None = None  # EAGLE-1/2: ascending token ids of the draft vocabulary (FR-Spec)
+    token_counts: torch.Tensor | None = None  # int64 [V]: the head's training token counts, if its folder has them
+    draft_vocab: int = 0  # EAGLE-1/2: the token map's size (0: none)
 
 
 @dataclass
@@ -72,40 +73,51 @@ class HeadExport:
 def read_head_source(chain: Path, *, verifier: str | None = None, draft_vocab: int | None = None) -> HeadSource:
     """The chain's head (hashes checked) and its target. ``verifier`` defaults to the chain's target folder;
     ``draft_vocab`` (EAGLE-1/2: the token map's size, 0 = none) to the manifest's ``decode.draft_vocab``."""
-    from polyspec.decode.head import head_type, read_head_config, read_token_counts, top_token_ids
+    from polyspec.decode.head import head_type, read_head_config, read_token_counts
     from polyspec.decode.model import ModelArgs, read_json_object
-    from polyspec.manifest import level_folders, validate_chain
     from polyspec.weights import load_safetensors
 
-    chain = Path(chain)
+    manifest, level, head_dir, target_dir = _head_and_target(Path(chain))
+    cfg = read_head_config(head_dir)
+    args = ModelArgs.from_dict(cfg["args"])
+    target_cfg = read_json_object(target_dir / "config.json")
+    return HeadSource(
+        level=level, kind=head_type(cfg), args=args, tensors=load_safetensors(head_dir / WEIGHTS_FILE),
+        target_layers=int(target_cfg.get("num_hidden_layers", 0)),
+        verifier=verifier or str(target_dir.resolve()),
+        verifier_architectures=list(target_cfg.get("architectures") or ["LlamaForCausalLM"]),
+        draft_k=manifest.decode.draft_k, aux_layers=list(cfg.get("aux_layers") or []),
+        token_counts=read_token_counts(head_dir, args.vocab_size),
+        draft_vocab=manifest.decode.draft_vocab if draft_vocab is None else draft_vocab)
+
+
+def _head_and_target(chain: Path) -> tuple[Any, str, Path, Path]:
+    """(manifest, the head level's name, its folder, the target's folder) of a chain that validates."""
+    from polyspec.manifest import level_folders, validate_chain
+
     manifest = validate_chain(chain)
     folders = level_folders(chain, manifest)
     heads = [i for i, lv in enumerate(manifest.levels) if lv.kind == "head"]
     if not heads:
         raise PolyspecError(f"chain {chain} has no draft head level (levels: "
                             f"{[lv.name for lv in manifest.levels]}); assemble one with --draft")
-    i = heads[-1]
-    head_dir, target_dir = folders[i], folders[0]
-    cfg = read_head_config(head_dir)
-    args = ModelArgs.from_dict(cfg["args"])
-    target_cfg = read_json_object(target_dir / "config.json")
-    kind = head_type(cfg)
-    draft_ids = None
-    size = manifest.decode.draft_vocab if draft_vocab is None else draft_vocab
-    if kind == "eagle" and size:
-        counts = read_token_counts(head_dir, args.vocab_size)
-        if counts is None:
-            raise PolyspecError(f"the head in {head_dir} has no token counts, so no draft vocabulary of {size} tokens "
-                                "can be picked for the token map; pass --draft-vocab 0 (the full vocabulary)")
-        if not 0 < size <= args.vocab_size:
-            raise PolyspecError(f"--draft-vocab must be in 0..{args.vocab_size}, got {size}")
-        draft_ids = top_token_ids(counts, size)
-    return HeadSource(
-        level=manifest.levels[i].name, kind=kind, args=args, tensors=load_safetensors(head_dir / WEIGHTS_FILE),
-        target_layers=int(target_cfg.get("num_hidden_layers", 0)),
-        verifier=verifier or str(target_dir.resolve()),
-        verifier_architectures=list(target_cfg.get("architectures") or ["LlamaForCausalLM"]),
-        draft_k=manifest.decode.draft_k, aux_layers=list(cfg.get("aux_layers") or []), draft_ids=draft_ids)
+    return manifest, manifest.levels[heads[-1]].name, folders[heads[-1]], folders[0]
+
+
+def token_map(src: HeadSource) -> torch.Tensor | None:
+    """FR-Spec's hot token ids for an EAGLE-1/2 head: its ``draft_vocab`` most frequent training tokens (ascending,
+    as polyspec's draft vocabulary), or None for 0."""
+    from polyspec.decode.head import top_token_ids
+
+    size = src.draft_vocab
+    if not size:
+        return None
+    if src.token_counts is None:
+        raise PolyspecError(f"the head (chain level {src.level!r}) has no token counts, so no draft vocabulary of "
+                            f"{size} tokens can be picked for the token map; pass --draft-vocab 0 (no token map)")
+    if not 0 < size <= src.args.vocab_size:
+        raise PolyspecError(f"--draft-vocab must be in 0..{src.args.vocab_size}, got {size}")
+    return top_token_ids(src.token_counts, size)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,7 +261,7 @@ def build_sglang(src: HeadSource) -> HeadExport:
         return HeadExport(config, eagle3_tensors(src, "midlayer."))
     config = llama_config(src.args, layers=2, dtype=dtype)
     config["architectures"] = ["LlamaForCausalLMEagle"]
-    return HeadExport(config, eagle1_tensors(src), token_map=src.draft_ids)
+    return HeadExport(config, eagle1_tensors(src), token_map=token_map(src))
 
 
 def build_eagle(src: HeadSource) -> HeadExport:
@@ -311,4 +323,4 @@ def export_head(chain: Path, fmt: str, out: Path, *, verifier: str | None = None
 
 
 __all__ = ["FORMATS", "HeadSource", "HeadExport", "read_head_source", "refusal", "build_export", "write_export",
-           "export_head", "llama_config", "eagle1_tensors", "eagle3_tensors"]
+           "export_head", "llama_config", "eagle1_tensors", "eagle3_tensors", "token_map"]

@@ -356,3 +356,15 @@ def test_a_failed_write_leaves_nothing(eagle1_chain, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         export_head(eagle1_chain, "eagle", tmp_path / "e")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_token_map_needs_the_heads_token_counts(target_dir, target, tmp_path):
+    from polyspec.decode.head import EagleHead
+    from polyspec.export.head_formats import TOKEN_MAP_FILE, export_head
+
+    chain = _chain(tmp_path / "c", target_dir, EagleHead(target.args, target.embed_tokens, target.lm_head), None)
+    with pytest.raises(PolyspecError, match="no token counts.*--draft-vocab 0"):
+        export_head(chain, "sglang", tmp_path / "sg")
+    assert not (tmp_path / "sg").exists()
+    assert not (export_head(chain, "sglang", tmp_path / "sg", draft_vocab=0) / TOKEN_MAP_FILE).exists()
+    export_head(chain, "eagle", tmp_path / "e")  # EAGLE has no token map: the counts are not needed

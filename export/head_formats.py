@@ -185,8 +185,8 @@ def llama_config(args: Any, *, layers: int, dtype: str) -> dict[str, Any]:
 
 def eagle3_tensors(src: HeadSource, layer_prefix: str, *, vocab_maps: bool = True) -> dict[str, torch.Tensor]:
     """The EAGLE-3 head's tensors with its layer under ``layer_prefix`` ("layers.0." or "midlayer."), fc's input
-    blocks in ascending layer order (the configs list the layers sorted). A layer with q/k/v bias but no o_proj bias
-    (Qwen2) gets a zero o_proj bias: engines give o_proj a bias with attention_bias."""
+    blocks in ascending layer order (the configs list the layers sorted). A layer with some attention biases gets
+    the others as zeros (Qwen2: q/k/v but no o_proj bias): the engines' attention_bias gives all four one."""
     import torch
 
     out = {(layer_prefix + k.removeprefix("layer.") if k.startswith("layer.") else k): v.contiguous()
@@ -196,8 +196,11 @@ def eagle3_tensors(src: HeadSource, layer_prefix: str, *, vocab_maps: bool = Tru
     blocks = out["fc.weight"].chunk(len(order), dim=1)  # [H, H] per aux layer, in the head's order
     out["fc.weight"] = torch.cat([blocks[i] for i in order], dim=1).contiguous()
     a = src.args
-    if a.attention_bias and not a.has_o_bias:
-        out[f"{layer_prefix}self_attn.o_proj.bias"] = torch.zeros(a.hidden_size, dtype=out["fc.weight"].dtype)
+    if a.attention_bias or a.has_o_bias:  # the config's attention_bias gives q, k, v and o_proj a bias each
+        sizes = {"q": a.num_heads * a.head_dim, "k": a.num_kv_heads * a.head_dim, "v": a.num_kv_heads * a.head_dim,
+                 "o": a.hidden_size}
+        for p, n in sizes.items():
+            out.setdefault(f"{layer_prefix}self_attn.{p}_proj.bias", torch.zeros(n, dtype=out["fc.weight"].dtype))
     return out
 
 

@@ -229,7 +229,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chain(args: argparse.Namespace) -> int:
-    """Chain folders: `assemble` makes one from parts (target, intermediates, draft head), hashing every file."""
+    """Chain folders: `assemble` makes one from parts (target, intermediates, draft head), hashing every file;
+    `export-head` writes a chain's draft head in vLLM's (speculators), SGLang's or EAGLE's format (docs/SERVE.md)."""
+    if args.chain_verb == "export-head":
+        from polyspec.export.head_formats import export_head
+
+        out = export_head(args.chain, args.format, args.out, verifier=args.verifier, draft_vocab=args.draft_vocab,
+                          overwrite=args.overwrite)
+        print(f"wrote {out}: the draft head of {args.chain} in the {args.format} format")
+        return 0
     from polyspec.manifest import assemble_chain
 
     manifest = assemble_chain(args.out, args.target, args.intermediate or [], args.draft, overwrite=args.overwrite)
@@ -348,6 +356,20 @@ def build_parser() -> argparse.ArgumentParser:
     asm.add_argument("--draft", type=Path, help="the draft head folder (bottom level)")
     asm.add_argument("--out", type=Path, required=True, help="the chain folder to write")
     asm.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+    from polyspec.export.head_formats import FORMATS as HEAD_FORMATS  # no torch: the parser stays fast
+
+    exh = csub.add_parser("export-head", help="write the chain's draft head in an engine's format (vLLM, SGLang, EAGLE)")
+    exh.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
+    exh.add_argument("--format", required=True, choices=HEAD_FORMATS,
+                     help="speculators: vllm serve (EAGLE-3 heads); sglang: SGLang's EAGLE/EAGLE3 drafts; eagle: "
+                          "SafeAILab/EAGLE's folder")
+    exh.add_argument("--out", type=Path, required=True, help="the folder to write")
+    exh.add_argument("--verifier", help="the target as the engine loads it (default: the chain's target folder)")
+    exh.add_argument("--draft-vocab", type=int, default=None,
+                     help="sglang, EAGLE-1/2 heads: token map of the N most frequent training tokens (0 = none; "
+                          "default: the manifest's decode.draft_vocab)")
+    exh.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
 
     p = verb("validate-chain", cmd_validate_chain)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")

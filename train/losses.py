@@ -133,24 +133,24 @@ def warmup_linear_decay(step: int, warmup_steps: int, total_steps: int) -> float
 
 
 def padded_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Collate rows {input_ids [T_i], loss_mask [T_i], optional hidden [T_i, H]} into right-padded tensors:
-    input_ids [B, T] long (pad 0), loss_mask [B, T] (pad 0), lengths [B], hidden [B, T, H] (pad 0) if present."""
+    """Collate rows {input_ids [T_i], loss_mask [T_i], optional hidden [T_i, H] and final [T_i, H]} into right-padded
+    tensors: input_ids [B, T] long (pad 0), loss_mask [B, T] (pad 0), lengths [B], hidden / final [B, T, .] (pad 0)
+    where present."""
     lengths = torch.tensor([len(r["input_ids"]) for r in rows], dtype=torch.long)  # [B]
     t = int(lengths.max())
     b = len(rows)
     ids = torch.zeros(b, t, dtype=torch.long)
     mask = torch.zeros(b, t, dtype=torch.long)
     out = {"input_ids": ids, "loss_mask": mask, "lengths": lengths}
-    has_hidden = "hidden" in rows[0]
-    if has_hidden:
-        h = rows[0]["hidden"].shape[-1]
-        out["hidden"] = torch.zeros(b, t, h, dtype=rows[0]["hidden"].dtype)
+    states = [k for k in ("hidden", "final") if k in rows[0]]
+    for k in states:
+        out[k] = torch.zeros(b, t, rows[0][k].shape[-1], dtype=rows[0][k].dtype)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
         mask[i, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)
-        if has_hidden:
-            out["hidden"][i, :n] = r["hidden"]
+        for k in states:
+            out[k][i, :n] = r[k]
     return out
 
 

@@ -63,6 +63,10 @@ class HeadModule(L.LightningModule):
         """(teacher logits [B, T, V], features [B, T, H]) for a batch, online or from the cache."""
         with torch.no_grad():
             ids = self.loss_ids
+            if "final" in batch:  # offline EAGLE-3: the teacher's logits from its lm_head over the cached final state
+                lm_head = self._teacher_on_device().lm_head
+                logits = lm_head(batch["final"].to(lm_head.weight.dtype)).float()  # [B, T, V]
+                return (logits if ids is None else logits.index_select(-1, ids.to(logits.device))), batch["hidden"]
             if "hidden" in batch:  # offline: logits from the same frozen lm_head the teacher has
                 hidden = batch["hidden"]
                 w = self.head.lm_head.weight
@@ -70,13 +74,16 @@ class HeadModule(L.LightningModule):
                     return subset_logits(self.head.lm_head, hidden, ids), hidden  # [B, T, Vd]
                 logits = self.head.lm_head(hidden.to(w.dtype)).float()  # [B, T, V]
                 return logits, hidden
-            teacher = self._teacher[0]
-            if teacher is None:
-                raise RuntimeError("online training needs a teacher model")
-            if teacher.inv_freq.device != self.device:
-                teacher.to(self.device)
-            logits, hidden = teacher_outputs(teacher, batch["input_ids"], self._aux)
+            logits, hidden = teacher_outputs(self._teacher_on_device(), batch["input_ids"], self._aux)
             return (logits if ids is None else logits.index_select(-1, ids.to(logits.device))), hidden
+
+    def _teacher_on_device(self) -> torch.nn.Module:
+        teacher = self._teacher[0]
+        if teacher is None:
+            raise RuntimeError("online training (and offline EAGLE-3: its lm_head) needs a teacher model")
+        if teacher.inv_freq.device != self.device:
+            teacher.to(self.device)
+        return teacher
 
     def _losses(self, batch: dict[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
         """The loss parts of a batch; ``loss`` is what the optimizer minimises."""

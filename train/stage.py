@@ -142,12 +142,15 @@ def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: s
     from polyspec.train.features import build_feature_cache, check_cache_budget
 
     cfg, workdir = recipe.train, Path(recipe.workdir)
+    aux = tuple(_aux_layers(cfg, teacher))
     tokens = int(prepared.report.get("total_tokens") or sum(len(r) for r in prepared.train["input_ids"]))
     rows = len(prepared.train) + len(prepared.heldout)
     estimate = check_cache_budget(tokens, rows, teacher.args.hidden_size, cfg.cache_budget_gb,
-                                  "train.features=offline")
-    fkey = hashlib.sha256(json.dumps({"teacher": teacher_id, "data": data_key, "dtype": str(teacher_dtype)},
-                                     sort_keys=True).encode()).hexdigest()[:20]
+                                  "train.features=offline", aux=len(aux))
+    ident = {"teacher": teacher_id, "data": data_key, "dtype": str(teacher_dtype)}
+    if aux:  # an EAGLE-3 cache holds other tensors (EAGLE-1/2 keys stay what they were)
+        ident["aux_layers"] = list(aux)
+    fkey = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
     cache_dir = workdir / "cache" / "features" / fkey
     splits = {"train": prepared.train}
     if len(prepared.heldout):
@@ -156,7 +159,7 @@ def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: s
     if rank0:
         teacher.to(extract_device)
         index = build_feature_cache(teacher, splits, cache_dir, batch_size=cfg.batch_size, device=extract_device,
-                                    progress=progress, info={"teacher": teacher_id, "data_key": data_key,
+                                    progress=progress, aux_layers=aux, info={"teacher": teacher_id, "data_key": data_key,
                                                              "dtype": "bfloat16",
                                                              "teacher_dtype": str(teacher_dtype)})
         teacher.to("cpu")
@@ -370,20 +373,31 @@ def eagle3_settings(cfg: TrainConfig) -> TrainConfig:
     return cfg.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS.items() if getattr(cfg, k) is None})
 
 
-def _new_head(cfg: TrainConfig, teacher, counts: Any):
-    """A fresh head for ``cfg.head``: EAGLE-1/2 over the teacher's embedding and lm_head, or EAGLE-3 with its draft
-    vocabulary (the most frequent training tokens) and lm_head / norm started from the teacher's."""
-    from polyspec.decode.head import EagleHead
-    from polyspec.decode.head3 import Eagle3Head, default_aux_layers, draft_vocab_ids, init_from_target
+def _aux_layers(cfg: TrainConfig, teacher) -> list[int]:
+    """The target layers an EAGLE-3 head fuses (train.aux_layers, else the default for the target's depth), checked;
+    [] for an EAGLE-1/2 head."""
+    from polyspec.decode.head3 import default_aux_layers
 
-    args = dataclasses.replace(teacher.args, num_layers=1)
-    if cfg.head == "eagle":
-        return EagleHead(args, teacher.embed_tokens, teacher.lm_head).float()
+    if cfg.head != "eagle3":
+        return []
     n = teacher.args.num_layers
     aux = cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(n)
     if any(not 0 <= i < n for i in aux):
         raise PolyspecError(f"train.aux_layers {aux} must lie in 0..{n - 1} (the target has {n} layers); the default "
                             f"for it is {default_aux_layers(n)}", exit_code=2)
+    return list(aux)
+
+
+def _new_head(cfg: TrainConfig, teacher, counts: Any):
+    """A fresh head for ``cfg.head``: EAGLE-1/2 over the teacher's embedding and lm_head, or EAGLE-3 with its draft
+    vocabulary (the most frequent training tokens) and lm_head / norm started from the teacher's."""
+    from polyspec.decode.head import EagleHead
+    from polyspec.decode.head3 import Eagle3Head, draft_vocab_ids, init_from_target
+
+    args = dataclasses.replace(teacher.args, num_layers=1)
+    if cfg.head == "eagle":
+        return EagleHead(args, teacher.embed_tokens, teacher.lm_head).float()
+    aux = _aux_layers(cfg, teacher)
     size = min(cfg.draft_vocab, args.vocab_size)
     head = Eagle3Head(args, teacher.embed_tokens, aux, size).float()
     return init_from_target(head, teacher, draft_vocab_ids(counts, size))
@@ -408,7 +422,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     head = _new_head(cfg, teacher, counts)
     module = HeadModule(head, cfg, draft_k=recipe.decode.draft_k,
-                        teacher=teacher if cfg.features == "online" else None, probe=probe,
+                        teacher=teacher if cfg.features == "online" or cfg.head == "eagle3" else None, probe=probe,
                         loss_ids=_loss_ids(cfg, counts))
 
     train_dl, val_dl = _loaders(cfg, prepared, cache_info)

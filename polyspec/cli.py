@@ -148,9 +148,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Profile (or reuse the profile) and write the validated chain folder: levels, manifest with hashes and
     measurements, the draft head as ONNX with an onnxruntime parity check."""
     from polyspec.export.stage import export_stage
+    from polyspec.tracking import start_run
 
     recipe, parts, notes = _stage_inputs(args)
-    out = export_stage(recipe, parts=parts, notes=notes, threads=args.threads)
+    with start_run(recipe, "export", command=args.command) as tracker:
+        out = export_stage(recipe, tracker=tracker, parts=parts, notes=notes, threads=args.threads)
     print(f"chain folder: {out}")
     return 0
 

@@ -32,7 +32,9 @@ Say = Callable[[str], None]
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    from polyspec.console import say
+
+    say(msg)
 
 
 def level_names(folders: list[Path]) -> tuple[list[str], list[str]]:

@@ -470,11 +470,19 @@ def gptq_tensors_from_model(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def write_gptq_folder(out_dir: str | Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
                       group_size: int, sym: bool = True, copy_files_from: str | Path | None = None,
-                      overwrite: bool = False, quantized_group_size: int | None = None) -> Path:
+                      overwrite: bool = False, portable: bool = True) -> Path:
     """Atomically write a GPTQ-format HF folder: config.json (+ quantization_config), quantize_config.json (the
     same settings, which GPTQModel and vLLM read when config.json has none), model.safetensors, and every
-    non-weight file (tokenizer, generation config, chat template) of ``copy_files_from``."""
+    non-weight file (tokenizer, generation config, chat template) of ``copy_files_from``.
+
+    ``tensors`` hold GPTQ tensors packed with ``group_size``. portable: when some K is not a multiple of it, store
+    them with the group :func:`portable_group_size` picks (:func:`regroup_gptq`: the same weights) so that loaders
+    which need K % group_size == 0 read the folder; False keeps ``group_size`` with a short last group."""
     from safetensors.torch import save_file
+
+    quantized_group_size = group_size
+    if portable:
+        tensors, group_size = _regrouped(tensors, group_size)
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
@@ -499,13 +507,33 @@ def write_gptq_folder(out_dir: str | Path, hf_config: dict[str, Any], tensors: d
     return out_dir
 
 
+def _regrouped(tensors: dict[str, torch.Tensor], group_size: int) -> tuple[dict[str, torch.Tensor], int]:
+    """(tensors, group_size) stored with :func:`portable_group_size` (unchanged when every K is a multiple)."""
+    ks = {t.shape[0] * 8 for key, t in tensors.items() if key.endswith(".qweight")}  # int32 words of 8 nibbles
+    stored = portable_group_size(ks, group_size)
+    return regroup_tensors(tensors, group_size, stored), stored
+
+
+def regroup_tensors(tensors: dict[str, torch.Tensor], group_size: int, new_group: int) -> dict[str, torch.Tensor]:
+    """Every GPTQ layer in a state dict (``<name>.qweight`` etc.) from ``group_size`` to ``new_group``
+    (:func:`regroup_gptq`); other tensors as they are."""
+    if new_group == group_size:
+        return tensors
+    out = dict(tensors)
+    for key, qweight in tensors.items():
+        if key.endswith(".qweight"):
+            name = key[: -len(".qweight")]
+            parts = {p: tensors[f"{name}.{p}"] for p in ("qweight", "qzeros", "scales")}
+            k = qweight.shape[0] * 8
+            out.update({f"{name}.{p}": t for p, t in regroup_gptq(parts, k, group_size, new_group).items()})
+    return out
+
+
 def save_int4_checkpoint(model_dir: str | Path, out_dir: str | Path, group_size: int = 128, method: str = "rtn",
                          sym: bool = True, overwrite: bool = False, portable: bool = True) -> Path:
     """Quantise the HF model in ``model_dir`` to 4-bit (RTN) and write a standard GPTQ v1 folder to ``out_dir``.
 
-    portable: when some K is not a multiple of ``group_size``, store the weights with the group size
-    :func:`portable_group_size` picks (the same weights, each scale repeated; :func:`regroup_gptq`) so that loaders
-    which need K % group_size == 0 read the folder; False keeps ``group_size`` with a short last group.
+    portable: see :func:`write_gptq_folder`.
 
     Only method "rtn" lives here; GPTQ proper (calibrated) belongs to polyspec.quantize, which can write its result
     with :func:`gptq_tensors_from_model` + :func:`write_gptq_folder`.
@@ -522,8 +550,6 @@ def save_int4_checkpoint(model_dir: str | Path, out_dir: str | Path, group_size:
                             "start from the full-precision model")
     ModelArgs.from_hf_config(cfg)  # refuses unsupported architectures early
     tensors = load_safetensors_dir(Path(model_dir))
-    ks = {t.shape[1] for name, t in tensors.items() if _LINEAR_WEIGHT.match(name)}
-    stored = portable_group_size(ks, group_size) if portable else group_size
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith("rotary_emb.inv_freq"):
@@ -531,14 +557,11 @@ def save_int4_checkpoint(model_dir: str | Path, out_dir: str | Path, group_size:
         if _LINEAR_WEIGHT.match(name):
             prefix = name[: -len(".weight")]
             q, s, z = quantize_rtn(t, group_size, sym)
-            parts = pack_gptq(q, s, z, group_size)
-            if stored != group_size:
-                parts = regroup_gptq(parts, t.shape[1], group_size, stored)
-            out.update({f"{prefix}.{k}": v for k, v in parts.items()})
+            out.update({f"{prefix}.{k}": v for k, v in pack_gptq(q, s, z, group_size).items()})
         else:
             out[name] = t
-    return write_gptq_folder(out_dir, cfg, out, stored, sym, copy_files_from=model_dir, overwrite=overwrite,
-                             quantized_group_size=group_size)
+    return write_gptq_folder(out_dir, cfg, out, group_size, sym, copy_files_from=model_dir, overwrite=overwrite,
+                             portable=portable)
 
 
 def load_int4(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,

@@ -87,26 +87,23 @@ def make_portable(folder: Path, group_size: int) -> dict[str, Any]:
     shapes = layer_shapes(folder)
     stored = portable_group_size({k for k, _ in shapes.values()}, group_size)
     if stored != group_size:
-        _regroup_files(folder, shapes, group_size, stored)
+        _regroup_files(folder, group_size, stored)
     loaders = loader_support(shapes, stored)
     _update_configs(folder, stored, group_size, loaders)
     return {"quantized_group_size": group_size, "stored_group_size": stored, "loaders": loaders}
 
 
-def _regroup_files(folder: Path, shapes: dict[str, tuple[int, int]], group_size: int, stored: int) -> None:
+def _regroup_files(folder: Path, group_size: int, stored: int) -> None:
+    """Rewrite every safetensors file of the folder with its GPTQ layers stored with groups of ``stored``."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from polyspec.decode.int4 import regroup_gptq
+    from polyspec.decode.int4 import regroup_tensors
 
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
+            tensors = regroup_tensors({key: f.get_tensor(key) for key in f.keys()}, group_size, stored)
             metadata = f.metadata()
-        for name, (k, _) in shapes.items():
-            if f"{name}.qweight" in tensors:
-                parts = {p: tensors[f"{name}.{p}"] for p in ("qweight", "qzeros", "scales")}
-                tensors.update({f"{name}.{p}": t for p, t in regroup_gptq(parts, k, group_size, stored).items()})
         tmp = path.with_name(path.name + ".regroup")
         save_file(tensors, str(tmp), metadata=metadata)
         tmp.replace(path)

@@ -287,13 +287,13 @@ def _terminal_bar(base: type) -> type:
     """Lightning's TQDMProgressBar with the training bar on the terminal (polyspec.console.stream) and its
     validation / sanity-check bars where third-party output goes (the run's log file under polyspec.console.quiet):
     one bar for the stage."""
-    from contextlib import redirect_stderr
+    from contextlib import redirect_stderr, redirect_stdout
 
     from polyspec.console import stream
 
     class TerminalBar(base):
         def init_train_tqdm(self):
-            with redirect_stderr(stream()):  # tqdm binds its file (sys.stderr) when the bar is made
+            with redirect_stdout(stream()), redirect_stderr(stream()):  # the bar binds its file when it is made
                 return super().init_train_tqdm()
 
     return TerminalBar

@@ -63,47 +63,33 @@ def quiet(workdir: str | Path, name: str) -> Iterator[Path | None]:
     path = logs / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}.log"
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
     streams = sys.stdout, sys.stderr
-    log = open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115 (closed in finally)
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    # Python-level writers too, where sys.stdout / sys.stderr are not descriptors 1 and 2 (pytest, notebooks)
-    sys.stdout = sys.stderr = log
-    _state = {"out": os.fdopen(os.dup(saved[0]), "w", buffering=1, encoding="utf-8", errors="replace"),
-              "err": os.fdopen(os.dup(saved[1]), "w", buffering=1, encoding="utf-8", errors="replace"),
-              "path": path}
+    # the terminal, for polyspec: duplicates of descriptors 1 and 2 taken before they are pointed at the log
+    terminal = {kind: os.fdopen(os.dup(fd), "w", buffering=1, encoding="utf-8", errors="replace")
+                for kind, fd in (("out", 1), ("err", 2))}
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    # Python-level writers on descriptors 1 and 2 as well, where sys.stdout / sys.stderr are not those (pytest,
+    # notebooks). A library that keeps one (a handler made during the block) writes to the terminal afterwards.
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+    _state = {**terminal, "path": path}
     try:
         yield path
     finally:
-        log.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
         sys.stdout, sys.stderr = streams
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        terminal, _state = _state, None
-        for fd in saved:
-            os.close(fd)
-        _rebind_handlers(log, sys.stderr)
-        log.close()
+        os.dup2(terminal["out"].fileno(), 1)
+        os.dup2(terminal["err"].fileno(), 2)
+        _state = None
         if path.stat().st_size:
             print(f"third-party output (logs, warnings, their progress bars): {path}", file=terminal["err"])
         else:
             path.unlink()
-        terminal["out"].close()
-        terminal["err"].close()
-
-
-def _rebind_handlers(old: TextIO, new: TextIO) -> None:
-    """Logging handlers libraries made during the block write to the log file: point them at ``new`` before it
-    closes (a later record would otherwise fail on a closed file)."""
-    import logging
-
-    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
-                                      if isinstance(v, logging.Logger))]
-    for logger in loggers:
-        for h in logger.handlers:
-            if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is old:
-                h.setStream(new)
+        for f in terminal.values():
+            f.close()
 
 
 @contextmanager

@@ -351,7 +351,7 @@ def export_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = None
     export_chain(out, folders, profile, recipe.decode, onnx=recipe.export.onnx, opset=recipe.export.opset)
     say(f"export: chain written to {out} ({time.perf_counter() - t0:.1f} s)")
     _log_export(tracker, out)
-    if tracker is not None and getattr(tracker, "enabled", False):
+    if recipe.tracking.log_model and tracker is not None and getattr(tracker, "enabled", False):
         from polyspec.export.mlflow_model import log_chain_model
 
         t0 = time.perf_counter()

@@ -200,3 +200,6 @@ def test_export_stage_logs_the_chain_as_an_mlflow_model(parts, profile, tmp_path
     out = export_stage(recipe, Tracker(), parts=parts, profile=profile, say=said.append)
     assert logged == [(out, "demo-chain")]
     assert any("MLflow model models:/m, registered as 'demo-chain'" in s for s in said)
+    off = recipe.model_copy(update={"tracking": recipe.tracking.model_copy(update={"log_model": False})})
+    export_stage(off, Tracker(), parts=parts, profile=profile, say=said.append)
+    assert len(logged) == 1  # tracking.log_model: false

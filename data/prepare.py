@@ -217,9 +217,9 @@ def _progress(enabled: bool, total: int):
 
     @contextmanager
     def bar():
-        from rich.console import Console
+        from polyspec.console import rich_console
 
-        with Progress(transient=True, console=Console(stderr=True)) as prog:  # stdout stays for the report
+        with Progress(transient=True, console=rich_console(stderr=True)) as prog:  # stdout stays for the report
             task = prog.add_task("tokenising conversations", total=total)
             yield lambda: prog.advance(task)
 

@@ -253,12 +253,12 @@ def _bar(enabled: bool, total: int, completed: int):
     if not enabled:
         yield lambda turns, tokens: None
         return
-    from rich.console import Console
+    from polyspec.console import rich_console
 
     t0, made = time.perf_counter(), [0]
     columns = (TextColumn("regenerating answers"), BarColumn(), TextColumn("{task.completed}/{task.total} turns"),
                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=True, console=Console(stderr=True)) as prog:
+    with Progress(*columns, transient=True, console=rich_console(stderr=True)) as prog:
         task = prog.add_task("regen", total=total, completed=completed, rate="")
 
         def advance(turns: int, tokens: int) -> None:

@@ -207,16 +207,23 @@ def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: i
                         tree=tree if len(levels) > 1 else None)
 
 
-def generate_text(chain: LoadedChain, prompt: str, *, mode: str | None = None, max_new_tokens: int = 128,
+def generate_text(chain: LoadedChain, prompt: str | None, *, mode: str | None = None, max_new_tokens: int = 128,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = True,
                   draft_k: int | None = None, mu: list[int] | None = None,
-                  tree: TreeParams | bool | None = None) -> dict[str, Any]:
+                  tree: TreeParams | bool | None = None,
+                  messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """One generation: {"text", "token_ids" (new tokens), "stats"} — stats as :class:`ChainDecoder` reports them.
-    ``mode`` None = the manifest's chosen mode."""
+    ``mode`` None = the manifest's chosen mode. ``messages`` (a chat, instead of ``prompt``): the conversation
+    so far, answered as the assistant's next turn."""
     mode = mode or chain.mode
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     sampling.check()
-    ids = encode_prompt(chain.tokenizer, prompt, chat=chat)
+    if messages is not None:
+        if not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+            raise PolyspecError("messages must be a non-empty list of {role, content} objects")
+        ids = encode_messages(chain.tokenizer, messages, chat=chat)
+    else:
+        ids = encode_prompt(chain.tokenizer, prompt or "", chat=chat)
     if len(ids) + max_new_tokens > chain.context:
         raise PolyspecError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
                             f"the target's context of {chain.context} tokens: shorten the prompt or lower "

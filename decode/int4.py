@@ -15,6 +15,12 @@ nibble first); ``qzeros`` int32 [G, N/8], word ``qzeros[g, j]`` holds ``zeros[8j
 zero - 1; "gptq_v2" stores the zero itself); ``scales`` fp16 [G, N]; ``g_idx`` int32 [K] = k // group_size
 (anything else is act-order, refused here); dequant ``w[k, n] = scales[g, n] * (q - zero)``.
 
+Loaders other than polyspec's need K % group_size == 0 (vLLM sizes ``scales`` as K // group_size rows; GPTQModel's
+ATen CPU kernel refuses the rest), so a layer with a short last group (SmolLM2: K = 576, group 128) is stored with
+a smaller group that divides every K (:func:`portable_group_size`: 64 there), each scale / zero row repeated
+(:func:`regroup_gptq`): the same weights bit for bit. :func:`load_int4` merges such repeated groups back
+(:func:`merge_equal_groups`), so polyspec runs the layer on the group it was quantised with.
+
 Kernels (dispatched in :meth:`Int4Linear.forward` only): torch's tinygemm-style int4pack ops compute
 ``(q - 8) * scale + zero_float`` with a bf16 ``scales_and_zeros`` tensor [G, N, 2] (verified empirically against
 :func:`dequantize`, and the same relation GPTQModel's ``torch_aten_kernel.py`` uses), so our integer zero becomes
@@ -169,6 +175,49 @@ def _pack_along_k(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     per_row = q.view(n, k // 8, 8).permute(1, 0, 2).reshape(k // 8, n * 8)  # [K/8, N*8], 8 consecutive k per n
     return _pack_nibbles_int32(per_row)  # [K/8, N]
+
+
+def portable_group_size(in_features: list[int] | set[int], group_size: int) -> int:
+    """The group size a GPTQ folder is stored with so that every GPTQ loader reads it: ``group_size`` when it divides
+    every K, else the largest power-of-two divisor of ``group_size`` (at least 32, the smallest group the GPTQ kernels
+    take) that divides every K; ``group_size`` again when none does (the folder keeps a short last group)."""
+    g = group_size
+    while g >= 32 and group_size % g == 0:
+        if all(k % g == 0 for k in in_features):
+            return g
+        g //= 2
+    return group_size
+
+
+def regroup_gptq(parts: dict[str, torch.Tensor], in_features: int, group_size: int, new_group: int
+                 ) -> dict[str, torch.Tensor]:
+    """GPTQ tensors quantised with ``group_size`` -> the same weights stored with ``new_group`` (which divides it).
+
+    New group j covers k in [j * new_group, (j + 1) * new_group), inside old group j // r (r = group_size //
+    new_group), so each old scale / zero row is repeated r times; qweight is untouched: the dequantised weight is
+    bit for bit the same. A short last group (K % group_size != 0) becomes whole groups when new_group divides K.
+    """
+    if group_size % new_group:
+        raise PolyspecError(f"cannot store group size {group_size} as {new_group}: it must divide it")
+    r, g_new = group_size // new_group, num_groups(in_features, new_group)
+    out = dict(parts)
+    out["scales"] = parts["scales"].repeat_interleave(r, dim=0)[:g_new].contiguous()  # [G', N]
+    out["qzeros"] = parts["qzeros"].repeat_interleave(r, dim=0)[:g_new].contiguous()  # [G', N/8]
+    out["g_idx"] = (torch.arange(in_features) // new_group).to(torch.int32)  # [K]
+    return out
+
+
+def merge_equal_groups(scales: torch.Tensor, zeros: torch.Tensor, group_size: int, limit: int = KERNEL_GROUPS[0]
+                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(scales [N, G], zeros [N, G], group_size) with neighbouring groups that share scale and zero merged, up to
+    ``limit``: the inverse of :func:`regroup_gptq` (a g128 layer stored as g64 runs on g128 kernels again). Exact:
+    merged groups had the same scale and zero, so the dequantised weight does not change."""
+    while group_size * 2 <= limit and scales.shape[1] > 1:
+        first = (torch.arange(scales.shape[1]) // 2) * 2  # [G]: the first group of each pair
+        if not (torch.equal(scales, scales[:, first]) and torch.equal(zeros, zeros[:, first])):
+            break
+        scales, zeros, group_size = scales[:, 0::2], zeros[:, 0::2], group_size * 2
+    return scales.contiguous(), zeros.contiguous(), group_size
 
 
 def unpack_gptq(tensors: dict[str, torch.Tensor], group_size: int, in_features: int, *, zero_offset: int = 1
@@ -381,9 +430,20 @@ def quantize_model_rtn(model: nn.Module, group_size: int = 128, sym: bool = True
     return model
 
 
-def gptq_quantization_config(group_size: int, sym: bool = True, checkpoint_format: str = "gptq") -> dict[str, Any]:
-    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": sym, "desc_act": False,
-            "checkpoint_format": checkpoint_format}
+def gptq_quantization_config(group_size: int, sym: bool = True, checkpoint_format: str = "gptq",
+                             quantized_group_size: int | None = None) -> dict[str, Any]:
+    """The HF ``quantization_config`` of a W4A16 GPTQ folder, with every key GPTQModel, transformers and vLLM read
+    (vLLM: bits, group_size, desc_act, sym, lm_head, checkpoint_format; GPTQModel: format, method, pack_dtype,
+    meta.quantizer). ``quantized_group_size``: the group the weights were quantised with when they are stored with
+    a smaller ``group_size`` (:func:`regroup_gptq`), recorded in ``meta``."""
+    from polyspec import __version__
+
+    meta: dict[str, Any] = {"quantizer": [f"polyspec:{__version__}"]}
+    if quantized_group_size is not None and quantized_group_size != group_size:
+        meta["polyspec_quantized_group_size"] = quantized_group_size
+    return {"quant_method": "gptq", "method": "gptq", "bits": 4, "group_size": group_size, "sym": sym,
+            "desc_act": False, "lm_head": False, "format": checkpoint_format, "checkpoint_format": checkpoint_format,
+            "pack_dtype": "int32", "meta": meta}
 
 
 def gptq_tensors_from_model(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -410,10 +470,19 @@ def gptq_tensors_from_model(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def write_gptq_folder(out_dir: str | Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
                       group_size: int, sym: bool = True, copy_files_from: str | Path | None = None,
-                      overwrite: bool = False) -> Path:
-    """Atomically write a GPTQ-format HF folder: config.json (+ quantization_config), model.safetensors, and every
-    non-weight file (tokenizer, generation config, chat template) of ``copy_files_from``."""
+                      overwrite: bool = False, portable: bool = True) -> Path:
+    """Atomically write a GPTQ-format HF folder: config.json (+ quantization_config), quantize_config.json (the
+    same settings, which GPTQModel and vLLM read when config.json has none), model.safetensors, and every
+    non-weight file (tokenizer, generation config, chat template) of ``copy_files_from``.
+
+    ``tensors`` hold GPTQ tensors packed with ``group_size``. portable: when some K is not a multiple of it, store
+    them with the group :func:`portable_group_size` picks (:func:`regroup_gptq`: the same weights) so that loaders
+    which need K % group_size == 0 read the folder; False keeps ``group_size`` with a short last group."""
     from safetensors.torch import save_file
+
+    quantized_group_size = group_size
+    if portable:
+        tensors, group_size = _regrouped(tensors, group_size)
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
@@ -425,8 +494,10 @@ def write_gptq_folder(out_dir: str | Path, hf_config: dict[str, Any], tensors: d
                 if f.is_file() and not NOT_COPIED.match(f.name):
                     shutil.copy2(f, tmp / f.name)
         cfg = dict(hf_config)
-        cfg["quantization_config"] = gptq_quantization_config(group_size, sym)
+        cfg["quantization_config"] = gptq_quantization_config(group_size, sym,
+                                                              quantized_group_size=quantized_group_size)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        (tmp / "quantize_config.json").write_text(json.dumps(cfg["quantization_config"], indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         swap_into_place(tmp, out_dir)
@@ -436,9 +507,33 @@ def write_gptq_folder(out_dir: str | Path, hf_config: dict[str, Any], tensors: d
     return out_dir
 
 
+def _regrouped(tensors: dict[str, torch.Tensor], group_size: int) -> tuple[dict[str, torch.Tensor], int]:
+    """(tensors, group_size) stored with :func:`portable_group_size` (unchanged when every K is a multiple)."""
+    ks = {t.shape[0] * 8 for key, t in tensors.items() if key.endswith(".qweight")}  # int32 words of 8 nibbles
+    stored = portable_group_size(ks, group_size)
+    return regroup_tensors(tensors, group_size, stored), stored
+
+
+def regroup_tensors(tensors: dict[str, torch.Tensor], group_size: int, new_group: int) -> dict[str, torch.Tensor]:
+    """Every GPTQ layer in a state dict (``<name>.qweight`` etc.) from ``group_size`` to ``new_group``
+    (:func:`regroup_gptq`); other tensors as they are."""
+    if new_group == group_size:
+        return tensors
+    out = dict(tensors)
+    for key, qweight in tensors.items():
+        if key.endswith(".qweight"):
+            name = key[: -len(".qweight")]
+            parts = {p: tensors[f"{name}.{p}"] for p in ("qweight", "qzeros", "scales")}
+            k = qweight.shape[0] * 8
+            out.update({f"{name}.{p}": t for p, t in regroup_gptq(parts, k, group_size, new_group).items()})
+    return out
+
+
 def save_int4_checkpoint(model_dir: str | Path, out_dir: str | Path, group_size: int = 128, method: str = "rtn",
-                         sym: bool = True, overwrite: bool = False) -> Path:
+                         sym: bool = True, overwrite: bool = False, portable: bool = True) -> Path:
     """Quantise the HF model in ``model_dir`` to 4-bit (RTN) and write a standard GPTQ v1 folder to ``out_dir``.
+
+    portable: see :func:`write_gptq_folder`.
 
     Only method "rtn" lives here; GPTQ proper (calibrated) belongs to polyspec.quantize, which can write its result
     with :func:`gptq_tensors_from_model` + :func:`write_gptq_folder`.
@@ -465,7 +560,8 @@ def save_int4_checkpoint(model_dir: str | Path, out_dir: str | Path, group_size:
             out.update({f"{prefix}.{k}": v for k, v in pack_gptq(q, s, z, group_size).items()})
         else:
             out[name] = t
-    return write_gptq_folder(out_dir, cfg, out, group_size, sym, copy_files_from=model_dir, overwrite=overwrite)
+    return write_gptq_folder(out_dir, cfg, out, group_size, sym, copy_files_from=model_dir, overwrite=overwrite,
+                             portable=portable)
 
 
 def load_int4(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
@@ -512,7 +608,8 @@ def load_int4(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
         bias = tensors.pop(f"{name}.bias", None)
         if (bias is not None) != (lin.bias is not None):
             raise PolyspecError(f"{path}: {name} bias presence does not match the config")
-        setattr(block, attr, Int4Linear(q, s, z, group_size, None if bias is None else bias.to(dtype)))
+        s, z, gs = merge_equal_groups(s, z, group_size)  # a regrouped folder runs on its quantisation's groups
+        setattr(block, attr, Int4Linear(q, s, z, gs, None if bias is None else bias.to(dtype)))
     model = build_from_state(args, tensors, dtype=dtype, device=device, model=model)
     return set_embed_dtype(model, embed_dtype or (torch.bfloat16 if dtype == torch.float32 else dtype))
 

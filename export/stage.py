@@ -32,7 +32,9 @@ Say = Callable[[str], None]
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    from polyspec.console import say
+
+    say(msg)
 
 
 def level_names(folders: list[Path]) -> tuple[list[str], list[str]]:
@@ -383,6 +385,13 @@ def export_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = None
     export_chain(out, folders, profile, recipe.decode, onnx=recipe.export.onnx, opset=recipe.export.opset)
     say(f"export: chain written to {out} ({time.perf_counter() - t0:.1f} s)")
     _log_export(tracker, out)
+    if recipe.tracking.log_model and tracker is not None and getattr(tracker, "enabled", False):
+        from polyspec.export.mlflow_model import log_chain_model
+
+        t0 = time.perf_counter()
+        uri = log_chain_model(tracker, out, register_as=recipe.tracking.register_as)
+        named = f", registered as {recipe.tracking.register_as!r}" if recipe.tracking.register_as else ""
+        say(f"export: MLflow model {uri}{named} ({time.perf_counter() - t0:.1f} s)")
     return out
 
 

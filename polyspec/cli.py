@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from polyspec import __version__
 from polyspec.errors import PolyspecError
@@ -44,10 +45,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Resolve the recipe's target, then load, tokenise (chat template, assistant-only loss mask), split and cache its
     ShareGPT data. Prints the counts."""
+    from polyspec.console import quiet
     from polyspec.pipeline import prepare_stage
 
     recipe = _load(args)
-    report = prepare_stage(recipe, progress=True)
+    with quiet(recipe.workdir, "prepare"):
+        report = prepare_stage(recipe, progress=True)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -90,6 +93,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Train (or find, when its inputs are unchanged) the recipe's EAGLE draft head; print its folder and metrics."""
     import time
 
+    from polyspec.console import quiet
     from polyspec.device import is_global_rank_zero
     from polyspec.tracking import start_run
     from polyspec.train.stage import train_stage, training_summary
@@ -100,7 +104,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Lightning's ddp launcher re-runs this command on the other ranks: they only join the training.
         train_stage(recipe, tracker=None, progress=False)
         return 0
-    with start_run(recipe, "train", command=args.command) as tracker:
+    with quiet(recipe.workdir, "train"), start_run(recipe, "train", command=args.command) as tracker:
         out = train_stage(recipe, tracker=tracker, progress=not args.no_progress)
     print(json.dumps(training_summary(out, time.perf_counter() - t0), indent=1))
     return 0
@@ -109,11 +113,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Quantise the recipe's target to W4A16 (GPTQ, group size 128) with GPTQModel; write the GPTQ folder and a
     quality/speed report (perplexity, top-1 agreement, KL, RTN baseline, L of M2 under M1, forward-time ratio)."""
+    from polyspec.console import quiet
     from polyspec.quantize import quantize_stage
     from polyspec.tracking import start_run
 
     recipe = _load(args)
-    with start_run(recipe, "quantize", command=args.command) as tracker:
+    with quiet(recipe.workdir, "quantize"), start_run(recipe, "quantize", command=args.command) as tracker:
         out = quantize_stage(recipe, tracker=tracker)
     print(f"intermediate model: {out}")
     report = Path(out).parent / "report.json"
@@ -122,23 +127,24 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stage_inputs(args: argparse.Namespace):
-    """The recipe and the level folders the profile / export verbs were given (None: the pipeline's stages)."""
+def _stage_inputs(args: argparse.Namespace, recipe: Any):
+    """The level folders the profile / export verbs were given (None: the pipeline's stages), and notes."""
     from polyspec.export.stage import stand_in_parts
 
-    recipe = _load(args)
-    parts, notes = stand_in_parts(recipe, head=args.head, int4=args.int4, untrained_head=args.untrained_head,
-                                  rtn_int4=args.rtn_int4)
-    return recipe, parts, notes
+    return stand_in_parts(recipe, head=args.head, int4=args.int4, untrained_head=args.untrained_head,
+                          rtn_int4=args.rtn_int4)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure T_i (forward cost per level at decode shapes) and L_i (acceptance lengths) on this device, then decide
     with Theorem 3.2 and the exact Lemma 3.1 cost whether each intermediate level pays; prints the verdict table."""
+    from polyspec.console import quiet
     from polyspec.export.stage import profile_stage
 
-    recipe, parts, notes = _stage_inputs(args)
-    prof = profile_stage(recipe, parts=parts, notes=notes, threads=args.threads)
+    recipe = _load(args)
+    with quiet(recipe.workdir, "profile"):
+        parts, notes = _stage_inputs(args, recipe)
+        prof = profile_stage(recipe, parts=parts, notes=notes, threads=args.threads)
     print(Path(prof.path, "verdict.md").read_text(encoding="utf-8"))
     print(f"profile folder: {prof.path}")
     return 0
@@ -147,10 +153,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Profile (or reuse the profile) and write the validated chain folder: levels, manifest with hashes and
     measurements, the draft head as ONNX with an onnxruntime parity check."""
+    from polyspec.console import quiet
     from polyspec.export.stage import export_stage
+    from polyspec.tracking import start_run
 
-    recipe, parts, notes = _stage_inputs(args)
-    out = export_stage(recipe, parts=parts, notes=notes, threads=args.threads)
+    recipe = _load(args)
+    with quiet(recipe.workdir, "export"), start_run(recipe, "export", command=args.command) as tracker:
+        parts, notes = _stage_inputs(args, recipe)
+        out = export_stage(recipe, tracker=tracker, parts=parts, notes=notes, threads=args.threads)
     print(f"chain folder: {out}")
     return 0
 

@@ -119,6 +119,15 @@ class TrackingConfig(Section):
         None, description="tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<workdir>/mlflow.db"
     )
     experiment: str = Field("polyspec", min_length=1)
+    log_model: bool = Field(
+        True, description="log the exported chain as an MLflow pyfunc model (a copy of the whole chain folder in "
+                          "the store's artifacts, once per export)",
+    )
+    register_as: str | None = Field(
+        None, min_length=1,
+        description="register the exported chain's MLflow model (a pyfunc that decodes with the chain) in the "
+                    "store's model registry under this name; None: logged in the export run only",
+    )
 
 
 class TrainConfig(Section):

@@ -17,9 +17,9 @@ from polyspec.sources import target_stage
 
 
 def _console():
-    from rich.console import Console
+    from polyspec.console import rich_console
 
-    return Console(highlight=False)
+    return rich_console()
 
 
 def prepare_stage(recipe: Recipe, target_dir: Path | None = None, progress: bool = False) -> dict[str, Any]:
@@ -36,9 +36,9 @@ def prepare_stage(recipe: Recipe, target_dir: Path | None = None, progress: bool
 
 
 def run_pipeline(recipe: Recipe, command: list[str] | None = None) -> int:
-    """Run every stage in order (each skips when its inputs are unchanged); print what was done and the verdicts."""
-    from polyspec.config import recipe_to_yaml
-    from polyspec.tracking import start_run
+    """Run every stage in order (each skips when its inputs are unchanged); print what was done and the verdicts.
+    Third-party output goes to a log file under ``<workdir>/logs`` (:mod:`polyspec.console`), named at the end."""
+    from polyspec.console import quiet
 
     if not is_global_rank_zero():
         # Lightning's ddp launcher re-runs this command on the other ranks: they only join the training.
@@ -46,6 +46,14 @@ def run_pipeline(recipe: Recipe, command: list[str] | None = None) -> int:
 
         train_stage(recipe, tracker=None, progress=False)
         return 0
+    with quiet(recipe.workdir, "run"):
+        return _run_stages(recipe, command)
+
+
+def _run_stages(recipe: Recipe, command: list[str] | None) -> int:
+    from polyspec.config import recipe_to_yaml
+    from polyspec.tracking import start_run
+
     console = _console()
     workdir = Path(recipe.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

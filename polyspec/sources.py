@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -207,11 +206,9 @@ def _resolve_smollm2(cache_dir: Path) -> Path:
     sha = file_sha256(gguf)
     target = cache_dir / f"smollm2-135m-instruct-{sha[:16]}"
     if not target.is_dir():
-        print(
-            f"polyspec: converting {PKG_SMOLLM2} ({gguf.name}) once to a float32 HF folder in {target} (~30 s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        from polyspec.console import say
+
+        say(f"polyspec: converting {PKG_SMOLLM2} ({gguf.name}) once to a float32 HF folder in {target} (~30 s)")
         convert_gguf(gguf, target, info={"source": PKG_SMOLLM2, "gguf_sha256": sha})
     return check_model_folder(target, PKG_SMOLLM2)
 

@@ -12,9 +12,10 @@ Both write the same format: ``config.json`` with an HF ``quantization_config`` (
 checkpoint_format gptq = v1), ``model.safetensors`` with ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` per linear,
 the target's tokenizer and chat-template files, and ``polyspec_quantization.json``: the settings, the cache key of
 the inputs, and the group layout of every quantised layer. Layers whose K is not a multiple of the group size (e.g.
-K = 576 with group 128) keep group size 128 and get a short last group (GPTQModel 7.6 quantises columns 512..575 as
-their own group of 64; ``g_idx = k // 128``; no padding); this is checked on the written tensors and recorded, never
-a silent change of group size. The folder is written under a temporary name and renamed into place, and a folder
+K = 576 with group 128) are quantised with group size 128 and a short last group (GPTQModel 7.6 quantises columns
+512..575 as their own group of 64; checked on the written tensors), then stored with the largest group that divides
+every K (64), each scale repeated: the same weights, readable by vLLM and GPTQModel's kernels
+(:mod:`polyspec.quantize.loaders`; both group sizes and each loader's verdict are recorded). The folder is written under a temporary name and renamed into place, and a folder
 whose recorded key matches the inputs is reused (the key hashes the model's content id, every setting, the
 calibration token ids and the GPTQModel version).
 """
@@ -34,8 +35,9 @@ from typing import Any
 
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.fsutil import swap_into_place, temp_folder
+from polyspec.quantize.loaders import make_portable
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: stored with a group size dividing every K (quantize/loaders.py)
 RECORD_FILE = "polyspec_quantization.json"
 GPTQMODEL_VERSION = "7.6.0"  # the version the [quant] extra pins (7.7 needs torch >= 2.14.1 CUDA builds)
 _NOT_COPIED = {"config.json", "quantize_config.json", "quant_log.csv", RECORD_FILE, "model.safetensors.index.json"}
@@ -283,14 +285,16 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
 
             t0 = time.perf_counter()
             shutil.rmtree(tmp)  # save_int4_checkpoint writes its own folder atomically
-            save_int4_checkpoint(model_dir, tmp, group_size=group_size, method="rtn", sym=sym)
+            save_int4_checkpoint(model_dir, tmp, group_size=group_size, method="rtn", sym=sym, portable=False)
             run = {"seconds": time.perf_counter() - t0, "tool": "polyspec.decode.int4.save_int4_checkpoint"}
         copied = _copy_side_files(model_dir, tmp)
         qc = json.loads((tmp / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
         if int(qc.get("group_size", -1)) != group_size or int(qc.get("bits", -1)) != bits:
             raise PolyspecError(f"the written quantization_config says bits={qc.get('bits')} group_size="
                                 f"{qc.get('group_size')}, not the requested {bits} / {group_size}")
-        layout = group_layout(tmp, group_size)
+        group_layout(tmp, group_size)  # what was quantised: one scale row per group of group_size (short last)
+        portable = make_portable(tmp, group_size)  # stored so that every GPTQ loader reads it (quantize/loaders.py)
+        layout = group_layout(tmp, portable["stored_group_size"])
         record = {
             "format_version": FORMAT_VERSION,
             "key": key,
@@ -298,6 +302,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
             "source_model": model_id_safe(model_dir),
             "unquantized": ["model.embed_tokens", "lm_head", "norms"],
             "checkpoint_format": qc.get("checkpoint_format") or qc.get("format") or "gptq",
+            **portable,
             "calibration": ({"samples": len(calibration), "length": len(calibration[0]),
                              "tokens": sum(len(s) for s in calibration), **(calibration_info or {})}
                             if method == "gptq" else None),

@@ -17,11 +17,11 @@ change makes a new folder. Returns the ``model/`` folder.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from polyspec.console import activity, say
 from polyspec.device import device_name
 from polyspec.errors import PolyspecError
 from polyspec.fsutil import damage_note, discard_folder, verify_output, write_file_hashes, write_json
@@ -61,27 +61,29 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
         if not damage:
             _log(tracker, json.loads(report_path.read_text(encoding="utf-8")), report_path, flat_metrics, cached=True)
             return model_dir
-        print(f"quantize: {damage_note(root, damage)}", file=sys.stderr, flush=True)
+        say(f"quantize: {damage_note(root, damage)}")
         discard_folder(root)  # the int4 folder would otherwise be reused by its recorded key
 
     root.mkdir(parents=True, exist_ok=True)
     cal_info = {"source": split.source, "train_conversations": len(split.train), "seed": recipe.data.seed,
                 "chat_template": True}
-    quantize_model(target_dir, model_dir, method=q.method, bits=q.bits, group_size=q.group_size, sym=q.sym,
-                   desc_act=q.desc_act, damp_percent=q.damp_percent, calibration=calibration, device=q.devices,
-                   calibration_info=cal_info)
+    with activity(f"quantize: {q.method.upper()} int4 g{q.group_size} on {len(calibration)} calibration samples"):
+        quantize_model(target_dir, model_dir, method=q.method, bits=q.bits, group_size=q.group_size, sym=q.sym,
+                       desc_act=q.desc_act, damp_percent=q.damp_percent, calibration=calibration, device=q.devices,
+                       calibration_info=cal_info)
     int4_dirs = {q.method: model_dir}
     if q.method == "gptq":
         int4_dirs["rtn"] = quantize_model(target_dir, root / "rtn", method="rtn", bits=q.bits,
                                           group_size=q.group_size, sym=q.sym)
     if not split.heldout:
         raise PolyspecError("the quality report needs held-out conversations: set data.heldout_fraction > 0")
-    report = build_report(
-        target_dir, int4_dirs, tokenizer, split.heldout, device=device_name(recipe.target.device),
-        dtype=recipe.target.dtype, max_length=recipe.data.max_length, max_sequences=HELDOUT_SEQUENCES,
-        prompts=recipe.profile.prompts, max_new_tokens=recipe.profile.max_new_tokens, draft_k=recipe.decode.draft_k,
-        kv_length=recipe.profile.kv_length, repeats=recipe.profile.repeats,
-    )
+    with activity("quantize: report (quality, acceptance, speed)"):
+        report = build_report(
+            target_dir, int4_dirs, tokenizer, split.heldout, device=device_name(recipe.target.device),
+            dtype=recipe.target.dtype, max_length=recipe.data.max_length, max_sequences=HELDOUT_SEQUENCES,
+            prompts=recipe.profile.prompts, max_new_tokens=recipe.profile.max_new_tokens,
+            draft_k=recipe.decode.draft_k, kv_length=recipe.profile.kv_length, repeats=recipe.profile.repeats,
+        )
     record = read_record(model_dir) or {}
     report.update({
         "key": key,

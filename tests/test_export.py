@@ -175,3 +175,31 @@ def test_export_stage_logs_to_the_tracker(parts, profile, tmp_path):
     assert m.measurements["onnx"] is None and "head.onnx" not in m.levels[2].files
     artifacts = [c[1] for c in calls if c[0] == "artifact"]
     assert out / "manifest.json" in artifacts and out / m.levels[2].path in artifacts
+
+
+def test_export_stage_logs_the_chain_as_an_mlflow_model(parts, profile, tmp_path, monkeypatch):
+    """With tracking on, the export stage logs the chain folder as a pyfunc model, registered as
+    tracking.register_as (the model itself: tests/test_mlflow_model.py)."""
+    from polyspec.config import validate_tree
+    from polyspec.export import mlflow_model
+    from polyspec.export.stage import export_stage
+
+    recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"register_as": "demo-chain"},
+                            "export": {"out": str(tmp_path / "chain"), "onnx": False}}, "test")
+    logged = []
+    monkeypatch.setattr(mlflow_model, "log_chain_model",
+                        lambda tracker, chain, register_as=None: logged.append((chain, register_as)) or "models:/m")
+
+    class Tracker:
+        enabled = True
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    said = []
+    out = export_stage(recipe, Tracker(), parts=parts, profile=profile, say=said.append)
+    assert logged == [(out, "demo-chain")]
+    assert any("MLflow model models:/m, registered as 'demo-chain'" in s for s in said)
+    off = recipe.model_copy(update={"tracking": recipe.tracking.model_copy(update={"log_model": False})})
+    export_stage(off, Tracker(), parts=parts, profile=profile, say=said.append)
+    assert len(logged) == 1  # tracking.log_model: false

@@ -32,11 +32,12 @@ decode: {{draft_k: 2, mu: [4], max_new_tokens: 8}}
     return p
 
 
-def test_run_end_to_end_rerun_and_interrupted_stage(tmp_path, monkeypatch, capsys):
+def test_run_end_to_end_rerun_and_interrupted_stage(tmp_path, monkeypatch, capfd):
+    capsys = capfd  # polyspec's own lines go to the terminal's descriptors (polyspec.console), not sys.stdout
     target = make_tiny_llama(tmp_path / "target", seed=4)
     recipe = _recipe(tmp_path, target)
     assert main(["run", str(recipe)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     chain = tmp_path / "work" / "chain"
     assert (chain / "manifest.json").is_file()
     assert main(["validate-chain", str(chain)]) == 0
@@ -45,6 +46,10 @@ def test_run_end_to_end_rerun_and_interrupted_stage(tmp_path, monkeypatch, capsy
     assert manifest["measurements"], "profile measurements belong in the manifest"
     assert any(f.endswith(".onnx") for f in manifest["levels"][2]["files"])
     assert "verdicts" in out and "assistant:" in out
+    assert "export: MLflow model models:/" in err  # the chain as an MLflow model (tests/test_mlflow_model.py)
+    (log,) = (tmp_path / "work" / "logs").glob("run-*.log")  # third-party output, named at the end
+    assert f"third-party output (logs, warnings, their progress bars): {log}" in err
+    assert "Creating initial MLflow database tables" in log.read_text() and "MLflow database" not in out + err
     assert (tmp_path / "work" / "mlflow.db").is_file()
     assert (tmp_path / "work" / "recipe.resolved.yaml").is_file()
 

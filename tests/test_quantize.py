@@ -151,8 +151,12 @@ def test_gptq_folder_is_standard_and_records_groups(gptq_pair, label):
     src, gptq, _, _ = gptq_pair[label]
     cfg = json.loads((gptq / "config.json").read_text())
     qc = cfg["quantization_config"]
-    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"]) == ("gptq", 4, 128, True, False)
-    assert (qc.get("checkpoint_format") or qc.get("format")) == "gptq"
+    stored = 128 if label == "k128" else 64  # K = 192 / 320: stored with groups of 64, the same weights
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"]) == ("gptq", 4, stored, True,
+                                                                                          False)
+    assert (qc.get("checkpoint_format") or qc.get("format")) == "gptq" and qc["lm_head"] is False
+    assert "gptqmodel:" in qc["meta"]["quantizer"][0] and qc["meta"]["quantizer"][-1].startswith("polyspec:")
+    assert json.loads((gptq / "quantize_config.json").read_text())["group_size"] == stored
     assert qc.get("meta", {}).get("offload_to_disk_path") is None  # no scratch path of this machine recorded
     from safetensors import safe_open
 
@@ -166,7 +170,9 @@ def test_gptq_folder_is_standard_and_records_groups(gptq_pair, label):
         assert (gptq / f).read_bytes() == (src / f).read_bytes()  # the target's tokenizer, unchanged
     rec = json.loads((gptq / "polyspec_quantization.json").read_text())
     layout = rec["group_layout"]
-    assert layout["group_size"] == 128 and layout["quantized_layers"] == 14 and layout["act_order_layers"] == 0
+    assert (rec["quantized_group_size"], rec["stored_group_size"]) == (128, stored)
+    assert rec["loaders"]["transformers+gptqmodel"] == "yes" and rec["loaders"]["vllm"].startswith("yes")
+    assert layout["group_size"] == stored and layout["quantized_layers"] == 14 and layout["act_order_layers"] == 0
     assert rec["calibration"]["samples"] == 8 and rec["calibration"]["length"] == 48
     q_proj = layout["layers"]["model.layers.0.self_attn.q_proj"]
     down = layout["layers"]["model.layers.0.mlp.down_proj"]
@@ -174,10 +180,9 @@ def test_gptq_folder_is_standard_and_records_groups(gptq_pair, label):
         assert layout["short_last_group_layers"] == 0
         assert (q_proj["groups"], q_proj["last_group"]) == (1, 128)
     else:
-        assert layout["k_not_multiple_of_group"] == [192, 320]
-        assert (q_proj["in_features"], q_proj["groups"], q_proj["last_group"]) == (192, 2, 64)
-        assert (down["in_features"], down["groups"], down["last_group"]) == (320, 3, 64)
-        assert "short last group" in layout["handling"]
+        assert layout["short_last_group_layers"] == 0 and qc["meta"]["polyspec_quantized_group_size"] == 128
+        assert (q_proj["in_features"], q_proj["groups"], q_proj["last_group"]) == (192, 3, 64)
+        assert (down["in_features"], down["groups"], down["last_group"]) == (320, 5, 64)
 
 
 @needs_gptqmodel
@@ -210,16 +215,15 @@ def test_gptq_folder_loads_in_the_decoder_with_reference_logits(gptq_pair, label
 @needs_gptqmodel
 @pytest.mark.parametrize("label", ["k128", "k192"])
 def test_gptq_folder_loads_in_transformers(gptq_pair, label):
-    """transformers (through optimum + gptqmodel) loads the folder. GPTQModel 7.6's default CPU kernel (ATen int4pack)
-    needs K % group_size == 0 at inference, so K = 192 loads with its pure-torch kernel (backend gptq_torch)."""
+    """transformers (through optimum + gptqmodel) loads the folder with its default kernel. GPTQModel 7.6's default
+    CPU kernel (ATen int4pack) needs K % group_size == 0, which the K = 192 folder meets by its groups of 64."""
     if importlib.util.find_spec("optimum") is None:
         pytest.skip("transformers loads GPTQ folders through optimum + gptqmodel; optimum is not installed")
-    from transformers import AutoModelForCausalLM, GPTQConfig
+    from transformers import AutoModelForCausalLM
 
     src, gptq, _, cal = gptq_pair[label]
     ref = _dequantized_reference(src, gptq)
-    kw = {} if label == "k128" else {"quantization_config": GPTQConfig(bits=4, backend="gptq_torch")}
-    hf = AutoModelForCausalLM.from_pretrained(str(gptq), dtype=torch.float32, **kw).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(gptq), dtype=torch.float32).eval()
     assert type(hf.model.layers[0].self_attn.q_proj).__name__ != "Linear"  # a GPTQ kernel module
     ids = torch.tensor(cal[1][:32])[None]
     with torch.no_grad():
@@ -263,10 +267,10 @@ def test_group_layout_refuses_a_changed_group_size(tmp_path):
     from polyspec.quantize.gptq import group_layout, quantize_model
 
     src = make_tiny_llama(tmp_path / "src", hidden=192, intermediate=320)
-    out = quantize_model(src, tmp_path / "rtn", method="rtn")
-    assert group_layout(out, 128)["short_last_group_layers"] == 14
+    out = quantize_model(src, tmp_path / "rtn", method="rtn")  # quantised with 128, stored with 64 (K = 192, 320)
+    assert group_layout(out, 64)["short_last_group_layers"] == 0
     with pytest.raises(PolyspecError, match="group size"):
-        group_layout(out, 64)
+        group_layout(out, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -270,9 +270,9 @@ def build_feature_cache(teacher: torch.nn.Module, splits: dict[str, Any], out_di
         damage = cache_damage(out_dir)
         if damage is None:
             return read_cache_index(out_dir)
-        import sys
+        from polyspec.console import say
 
-        print(f"feature cache {out_dir} is damaged ({damage}); extracting it again", file=sys.stderr, flush=True)
+        say(f"feature cache {out_dir} is damaged ({damage}); extracting it again")
         shutil.rmtree(out_dir)
     tmp = temp_folder(out_dir)
     total = sum(sum(len(r) for r in split["input_ids"]) for split in splits.values())

@@ -281,9 +281,25 @@ def _teacher_dtype(precision: str, target_dtype: str | None) -> Any:
 
 def _say(enabled: bool, text: str) -> None:
     if enabled:
-        import sys
+        from polyspec.console import say
 
-        print(text, file=sys.stderr, flush=True)
+        say(text)
+
+
+def _terminal_bar(base: type) -> type:
+    """Lightning's TQDMProgressBar with the training bar on the terminal (polyspec.console.stream) and its
+    validation / sanity-check bars where third-party output goes (the run's log file under polyspec.console.quiet):
+    one bar for the stage."""
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from polyspec.console import stream
+
+    class TerminalBar(base):
+        def init_train_tqdm(self):
+            with redirect_stdout(stream()), redirect_stderr(stream()):  # the bar binds its file when it is made
+                return super().init_train_tqdm()
+
+    return TerminalBar
 
 
 def _load(path: Path, dtype, device):
@@ -435,7 +451,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
                               save_on_train_epoch_end=False)
     cbs: list[Any] = [ckpt_cb, logger_cb, *callbacks]
     if progress:
-        cbs.append(TQDMProgressBar(refresh_rate=1))
+        cbs.append(_terminal_bar(TQDMProgressBar)(refresh_rate=1))
     plugins = [] if runtime["strategy"].startswith("deepspeed") else [SafetensorsCheckpointIO()]
     trainer = L.Trainer(
         accelerator=runtime["accelerator"], devices=runtime["devices"], strategy=runtime["strategy"],

@@ -37,7 +37,8 @@ from typing import Any
 from polyspec.errors import PolyspecError
 from polyspec.modes import MODES as DECODE_MODES
 
-ENGINE_MODES = (*DECODE_MODES, "dual-tree", "chain-tree")  # *-tree: the EAGLE-2 draft tree at the bottom
+# *-tree: the EAGLE-2 draft tree at the bottom; dual-ngram: the target over prompt lookup (decode/ngram.py)
+ENGINE_MODES = (*DECODE_MODES, "dual-tree", "chain-tree", "dual-ngram")
 MODES = (*ENGINE_MODES, "hf", "hf-assisted")
 
 
@@ -66,12 +67,13 @@ class EngineRunner:
                  tree: Any = False):
         """mode: ar, dual, chain, or dual-tree / chain-tree with ``tree`` (TreeParams, or True for the manifest's
         shape)."""
-        base = mode.removesuffix("-tree")
+        base = mode.removesuffix("-tree").removesuffix("-ngram")
         try:
             chain.levels_for(base)
         except PolyspecError as exc:
             raise NotApplicable(str(exc)) from None
         self.chain, self.mode, self.draft_k, self.mu, self.tree = chain, base, draft_k, mu, tree
+        self.ngram = mode.endswith("-ngram")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
                  eos: set[int]) -> Generation:
@@ -80,7 +82,7 @@ class EngineRunner:
 
         size = cache_size(self.chain, len(prompt_ids), max_new_tokens)
         dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu,
-                            tree=self.tree)
+                            tree=self.tree, ngram=self.ngram)
         device = next(self.chain.models[self.chain.order[0]].parameters()).device
         res, seconds = timed(lambda: dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos),
                              device)
@@ -280,7 +282,8 @@ def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[d
                 from polyspec.device import resolve_device, resolve_dtype
 
                 dev = resolve_device(s.device)
-                dtype = resolve_dtype(s.dtype, dev)
+                # transformers runs the target in the dtype the engine's levels were loaded in (the manifest's)
+                dtype = resolve_dtype(s.dtype, dev) if s.dtype else next(chain.models[chain.order[0]].parameters()).dtype
                 t0 = time.perf_counter()
                 hf_model = HFRunner.load(_target_folder(chain_dir), str(dev), dtype)
                 log(f"loaded the target with transformers in {time.perf_counter() - t0:.1f} s")

@@ -365,7 +365,10 @@ class _Run:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         greedy = self.sampling.temperature == 0
+        proposes = getattr(self.levels[i], "has_proposal", None)  # a level that may have nothing to propose (n-gram)
         for _ in range(k):
+            if proposes is not None and not proposes(full):
+                break
             logits = self._forward(i, full, first_row=len(full) - 1)  # [1, V]
             self._check_vocab(logits.shape[-1], i)
             if greedy:  # q's one-hot row, as its hot index (argmax_rows)
@@ -380,7 +383,7 @@ class _Run:
                 break
             full.append(x)
         self.stats[i].tokens_emitted += len(tokens)
-        return tokens, torch.stack(probs)
+        return tokens, (torch.stack(probs) if probs else None)
 
     # -- the EAGLE-2 draft tree ------------------------------------------------------------------------------------
 

@@ -187,6 +187,15 @@ def test_tree_modes_run_beside_linear_ones_and_agree_with_ar(tiny_chain, prompts
     assert code == 2 and "depth=0" in cap.err
 
 
+def test_prompt_lookup_mode_runs_beside_ar_and_agrees_with_it(tiny_chain, prompts_file, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,dual-ngram",
+                       "--max-new-tokens", "12", "--device", "cpu", "--json", out)
+    assert code == 0, cap.err
+    rep = json.loads(out.read_text())
+    assert rep["mismatches"] == [] and list(rep["overall"]["dual-ngram"]["mean_accepted"]) == ["target", "ngram"]
+
+
 def test_bad_modes_and_arguments(tiny_chain, prompts_file, capsys):
     with pytest.raises(PolyspecError, match="unknown mode"):
         bench.parse_modes("ar,fast")

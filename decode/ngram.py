@@ -1,0 +1,84 @@
+"""A draft level with no model: prompt lookup (n-gram) proposals from the text so far.
+
+At each position the level finds the most recent earlier occurrence of the longest suffix of the sequence (prompt +
+generated tokens) of ``max_n`` down to ``min_n`` tokens and proposes the token that followed it. Its distribution is
+one-hot on that token (logits 0 there, -inf elsewhere), so warped at any temperature it stays one-hot and exact
+speculative sampling keeps it with probability p(x) and otherwise draws from p without x: the chain stays exactly
+lossless at T = 0 and T > 0 (``tests/test_ngram.py``).
+
+Where the sequence has no such suffix the level has no proposal (:meth:`NgramLevel.has_proposal` is False): the
+decoder's draft loop stops there, so a round with nothing to propose is a plain decoding step of the level above,
+not a wasted verification. It costs a list search per proposed token and reads no features, so it suits
+summarisation, code editing and retrieval-style prompts, where the answer repeats the prompt (the paper's chain gains
+least there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polyspec.errors import PolyspecError
+
+
+class NgramLevel:
+    """Prompt-lookup drafting as a chain level (see the module docstring); ``vocab_size``: the target's logits width."""
+
+    kind = "ngram"
+    needs_features = False
+
+    def __init__(self, vocab_size: int, *, max_n: int = 3, min_n: int = 1, name: str = "ngram"):
+        if not 1 <= min_n <= max_n:
+            raise PolyspecError(f"NgramLevel {name!r}: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.vocab_size, self.max_n, self.min_n, self.name = int(vocab_size), max_n, min_n, name
+        self.tokens: list[int] = []  # the "cache": every token processed, by position
+        self.max_seq_len = 0
+
+    @property
+    def cache_len(self) -> int:
+        return len(self.tokens)
+
+    def setup(self, max_seq_len: int) -> None:
+        self.max_seq_len = max_seq_len
+        self.tokens = []
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= len(self.tokens):
+            raise PolyspecError(f"NgramLevel {self.name!r}: truncate({n}) outside 0..{len(self.tokens)}")
+        del self.tokens[n:]
+
+    def proposal(self, context: list[int]) -> int | None:
+        """The token after the most recent earlier occurrence of the longest matching suffix of ``context``."""
+        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
+            suffix = context[-n:]
+            for end in range(len(context) - 1, n - 1, -1):  # occurrences ending before the last token, newest first
+                if context[end - n:end] == suffix:
+                    return int(context[end])
+        return None
+
+    def has_proposal(self, context: list[int]) -> bool:
+        """Whether :meth:`proposal` finds one: the decoder's draft loop stops where it does not."""
+        return self.proposal(list(context)) is not None
+
+    def _row(self, context: list[int]) -> torch.Tensor:
+        """One-hot logits [V] on the proposal; a row without one is uniform (the draft loop never samples it)."""
+        x = self.proposal(context)
+        if x is None:
+            return torch.zeros(self.vocab_size)
+        if not 0 <= x < self.vocab_size:
+            raise PolyspecError(f"NgramLevel {self.name!r}: token id {x} is outside the vocabulary of "
+                                f"{self.vocab_size}")
+        return torch.full((self.vocab_size,), float("-inf")).index_fill_(0, torch.tensor([x]), 0.0)
+
+    def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
+                last_only: bool = False) -> tuple[torch.Tensor, None]:
+        self.truncate(start_pos)
+        if len(self.tokens) + len(tokens) > self.max_seq_len:
+            raise PolyspecError(f"NgramLevel {self.name!r}: {len(self.tokens) + len(tokens)} positions exceed "
+                                f"max_seq_len {self.max_seq_len}")
+        first = len(self.tokens)
+        self.tokens += [int(t) for t in tokens]
+        rows = range(len(self.tokens) - 1, len(self.tokens)) if last_only else range(first, len(self.tokens))
+        return torch.stack([self._row(self.tokens[:p + 1]) for p in rows]), None  # [T or 1, V]

@@ -2,7 +2,9 @@
 
 The exported graph is the head's stateless pass (no KV cache): ``input_ids`` int64 [B, T] (tokens x_{t+1}) and
 ``features`` float32 [B, T, H] (features f_t) -> ``logits`` float32 [B, T, V] and ``hidden`` [B, T, H], causal within
-the block, RoPE positions 0..T-1. The target's embedding and lm_head are part of the graph, so the file is
+the block, RoPE positions 0..T-1. For an EAGLE-3 head ``features`` is the fused feature g_t = fc(aux_t) (the head's
+``fuse``; ``fc.weight`` is in its model.safetensors) or the head's own ``hidden`` of the step before, and the logits
+are its draft vocabulary's scattered to target ids (-inf elsewhere), as ``Eagle3Head.forward`` returns them. The target's embedding and lm_head are part of the graph, so the file is
 self-contained. Export uses ``torch.onnx.export(dynamo=True)`` with dynamic batch and sequence axes (the legacy
 TorchScript exporter is not used). onnx / onnxruntime / onnxscript are imported inside the functions.
 """
@@ -36,14 +38,21 @@ class _StatelessHead(nn.Module):
         from polyspec.decode.model import rope_cos_sin
 
         hd = self.head
-        t = input_ids.shape[1]
+        b, t = input_ids.shape
         dtype = hd.layer.input_layernorm.weight.dtype
         emb = hd.embed_tokens(input_ids).to(dtype)  # [B, T, H]
-        x = hd.fc(torch.cat((emb, features.to(dtype)), dim=-1))  # [B, T, H]
+        x = torch.cat((emb, features.to(dtype)), dim=-1)  # [B, T, 2H]
+        eagle3 = getattr(hd, "head_type", "eagle") == "eagle3"
+        if not eagle3:  # EAGLE-1/2: fc first; an EAGLE-3 layer splits the pair itself
+            x = hd.fc(x)  # [B, T, H]
         cos, sin = rope_cos_sin(hd.inv_freq, torch.arange(t, device=x.device), x.dtype)  # [T, D] each
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()  # [T, T]
         x = hd.layer(x, cos, sin, causal, None, 0, 0)  # [B, T, H]
-        return hd.lm_head(x).float(), x
+        if not eagle3:
+            return hd.lm_head(x).float(), x
+        sub = hd.draft_logits(x).float()  # [B, T, Vd]: scattered to target ids, -inf elsewhere, as the head does
+        full = torch.full((b, t, hd.args.vocab_size), float("-inf"), device=x.device)
+        return full.index_copy(-1, hd.draft_ids, sub), x
 
 
 def _require(module: str, extra: str) -> Any:
@@ -114,9 +123,13 @@ def onnx_parity(head: nn.Module, onnx_path: Path, *, shapes: tuple[tuple[int, in
         with torch.no_grad():
             ref = head(ids, feats.to(dtype))  # the head's own forward: [B, T, V], [B, T, H]
         for name, o, r in zip(OUTPUT_NAMES, got, ref, strict=True):
+            o, r = torch.from_numpy(o), r.float()
             if tuple(o.shape) != tuple(r.shape):
                 raise PolyspecError(f"ONNX head output {name} has shape {tuple(o.shape)}, torch {tuple(r.shape)}")
-            diffs[name] = max(diffs[name], float((torch.from_numpy(o) - r.float()).abs().max()))
+            finite = torch.isfinite(r)  # an EAGLE-3 head's -inf outside its draft vocabulary must match exactly
+            if not torch.equal(finite, torch.isfinite(o)) or not torch.equal(o[~finite], r[~finite]):
+                raise PolyspecError(f"ONNX head output {name}: its non-finite entries differ from the torch head's")
+            diffs[name] = max(diffs[name], float((o[finite] - r[finite]).abs().max()) if finite.any() else 0.0)
     return {"max_abs_diff": max(diffs.values()), "max_abs_diff_logits": diffs["logits"],
             "max_abs_diff_hidden": diffs["hidden"], "shapes": [list(s) for s in shapes],
             "onnxruntime": getattr(ort, "__version__", None)}

@@ -56,13 +56,8 @@ def verdict_json(v: Insertion) -> dict[str, Any]:
 
 def _why_ar(p: Profile) -> str:
     dec = p.decision
-    why = [w for w, flag in (("measured", dec.ar_measured_faster), ("predicted", dec.ar_predicted_faster)) if flag]
+    why = [w for w, flag in (("predicted", dec.ar_predicted_faster), ("measured", dec.ar_measured_faster)) if flag]
     return "plain decoding is " + " and ".join(why) + " faster here" if why else "plain decoding"
-
-
-def _chosen_note(p: Profile) -> str:
-    """A speculative choice that Lemma 3.1 did not predict (the measurement decides): said in the chosen row."""
-    return " (measured faster than ar; Lemma 3.1 predicted ar)" if p.decision.ar_predicted_faster else ""
 
 
 def _insertion_rows(p: Profile, v: Insertion) -> list[str]:
@@ -92,7 +87,7 @@ def _insertion_rows(p: Profile, v: Insertion) -> list[str]:
 
 def _chosen_row(p: Profile) -> str:
     dec = p.decision
-    why = f" ({_why_ar(p)}); best speculative: {dec.speculative_mode}" if dec.mode == "ar" else _chosen_note(p)
+    why = f" ({_why_ar(p)}); best speculative: {dec.speculative_mode}" if dec.mode == "ar" else ""
     tree = dec.tree
     how = f"tree {tree['top_k']}x{tree['depth']}/{tree['total_tokens']}" if tree else f"draft_k={dec.draft_k}"
     return f"| chosen | {dec.mode}{why}, {how}, mu={dec.mu} |"

@@ -35,8 +35,8 @@ from polyspec.theory import acceptance_length_moments, chain_time_per_token, ins
 
 DECISION_RULE = ("min over the grid of the Lemma 3.1 time per token (measured T at the run's own forward widths, "
                  "measured L_eff and beta), modes chain and dual, linear drafts and (when given) the draft tree; "
-                 "then the faster of ar and that configuration as the final runs measured them on every calibration "
-                 "prompt (ar when at least as fast; the prediction is reported beside it)")
+                 "mode ar when ar's predicted time beats the measured dual baseline and chosen chain, or when the "
+                 "final runs measured ar at least as fast as the chosen configuration")
 
 
 def predict(run: Run, costs: dict[str, list[CostRow]]) -> Prediction:
@@ -130,14 +130,13 @@ def choose_config(rows: Sequence[GridRow], modes: tuple[str, ...] = ("chain", "d
 
 
 def decide(chosen: GridRow, final: dict[str, Run], *, mu: int, n_levels: int, grid: dict[str, Any]) -> Decision:
-    """The decision: ``chosen`` (the grid's fastest predicted chain or dual) unless the final runs measured ar at least
-    as fast as ``chosen``'s mode: the measurement decides (Lemma 3.1 leaves out the decoder's own per-round work, and
-    the final runs are the longest measurement the profile makes); whether ar was also predicted faster is recorded.
-    The tuned speculative settings stay for --mode dual / chain."""
+    """The decision: ``chosen`` (the grid's fastest predicted chain or dual), unless plain decoding is predicted faster
+    than the final dual and chain runs or the final runs measured ar at least as fast as ``chosen``'s mode (Lemma 3.1
+    leaves out the decoder's own per-round work); the tuned speculative settings stay for --mode dual / chain."""
     pred = {nm: final[nm].predicted.time_per_token_s for nm in ("ar", "dual", "chain")}
     ar_faster = pred["ar"] < min(pred["dual"], pred["chain"])
     ar_measured = final["ar"].tokens_per_second >= final[chosen.mode].tokens_per_second
-    return Decision(mode="ar" if ar_measured else chosen.mode, speculative_mode=chosen.mode,
+    return Decision(mode="ar" if ar_faster or ar_measured else chosen.mode, speculative_mode=chosen.mode,
                     draft_k=int(chosen.draft_k), mu=[mu] * (n_levels - 2), tree=chosen.tree,
                     predicted_time_per_token_s=chosen.predicted_time_per_token_s, grid=grid,
                     ar_predicted_faster=ar_faster, ar_measured_faster=ar_measured, rule=DECISION_RULE)

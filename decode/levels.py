@@ -218,7 +218,39 @@ class HeadLevel:
                                  position_offsets=offsets)
 
 
-class TableLevel:
+class TokenCache:
+    """The "cache" of a level without a model (TableLevel, decode.ngram.NgramLevel): the list of tokens processed, by
+    position, checked and rolled back like a KV cache."""
+
+    name: str
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.max_seq_len = 0
+
+    @property
+    def cache_len(self) -> int:
+        return len(self.tokens)
+
+    def setup(self, max_seq_len: int) -> None:
+        self.max_seq_len = max_seq_len
+        self.tokens = []
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= len(self.tokens):
+            raise PolyspecError(f"{type(self).__name__} {self.name!r}: truncate({n}) outside 0..{len(self.tokens)}")
+        del self.tokens[n:]
+
+    def _check_room(self, more: int) -> None:
+        if len(self.tokens) + more > self.max_seq_len:
+            raise PolyspecError(f"{type(self).__name__} {self.name!r}: {len(self.tokens) + more} positions exceed "
+                                f"max_seq_len {self.max_seq_len}")
+
+
+class TableLevel(TokenCache):
     """A deterministic n-gram level: the next-token logits after position p are ``table[index]`` where index encodes
     the last ``order`` tokens (x_{p-order+1} .. x_p, missing ones before the sequence start count as 0) in base V.
 
@@ -234,29 +266,12 @@ class TableLevel:
         if table.dim() != 2 or table.shape[0] != v ** order:
             raise PolyspecError(f"TableLevel {name!r}: table must be [V**order, V] = [{v ** order}, {v}], "
                                 f"got {list(table.shape)}")
+        super().__init__()
         self.table = table.float()
         self.name = name
         self.order = order
         self.vocab_size = v
-        self.tokens: list[int] = []  # the "cache": every token processed, by position
-        self.max_seq_len = 0
         self.forward_calls = 0
-
-    @property
-    def cache_len(self) -> int:
-        return len(self.tokens)
-
-    def setup(self, max_seq_len: int) -> None:
-        self.max_seq_len = max_seq_len
-        self.tokens = []
-
-    def reset(self) -> None:
-        self.tokens = []
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= len(self.tokens):
-            raise PolyspecError(f"TableLevel {self.name!r}: truncate({n}) outside 0..{len(self.tokens)}")
-        del self.tokens[n:]
 
     def next_logits(self, context: list[int]) -> torch.Tensor:
         """Next-token logits [V] after ``context`` (a pure function of its last ``order`` tokens)."""
@@ -272,9 +287,7 @@ class TableLevel:
         if mask.shape[0] != t or not 0 <= k <= len(self.tokens):
             raise PolyspecError(f"TableLevel {self.name!r}: mask {list(mask.shape)} does not fit {t} tokens over a "
                                 f"cache of {len(self.tokens)}")
-        if len(self.tokens) + t > self.max_seq_len:
-            raise PolyspecError(f"TableLevel {self.name!r}: {len(self.tokens) + t} positions exceed "
-                                f"max_seq_len {self.max_seq_len}")
+        self._check_room(t)
         self.forward_calls += 1
         base = len(self.tokens) - k
         keys = self.tokens[base:] + [int(x) for x in tokens]  # what the mask columns refer to
@@ -291,9 +304,7 @@ class TableLevel:
     def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.truncate(start_pos)
-        if len(self.tokens) + len(tokens) > self.max_seq_len:
-            raise PolyspecError(f"TableLevel {self.name!r}: {len(self.tokens) + len(tokens)} positions exceed "
-                                f"max_seq_len {self.max_seq_len}")
+        self._check_room(len(tokens))
         self.forward_calls += 1
         rows = []
         for t in tokens:

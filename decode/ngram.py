@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from polyspec.decode.levels import TokenCache
 from polyspec.errors import PolyspecError
 
 
-class NgramLevel:
+class NgramLevel(TokenCache):
     """Prompt-lookup drafting as a chain level (see the module docstring); ``vocab_size``: the target's logits width."""
 
     kind = "ngram"
@@ -29,25 +30,8 @@ class NgramLevel:
     def __init__(self, vocab_size: int, *, max_n: int = 3, min_n: int = 1, name: str = "ngram"):
         if not 1 <= min_n <= max_n:
             raise PolyspecError(f"NgramLevel {name!r}: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        super().__init__()
         self.vocab_size, self.max_n, self.min_n, self.name = int(vocab_size), max_n, min_n, name
-        self.tokens: list[int] = []  # the "cache": every token processed, by position
-        self.max_seq_len = 0
-
-    @property
-    def cache_len(self) -> int:
-        return len(self.tokens)
-
-    def setup(self, max_seq_len: int) -> None:
-        self.max_seq_len = max_seq_len
-        self.tokens = []
-
-    def reset(self) -> None:
-        self.tokens = []
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= len(self.tokens):
-            raise PolyspecError(f"NgramLevel {self.name!r}: truncate({n}) outside 0..{len(self.tokens)}")
-        del self.tokens[n:]
 
     def proposal(self, context: list[int]) -> int | None:
         """The token after the most recent earlier occurrence of the longest matching suffix of ``context``."""
@@ -75,9 +59,7 @@ class NgramLevel:
     def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
                 last_only: bool = False) -> tuple[torch.Tensor, None]:
         self.truncate(start_pos)
-        if len(self.tokens) + len(tokens) > self.max_seq_len:
-            raise PolyspecError(f"NgramLevel {self.name!r}: {len(self.tokens) + len(tokens)} positions exceed "
-                                f"max_seq_len {self.max_seq_len}")
+        self._check_room(len(tokens))
         first = len(self.tokens)
         self.tokens += [int(t) for t in tokens]
         rows = range(len(self.tokens) - 1, len(self.tokens)) if last_only else range(first, len(self.tokens))

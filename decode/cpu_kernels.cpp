@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -70,6 +71,22 @@ inline v16f load_w<uint16_t>(const uint16_t* p) { return load_bf16(p); }
 static inline float w_scalar(const float* p) { return *p; }
 static inline float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
 
+// Calls f(std::integral_constant<int, G>{}) for a pass of g input rows (1..7; 8 and more: 8): every row kernel's passes
+// are compiled for each G, so the accumulators stay in registers.
+template <typename F>
+static inline void by_pass(int64_t g, F&& f) {
+    switch (g) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        case 6: f(std::integral_constant<int, 6>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        default: f(std::integral_constant<int, 8>{}); break;
+    }
+}
+
 // One weight row against G input rows: two accumulators per input row (k = 0, 32, ... and k = 16, 48, ...), an odd
 // 16-wide step into the first, their sum, a fixed-order lane sum, then the K % 16 tail. out[g] for g < G.
 template <typename W, int G>
@@ -112,16 +129,7 @@ static void rows(const float* x, const W* w, const float* bias, int64_t M, int64
             // and more as passes of 8. bf16 rows widen every weight once per pass, so for them one pass of up to 8
             // is faster at every width (0.82-0.93x the time at 2, 4 and 5 inputs on a 49,152 x 576 lm_head).
             const int64_t g = (M >= 6 || sizeof(W) == 2) ? (left >= 8 ? 8 : left) : (left >= 3 ? 3 : 1);
-            switch (g) {
-                case 1: row_dots<W, 1>(xm, row, K, out); break;
-                case 2: row_dots<W, 2>(xm, row, K, out); break;
-                case 3: row_dots<W, 3>(xm, row, K, out); break;
-                case 4: row_dots<W, 4>(xm, row, K, out); break;
-                case 5: row_dots<W, 5>(xm, row, K, out); break;
-                case 6: row_dots<W, 6>(xm, row, K, out); break;
-                case 7: row_dots<W, 7>(xm, row, K, out); break;
-                default: row_dots<W, 8>(xm, row, K, out); break;
-            }
+            by_pass(g, [&](auto G) { row_dots<W, decltype(G)::value>(xm, row, K, out); });
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
             m0 += g;
         }
@@ -319,16 +327,7 @@ static void rows_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* w, const
         for (int64_t m0 = 0; m0 < M;) {
             const uint16_t* xm = xb + m0 * xrow;
             const int64_t g = M - m0 >= 8 ? 8 : M - m0;
-            switch (g) {
-                case 1: row_dots_bf16<1>(xm, xrow, row, K, out); break;
-                case 2: row_dots_bf16<2>(xm, xrow, row, K, out); break;
-                case 3: row_dots_bf16<3>(xm, xrow, row, K, out); break;
-                case 4: row_dots_bf16<4>(xm, xrow, row, K, out); break;
-                case 5: row_dots_bf16<5>(xm, xrow, row, K, out); break;
-                case 6: row_dots_bf16<6>(xm, xrow, row, K, out); break;
-                case 7: row_dots_bf16<7>(xm, xrow, row, K, out); break;
-                default: row_dots_bf16<8>(xm, xrow, row, K, out); break;
-            }
+            by_pass(g, [&](auto G) { row_dots_bf16<decltype(G)::value>(xm, xrow, row, K, out); });
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
             m0 += g;
         }
@@ -393,16 +392,7 @@ static inline void rows_w(const float*, const I4Input& in, const WI4& w, const f
         const float b = bias ? bias[n] : 0.0f;
         for (int64_t m0 = 0; m0 < M; m0 += I4_PASS) {
             const int64_t g = M - m0 >= I4_PASS ? I4_PASS : M - m0;
-            switch (g) {
-                case 1: i4_dots<1>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
-                case 2: i4_dots<2>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
-                case 3: i4_dots<3>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
-                case 4: i4_dots<4>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
-                case 5: i4_dots<5>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
-                case 6: i4_dots<6>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
-                case 7: i4_dots<7>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
-                default: i4_dots<8>(in, m0, K, ng, q, sc, zr, w.gs, out); break;
-            }
+            by_pass(g, [&](auto G) { i4_dots<decltype(G)::value>(in, m0, K, ng, q, sc, zr, w.gs, out); });
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
         }
     }

@@ -54,9 +54,9 @@ import torch
 
 from polyspec.decode.levels import Level
 from polyspec.decode.sampling import (
+    accept_prefix,
     argmax_rows,
     check_sampling,
-    greedy_verify,
     sample,
     sample_without_replacement,
     verify_block,
@@ -343,7 +343,8 @@ class _Run:
         logits = self._forward(i, ctx + block, first_row=len(ctx) - 1)  # [len(block) + 1, V]
         self._check_vocab(logits.shape[-1], i)
         if self.sampling.temperature == 0:
-            p, (n_acc, nxt) = argmax_rows(logits), greedy_verify(logits, block)
+            p = argmax_rows(logits)  # [m + 1]: the one-hot rows' hot indices, computed once
+            n_acc, nxt = accept_prefix(p.tolist(), block)
         else:
             p = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
             if q is None:

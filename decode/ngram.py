@@ -32,9 +32,19 @@ class NgramLevel(TokenCache):
             raise PolyspecError(f"NgramLevel {name!r}: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         super().__init__()
         self.vocab_size, self.max_n, self.min_n, self.name = int(vocab_size), max_n, min_n, name
+        self._last: tuple[list[int], int | None] = ([], None)  # the last context searched and its proposal
 
     def proposal(self, context: list[int]) -> int | None:
-        """The token after the most recent earlier occurrence of the longest matching suffix of ``context``."""
+        """The token after the most recent earlier occurrence of the longest matching suffix of ``context``. The draft
+        loop asks twice per position (has_proposal, then forward), so the last answer is kept: a list comparison
+        instead of a second search."""
+        if context == self._last[0]:
+            return self._last[1]
+        found = self._search(context)
+        self._last = (list(context), found)
+        return found
+
+    def _search(self, context: list[int]) -> int | None:
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
             suffix = context[-n:]
             for end in range(len(context) - 1, n - 1, -1):  # occurrences ending before the last token, newest first
@@ -44,7 +54,7 @@ class NgramLevel(TokenCache):
 
     def has_proposal(self, context: list[int]) -> bool:
         """Whether :meth:`proposal` finds one: the decoder's draft loop stops where it does not."""
-        return self.proposal(list(context)) is not None
+        return self.proposal(context) is not None
 
     def _row(self, context: list[int]) -> torch.Tensor:
         """One-hot logits [V] on the proposal; a row without one is uniform (the draft loop never samples it)."""

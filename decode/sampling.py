@@ -128,7 +128,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 def greedy_verify(logits: torch.Tensor, tokens: list[int]) -> tuple[int, int]:
     """verify_block at T = 0 from the verifier's logits [m+1, V] and the m block tokens (each the draft's argmax):
     (n_accepted = length of the prefix where the verifier's argmax equals the token, the verifier's argmax after it)."""
-    best = argmax_rows(logits).tolist()  # [m + 1]
+    return accept_prefix(argmax_rows(logits).tolist(), tokens)
+
+
+def accept_prefix(best: list[int], tokens: list[int]) -> tuple[int, int]:
+    """:func:`greedy_verify` from the verifier's argmax rows ``best`` [m+1] (:func:`argmax_rows`, already computed)."""
     n_acc = 0
     while n_acc < len(tokens) and best[n_acc] == int(tokens[n_acc]):
         n_acc += 1

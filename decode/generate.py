@@ -203,7 +203,7 @@ def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: i
             raise PolyspecError("prompt lookup drafts for a level above it: use it with dual or chain, not ar")
         if tree:
             raise PolyspecError("prompt lookup proposes one token per position: use linear drafts (no tree)")
-        levels[-1], tree = NgramLevel(_vocab_size(chain.models[names[0]]), name="ngram"), False
+        levels[-1], tree = NgramLevel(chain.models[names[0]].args.vocab_size, name="ngram"), False
     n_mu = max(len(levels) - 2, 0)
     mu = list(mu if mu is not None else chain.mu)
     mu = (mu + [mu[-1] if mu else 8] * n_mu)[:n_mu]  # one entry per verifier below the target
@@ -215,11 +215,6 @@ def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: i
         tree = None
     return ChainDecoder(levels, draft_k=draft_k or chain.draft_k, mu=mu, max_seq_len=max_seq_len,
                         tree=tree if len(levels) > 1 else None)
-
-
-def _vocab_size(model: Any) -> int:
-    args = getattr(model, "args", None)
-    return int(args.vocab_size if args is not None else model.config.vocab_size)
 
 
 def generate_text(chain: LoadedChain, prompt: str | None, *, mode: str | None = None, max_new_tokens: int = 128,

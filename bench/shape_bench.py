@@ -317,6 +317,7 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
     roof["decode_step_fraction_of_roofline"] = step_tps / roof["roofline_tokens_per_second"]
     report: dict[str, Any] = {
         "shape": shape, "args": args.to_dict(), "device": str(dev), "dtype": name, "cuda_graphs": use_graphs,
+        "compiled_step": bool(use_graphs and cuda_graphs.compile_wanted(dev)),
         "cpu_kernels": cpu_kernels.state() if dev.type == "cpu" else None,
         "weight_bytes": {n: weight_bytes(m) for n, m in models.items()},
         "bandwidth": bw, "ar": ar, "roofline": roof, "forward_times": ft,
@@ -342,7 +343,7 @@ def print_report(r: dict[str, Any], out: Any = None) -> None:
     roof = r["roofline"]
     p = print
     p(f"shape {r['shape']} on {r['device']} ({r.get('gpu') or 'cpu'}), {r['dtype']}, CUDA graphs "
-      f"{'on' if r['cuda_graphs'] else 'off'}", file=out)
+      f"{'on' if r['cuda_graphs'] else 'off'}, compiled step {'on' if r.get('compiled_step') else 'off'}", file=out)
     p(f"  weights {roof['weight_bytes'] / 1e9:.2f} GB; read bandwidth {roof['bandwidth_GBps']:.1f} GB/s -> roofline "
       f"{roof['roofline_tokens_per_second']:.1f} tok/s", file=out)
     p(f"  ar: {r['ar']['tokens_per_second']:.1f} tok/s = {roof['fraction_of_roofline']:.1%} of the roofline "

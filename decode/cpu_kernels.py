@@ -570,4 +570,6 @@ def pack_weights(model: torch.nn.Module) -> int:
         t.data = view
     _arenas.add((arena.untyped_storage().data_ptr(), arena.untyped_storage().nbytes()))
     drop_plans(model)
+    for mod in model.modules():  # projections fused into one weight (model.fuse_projections) are separate again
+        mod.__dict__.pop("_fused", None)
     return total

@@ -20,6 +20,9 @@ with the model's own forward on the CPU. With ``graphs=True`` (CUDA only) each w
 (after two warm-up runs on a side stream, which also build the int4 kernels' packed weights) and replayed afterwards.
 Graphs are dropped whenever the cache is re-allocated or the model is moved or cast.
 
+With ``compiled=True`` (the default on CUDA, ``POLYSPEC_COMPILE_STEP=0`` turns it off) the step runs through
+``torch.compile`` with the projections fused (:func:`compiled_step`); the graph then captures the compiled code.
+
 Prefill blocks wider than ``max_width``, batches > 1, autograd and calls without a cache take the model's ordinary
 forward; both paths share the cache tensors. ``POLYSPEC_CUDA_GRAPHS=0`` keeps :func:`enable_for_device` from
 attaching runners (the ordinary forward then runs everywhere).
@@ -37,6 +40,8 @@ from polyspec.errors import PolyspecError
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # static widths; a block of T tokens runs at the first bucket >= T
 ENV = "POLYSPEC_CUDA_GRAPHS"
+COMPILE_ENV = "POLYSPEC_COMPILE_STEP"
+RECOMPILE_LIMIT = 64  # compiled static steps per code object: a width bucket x model (target, int4 copy, head) each
 
 
 def _none() -> None:
@@ -47,6 +52,12 @@ def graphs_wanted(device: torch.device | str) -> bool:
     """CUDA graphs by default on a CUDA device unless ``POLYSPEC_CUDA_GRAPHS=0``."""
     dev = torch.device(device)
     return dev.type == "cuda" and os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
+
+
+def compile_wanted(device: torch.device | str) -> bool:
+    """The compiled (fused) static step by default on a CUDA device unless ``POLYSPEC_COMPILE_STEP=0``."""
+    dev = torch.device(device)
+    return dev.type == "cuda" and os.environ.get(COMPILE_ENV, "1") not in ("0", "false", "no", "off")
 
 
 def bucket_for(t: int, max_width: int) -> int | None:
@@ -101,11 +112,12 @@ class StaticRunner:
     path when that returns None.
     """
 
-    def __init__(self, model: nn.Module, *, graphs: bool, max_width: int = 16):
+    def __init__(self, model: nn.Module, *, graphs: bool, max_width: int = 16, compiled: bool = False):
         if max_width < 1 or max_width > BUCKETS[-1]:
             raise PolyspecError(f"max_width must lie in 1..{BUCKETS[-1]}, got {max_width}")
         self.model = model
         self.graphs = graphs
+        self.compiled = compiled  # the step through torch.compile, projections fused (see compiled_step)
         self.max_width = max_width
         self._buckets: dict[int, _Bucket] = {}
         self._cache_key: tuple | None = None
@@ -133,7 +145,10 @@ class StaticRunner:
         if key == self._cache_key:
             return
         self.invalidate()
-        from polyspec.decode.model import rope_cos_sin
+        from polyspec.decode.model import fuse_projections, rope_cos_sin
+
+        if self.compiled:  # after a cast or move the projections are separate tensors again
+            fuse_projections(self.model)
 
         s = cache.k[0].shape[2]
         dev = cache.k[0].device
@@ -199,13 +214,8 @@ class StaticRunner:
 
     def _step(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The static forward over bucket ``bk``'s buffers -> (logits [1, W, V] float32, hidden [1, W, H])."""
-        model = self.model
-        cache = model._cache
-        store = SlotStore(cache, bk.positions)
-        x = model._embed(bk.ids, bk.feats)  # [1, W, H]
-        for i, layer in enumerate(model._layers()):  # the reference layer, on the static store and mask
-            x = layer(x, bk.cos, bk.sin, bk.mask, store, i, 0)
-        return model._out(x, last_only=False)
+        step = compiled_step() if self.compiled else static_step
+        return step(self.model, bk.ids, bk.feats, bk.cos, bk.sin, bk.mask, bk.positions)
 
     def _run(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.graphs:
@@ -231,8 +241,39 @@ class StaticRunner:
         self.captures += 1
 
 
-def enable(model: nn.Module, *, graphs: bool | None = None, max_width: int = 16) -> StaticRunner:
-    """Attach a :class:`StaticRunner` to a Transformer or EagleHead (``graphs`` None: on for a CUDA model).
+def static_step(model: nn.Module, ids: torch.Tensor, feats: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One static forward: ids [1, W] (features [1, W, H] for a head) at cache slots ``slots`` [W], RoPE rows
+    cos/sin [W, D], mask [W, S] over the whole cache -> (logits [1, W, V] float32, hidden [1, W, H])."""
+    store = SlotStore(model._cache, slots)
+    x = model._embed(ids, feats)  # [1, W, H]
+    for i, layer in enumerate(model._layers()):  # the reference layer, on the static store and mask
+        x = layer(x, cos, sin, mask, store, i, 0)
+    return model._out(x, last_only=False)
+
+
+_compiled = None
+
+
+def compiled_step():
+    """:func:`static_step` through ``torch.compile`` (inductor, whole graph, static shapes): RMSNorm, RoPE, SwiGLU
+    and the residual adds fuse into a few generated kernels around the matmuls, which the fused projections
+    (model.fuse_projections) make five per layer. Compiled once per model and width bucket, on first use; the same
+    maths as the eager step (tests/test_cuda_graphs.py compares them)."""
+    global _compiled
+    if _compiled is None:
+        import torch._dynamo.config as dynamo_config
+
+        # one code object serves every model and width: keep each compiled variant instead of falling back to eager
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        _compiled = torch.compile(static_step, fullgraph=True, dynamic=False)
+    return _compiled
+
+
+def enable(model: nn.Module, *, graphs: bool | None = None, max_width: int = 16,
+           compiled: bool | None = None) -> StaticRunner:
+    """Attach a :class:`StaticRunner` to a Transformer or EagleHead (``graphs`` None: on for a CUDA model;
+    ``compiled`` None: the compiled step where :func:`compile_wanted` says so).
 
     Call before ``setup_cache`` or call ``setup_cache`` again: the cache needs ``max_width`` spare slots.
     """
@@ -244,7 +285,9 @@ def enable(model: nn.Module, *, graphs: bool | None = None, max_width: int = 16)
         graphs = dev.type == "cuda"
     if graphs and dev.type != "cuda":
         raise PolyspecError(f"CUDA graphs need a CUDA model; this one is on {dev}")
-    runner = StaticRunner(model, graphs=graphs, max_width=max_width)
+    if compiled is None:
+        compiled = compile_wanted(dev)
+    runner = StaticRunner(model, graphs=graphs, max_width=max_width, compiled=compiled)
     model.__dict__["_static_runner"] = runner
     return runner
 

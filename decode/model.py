@@ -304,9 +304,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     torch's fused CPU attention takes ~10x the time of two batched matmuls for 16-bit inputs at decode widths (a few
     query rows per head: batched generation, docs/DECODE.md), so that case runs :func:`attend_matmul` (the same
-    maths: fp32 scores and softmax); everything else, training included, is ``F.scaled_dot_product_attention``."""
+    maths: fp32 scores and softmax); everything else, training and compiled steps included (inductor lowers it to
+    one attention kernel), is ``F.scaled_dot_product_attention``."""
     small = q.is_cpu and q.dtype != torch.float32 and q.shape[2] <= SMALL_ATTENTION_ROWS
-    if small and not torch.is_grad_enabled() and (mask is None or mask.dim() == 2 or mask.shape[1] == 1):
+    eager = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
+    if small and eager and (mask is None or mask.dim() == 2 or mask.shape[1] == 1):
         return attend_matmul(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -325,7 +327,68 @@ def attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return (p @ v).view(b, h, t, d)
 
 
-class Attention(nn.Module):
+def fused_projection(owner: nn.Module, x: torch.Tensor, linears: list[nn.Module]) -> torch.Tensor | None:
+    """``torch.cat([lin(x) for lin in linears], -1)`` as one matmul where one is at hand: the CPU kernel's fused call,
+    else the one weight :func:`fuse_projections` gave ``owner``'s projections; None: call the layers one by one."""
+    y = cpu_kernels.fused_linears(x, linears)
+    if y is not None:
+        return y
+    fused = owner.__dict__.get("_fused")
+    if fused is None or fused[0].dtype != x.dtype:
+        return None
+    return F.linear(x, fused[0], fused[1])
+
+
+class FusableProjections(nn.Module):
+    """A block (attention, MLP) whose parallel projections :func:`fuse_projections` may back by one weight; casting
+    or moving the block gives each projection its own tensor again, so the fused weight is dropped then."""
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_fused", None)
+        return super()._apply(fn, recurse)
+
+
+def _fuse_group(owner: nn.Module, linears: list[nn.Module]) -> bool:
+    """Back ``linears`` (plain Linear layers of one dtype and device, all with or all without bias) by one weight
+    [sum of out_features, in] whose row blocks become their parameters' data; False where they do not qualify."""
+    if not all(type(lin).forward is Linear.forward for lin in linears):
+        return False
+    ws = [lin.weight for lin in linears]
+    biased = {lin.bias is not None for lin in linears}
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or len(biased) != 1:
+        return False
+    weight = torch.cat([w.detach() for w in ws])
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if biased == {True} else None
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = weight[row:row + n]
+        if bias is not None:
+            lin.bias.data = bias[row:row + n]
+        row += n
+    owner.__dict__["_fused"] = (weight, bias)
+    return True
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Give every attention's q/k/v and every MLP's gate/up one weight tensor each, their own parameters becoming
+    views of it (no extra memory; values, parameter identity and state-dict names unchanged), so a step runs one
+    matmul where it ran three or two: fewer, larger kernels on a GPU (the compiled static step,
+    polyspec.decode.cuda_graphs). Int4 or mixed projections stay separate. Returns the number of groups fused."""
+    n = 0
+    for mod in model.modules():
+        if "_fused" in mod.__dict__:
+            continue
+        if isinstance(mod, Attention):
+            n += _fuse_group(mod, [mod.q_proj, mod.k_proj, mod.v_proj])
+        elif isinstance(mod, MLP):
+            n += _fuse_group(mod, [mod.gate_proj, mod.up_proj])
+    if n:
+        cpu_kernels.drop_plans(model)  # the CPU kernels' plans hold the old weights' addresses
+    return n
+
+
+class Attention(FusableProjections):
     def __init__(self, args: ModelArgs):
         super().__init__()
         h, d = args.hidden_size, args.head_dim
@@ -339,8 +402,8 @@ class Attention(nn.Module):
         """x [B, T, H]; cos/sin [T, D] -> q [B, h, T, D] and k [B, kv, T, D] (RoPE applied), v [B, kv, T, D]."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = cpu_kernels.fused_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # [B, T, (h + 2 kv) D]
-        if qkv is not None:  # one kernel call for q, k, v; one RoPE call for q and k
+        qkv = fused_projection(self, x, [self.q_proj, self.k_proj, self.v_proj])  # [B, T, (h + 2 kv) D]
+        if qkv is not None:  # one matmul for q, k, v; one RoPE call for q and k
             qk = apply_rope(qkv[..., :(h + kv) * d].view(b, t, h + kv, d).transpose(1, 2), cos, sin)
             return qk[:, :h], qk[:, h:], qkv[..., (h + kv) * d:].view(b, t, kv, d).transpose(1, 2)
         q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)  # [B, h, T, D]
@@ -361,7 +424,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
+class MLP(FusableProjections):
     def __init__(self, args: ModelArgs):
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
@@ -370,7 +433,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = cpu_kernels.fused_linears(x, [self.gate_proj, self.up_proj])  # [..., 2 I]: one kernel call
+        gate_up = fused_projection(self, x, [self.gate_proj, self.up_proj])  # [..., 2 I]: one matmul
         if gate_up is not None:
             gate, up = gate_up.split(self.gate_proj.weight.shape[0], dim=-1)
         else:

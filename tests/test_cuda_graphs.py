@@ -28,15 +28,17 @@ def models(tmp_path_factory):
     target = Transformer.from_pretrained(root / "t").eval()
     torch.manual_seed(0)
     head = EagleHead(target.args, target.embed_tokens, target.lm_head).eval()
-    return {"target": target, "int4": quantize_model_rtn(Transformer.from_pretrained(root / "t").eval(), 128),
+    return {"target": target, "target-bf16": copy.deepcopy(target).to(torch.bfloat16),
+            "int4": quantize_model_rtn(Transformer.from_pretrained(root / "t").eval(), 128),
             "head": head, "dir": root / "t"}
 
 
-def _twin(model):
-    """A copy of ``model`` with an eager static runner (the copy's own cache)."""
+def _twin(model, compiled: bool = False):
+    """A copy of ``model`` with an eager static runner (the copy's own cache; ``compiled``: the compiled step)."""
     twin = copy.deepcopy(model)
     assert cuda_graphs.runner_of(twin) is None
-    runner = cuda_graphs.enable(twin, graphs=False)
+    runner = cuda_graphs.enable(twin, graphs=False, compiled=compiled)
+    assert runner.compiled == compiled
     return twin, runner
 
 
@@ -95,16 +97,18 @@ def _script(ref, twin, runner, *, head: bool, tol=1e-4):
     assert runner.replays == 7 and runner.captures == 0
 
 
-@pytest.mark.parametrize("kind", ["target", "int4"])
-def test_static_step_matches_the_models_forward(models, kind):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["target", "target-bf16", "int4"])
+def test_static_step_matches_the_models_forward(models, kind, compiled):
     ref = copy.deepcopy(models[kind])
-    twin, runner = _twin(models[kind])
-    _script(ref, twin, runner, head=False, tol=1e-2 if kind == "int4" else 1e-4)
+    twin, runner = _twin(models[kind], compiled)
+    _script(ref, twin, runner, head=False, tol={"target": 1e-4, "target-bf16": 3e-2, "int4": 1e-2}[kind])
 
 
-def test_static_step_matches_the_heads_forward(models):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_static_step_matches_the_heads_forward(models, compiled):
     ref = copy.deepcopy(models["head"])
-    twin, runner = _twin(models["head"])
+    twin, runner = _twin(models["head"], compiled)
     _script(ref, twin, runner, head=True)
 
 
@@ -164,23 +168,25 @@ def test_enable_checks_its_input(models, monkeypatch):
     assert cuda_graphs.graphs_wanted("cuda")
 
 
-def _levels(t, q, h, static: bool):
+def _levels(t, q, h, static: bool, compiled: bool = False):
     from polyspec.decode.levels import HeadLevel, ModelLevel
 
     t, q, h = copy.deepcopy(t), copy.deepcopy(q), copy.deepcopy(h)
     h.embed_tokens, h.lm_head = t.embed_tokens, t.lm_head
     if static:
         for m in (t, q, h):
-            cuda_graphs.enable(m, graphs=False)
+            cuda_graphs.enable(m, graphs=False, compiled=compiled)
     return ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")
 
 
-@pytest.mark.parametrize("tree", [None, TreeParams(top_k=3, depth=3, total_tokens=8)], ids=["linear", "tree"])
-def test_greedy_chain_on_static_steps_equals_ar(models, tree):
+@pytest.mark.parametrize("tree,compiled", [(None, False), (TreeParams(top_k=3, depth=3, total_tokens=8), False),
+                                           (TreeParams(top_k=3, depth=3, total_tokens=8), True)],
+                         ids=["linear", "tree", "tree-compiled"])
+def test_greedy_chain_on_static_steps_equals_ar(models, tree, compiled):
     t, q, h = models["target"], models["int4"], models["head"]
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([_levels(t, q, h, False)[0]], max_seq_len=64).generate(prompt, 20).token_ids
-    lt, lq, lh = _levels(t, q, h, True)
+    lt, lq, lh = _levels(t, q, h, True, compiled)
     for levels, kw in [([lt], {}), ([lt, lh], {"draft_k": 4}), ([lt, lq, lh], {"draft_k": 3, "mu": [4]})]:
         r = ChainDecoder(levels, max_seq_len=64, tree=tree if len(levels) > 1 else None, **kw).generate(prompt, 20)
         assert r.token_ids == ar, (levels, r.stats)
@@ -194,13 +200,14 @@ def test_greedy_chain_on_static_steps_equals_ar(models, tree):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_replay_matches_the_models_forward(models, dtype):
+def test_cuda_graph_replay_matches_the_models_forward(models, dtype, compiled):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     ref = copy.deepcopy(models["target"]).to("cuda", dtype)
     twin = copy.deepcopy(models["target"]).to("cuda", dtype)
-    runner = cuda_graphs.enable(twin)
-    assert runner.graphs
+    runner = cuda_graphs.enable(twin, compiled=compiled)
+    assert runner.graphs and runner.compiled == compiled
     _script_cuda(ref, twin, runner, tol)
     assert runner.captures == 3  # buckets 1, 8 and 4, each captured once, then replayed
 

@@ -1,0 +1,87 @@
+"""The compiled static step: projections fused into one weight each (model.fuse_projections) and the kernels per
+layer it leaves (polyspec.bench.step_kernels), on the CPU through inductor."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from polyspec.bench.shape_bench import random_model, shape_args
+from polyspec.bench.step_kernels import count, wrapper_launches
+from polyspec.decode.model import fuse_projections
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(shape_args("tiny"), dtype=torch.float32, device="cpu")
+
+
+def test_fused_projections_are_views_of_one_weight(tiny):
+    ref, model = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    params = dict(model.named_parameters())
+    assert fuse_projections(model) == 2 * model.args.num_layers
+    assert fuse_projections(model) == 0  # already fused
+    attn = model.layers[0].self_attn
+    weight, bias = attn.__dict__["_fused"]
+    assert bias is None and weight.shape[0] == sum(p.weight.shape[0] for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert attn.k_proj.weight.data_ptr() == weight[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert dict(model.named_parameters()).keys() == params.keys()
+    assert all(p is params[n] for n, p in model.named_parameters())  # the same Parameter objects
+    for (n, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    with torch.no_grad():  # an in-place update of a projection is the fused weight's update too
+        attn.v_proj.weight.add_(1.0)
+    assert torch.equal(weight[-attn.v_proj.weight.shape[0]:], attn.v_proj.weight)
+    model.to(torch.bfloat16)  # a cast gives each projection its own tensor again: the fused weight is dropped
+    assert "_fused" not in attn.__dict__
+    assert attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def test_fused_projections_compute_the_same(tiny, monkeypatch):
+    from polyspec.decode import cpu_kernels, model as model_mod
+
+    ref, model = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    fuse_projections(model)
+    ids = torch.arange(9)
+    calls = []
+    linear = model_mod.F.linear
+    monkeypatch.setattr(model_mod.F, "linear", lambda *a: calls.append(1) or linear(*a))
+    was = cpu_kernels.set_enabled(False)  # the CPU kernels' own fused call would take the projections first
+    try:
+        with torch.inference_mode():
+            out = []
+            for m in (ref, model):
+                m.setup_cache(16)
+                calls.clear()
+                out.append(m(ids)[0])
+                out.append(len(calls))
+    finally:
+        cpu_kernels.set_enabled(was)
+    torch.testing.assert_close(out[2], out[0], atol=1e-5, rtol=1e-5)
+    layers = model.args.num_layers
+    assert (out[1], out[3]) == (7 * layers + 1, 4 * layers + 1)  # matmuls per layer: 7 separate, 4 fused; lm_head
+
+
+def test_int4_projections_stay_separate():
+    model = random_model(shape_args("tiny"), dtype=torch.float32, device="cpu", int4_group=32)
+    assert fuse_projections(model) == 0
+
+
+def test_wrapper_launches_reads_the_call_function():
+    code = ("def helper():\n    cpp_fused_not_a_call_0(x)\n"
+            "def call(args):\n    cpp_fused_add_0(a, b)\n    extern_kernels.mm(a, b, out=c)\n"
+            "    buf3 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)\n"
+            "    assert_size_stride(buf3, (1,), (1,), 'torch.ops.aten.x')\n"
+            "    triton_poi_fused_mul_1.run(a, b, stream=s)\n    del buf3\n")
+    assert wrapper_launches(code) == ["cpp_fused_add_0", "extern_kernels.mm",
+                                      "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+                                      "triton_poi_fused_mul_1.run"]
+
+
+def test_compiled_step_needs_at_most_ten_kernels_per_layer():
+    (row,) = count(shape_args("tiny"), widths=[5], dtype=torch.float32, device="cpu")
+    assert row["compiled_kernels_per_layer"] <= 10 < row["eager_ops_per_layer"]
+    calls = row["compiled_calls_one_layer_model"]
+    assert sum(c == "extern_kernels.mm" for c in calls) == 4 + 1  # q/k/v, o, gate/up, down; lm_head

@@ -44,6 +44,7 @@ class LoadedChain:
     mode: str = "ar"  # the manifest's chosen decode mode
     tree: TreeParams | None = None  # the manifest's EAGLE-2 tree when it is on (None: linear drafts)
     tree_shape: TreeParams | None = None  # the manifest's tree shape, on or off (what --tree uses)
+    ngram: bool = False  # the manifest's dual mode drafts by prompt lookup (decode/ngram.py)
 
     def levels_for(self, mode: str) -> list[str]:
         """ar = the target; dual = target + the bottom level; chain = all levels."""
@@ -118,7 +119,7 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
         tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
         draft_k=manifest.decode.draft_k, mu=tuple(manifest.decode.mu), mode=manifest.decode.mode,
         tree=tree_params(manifest.decode.tree) if manifest.decode.tree.enabled else None,
-        tree_shape=tree_params(manifest.decode.tree),
+        tree_shape=tree_params(manifest.decode.tree), ngram=manifest.decode.ngram,
     )
 
 
@@ -189,11 +190,14 @@ def resolve_tree(choice: bool | dict[str, int] | None, base: TreeParams | None) 
 
 def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: int | None = None,
                   mu: list[int] | None = None, tree: TreeParams | bool | None = None,
-                  ngram: bool = False) -> ChainDecoder:
+                  ngram: bool | None = None) -> ChainDecoder:
     """tree: None = the manifest's choice, False = linear drafts, True = a tree (the manifest's shape, else the
     defaults), or explicit TreeParams. ar mode never uses one. ngram: prompt lookup (decode/ngram.py) replaces the
-    bottom level (linear drafts only)."""
+    bottom level (linear drafts only); None = the manifest's choice for dual mode."""
     from polyspec.decode.ngram import NgramLevel
+
+    if ngram is None:
+        ngram = chain.ngram and mode == DUAL and not tree
 
     names = chain.levels_for(mode)
     levels = [HeadLevel(chain.models[n], n) if chain.kinds[n] == "head" else ModelLevel(chain.models[n], n)

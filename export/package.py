@@ -65,10 +65,13 @@ def measurements_for_manifest(p: Profile, onnx: dict[str, Any] | None) -> dict[s
 def _decode_config(p: Profile, decode: Any) -> Any:
     """``decode`` with the profile's decision (the tree stays on only when the profile chose it: a recipe's tree is a
     candidate, not an order)."""
+    from polyspec.modes import DUAL, DUAL_NGRAM
+
     dec = p.decision
     tree_cfg = decode.tree.model_copy(update={"enabled": bool(dec.tree)})
-    return decode.model_copy(update={"mode": dec.mode, "draft_k": int(dec.draft_k), "mu": [int(m) for m in dec.mu],
-                                     "tree": tree_cfg})
+    ngram = dec.speculative_mode == DUAL_NGRAM  # dual drafts by prompt lookup, whether or not ar is the default
+    return decode.model_copy(update={"mode": DUAL if dec.mode == DUAL_NGRAM else dec.mode, "ngram": ngram,
+                                     "draft_k": int(dec.draft_k), "mu": [int(m) for m in dec.mu], "tree": tree_cfg})
 
 
 def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True,

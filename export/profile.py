@@ -25,7 +25,7 @@ from typing import Any
 
 from polyspec.errors import PolyspecError
 from polyspec.export.acceptance import run_config, steady_widths
-from polyspec.export.results import GridRow, Insertion, InsertionInputs, LevelInfo, Profile, PromptInfo, Run
+from polyspec.export.results import CostRow, GridRow, Insertion, InsertionInputs, LevelInfo, Profile, PromptInfo, Run
 from polyspec.export.timing import grid_widths, mean_cost, measure_costs
 from polyspec.export.verdict import (
     choose_config,
@@ -38,6 +38,7 @@ from polyspec.export.verdict import (
     tree_dict,
     variance_check,
 )
+from polyspec.modes import DUAL_NGRAM as NGRAM_MODE
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ProfileSettings:
     grid_prompts: int | None = None  # prompts per grid point (None: all)
     tree: Any = None  # a decode.chain.TreeParams to weigh against linear drafts
     eos_ids: frozenset[int] = frozenset()
+    ngram: bool = False  # also weigh prompt lookup (decode.ngram.NgramLevel) as the target's draft
 
 
 @dataclass
@@ -61,6 +63,7 @@ class _Chain:
 
     levels: list[Any]
     tags: list[str]
+    ngram: Any = None  # a decode.ngram.NgramLevel drafting for the target (a candidate, not one of the levels)
 
     @property
     def names(self) -> list[str]:
@@ -85,6 +88,8 @@ class _Runner:
             t0 = time.perf_counter()
             run = run_config(levels, prompts, self.s.max_new_tokens, draft_k=k, mu=[mu] * (n - 2) if n > 2 else None,
                              eos_ids=self.s.eos_ids, label=tag, tree=tree)
+            if getattr(levels[-1], "kind", None) == "ngram":
+                run.mode = NGRAM_MODE
             ls = "/".join(f"{lv.L:.2f}" for lv in run.per_level.values() if lv.L is not None)
             self.say(f"profile: {tag:<28} L={ls} {run.tokens_per_second:.1f} tok/s ({time.perf_counter() - t0:.1f} s)")
             self.done[key] = run
@@ -106,8 +111,26 @@ def _grid_runs(run: _Runner, ch: _Chain, prompts: list[list[int]], s: ProfileSet
         shape, depth = _shape(s.tree), s.tree.depth
         out.append(run(dual, depth, None, prompts, f"grid dual {shape}", s.tree))
         out += [run(full, depth, mu, prompts, f"grid chain {shape} mu={mu}", s.tree) for mu in s.mus]
+    if ch.ngram is not None:
+        out += [run([ch.levels[0], ch.ngram], k, None, prompts, f"grid {NGRAM_MODE} k={k}") for k in s.draft_ks]
     out.append(run([ch.levels[0]], 1, None, prompts, "grid ar"))
     return out
+
+
+def _free_name(name: str, taken: list[str]) -> str:
+    return name if name not in taken else _free_name(name + "_", taken)
+
+
+def _ngram_costs(grid: list[Run], name: str, kv_length: int) -> list[CostRow]:
+    """T of the prompt-lookup level: its mean measured seconds per forward in the grid's runs (a list search and a
+    one-hot row; no model to time apart), the same at every width it ran."""
+    runs = [r.per_level[name] for r in grid if name in r.per_level]
+    calls = sum(sum(lv.widths.values()) for lv in runs)
+    seconds = sum(lv.forward_seconds - lv.prefill_seconds for lv in runs)
+    t = seconds / calls if calls else 0.0
+    widths = sorted({w for lv in runs for w in lv.widths} | {1, 2})
+    return [CostRow(width=w, kv_length=kv_length, median_s=t, p10_s=t, p90_s=t, mean_s=t, min_s=t, repeats=calls)
+            for w in widths]
 
 
 def _nominal_widths(n: int, s: ProfileSettings) -> list[set[int]]:
@@ -121,12 +144,16 @@ def _costs(ch: _Chain, grid: list[Run], s: ProfileSettings, say: Callable[[str],
     seen = {nm: set(extra) for nm, extra in zip(ch.names, _nominal_widths(len(ch.levels), s), strict=True)}
     for r in grid:
         for nm in r.levels:
-            seen[nm] |= set(steady_widths(r, nm))
+            if nm in seen:
+                seen[nm] |= set(steady_widths(r, nm))
     widths = grid_widths(seen)
     say(f"profile: timing forwards at kv_length={s.kv_length}: " + ", ".join(f"{n} {w}" for n, w in widths.items()))
     args = ch.levels[0].model.args
-    return measure_costs(dict(zip(ch.names, ch.levels, strict=True)), widths, s.kv_length, warmup=s.warmup,
-                         repeats=s.repeats, hidden_size=args.hidden_size, vocab_size=args.vocab_size)
+    costs = measure_costs(dict(zip(ch.names, ch.levels, strict=True)), widths, s.kv_length, warmup=s.warmup,
+                          repeats=s.repeats, hidden_size=args.hidden_size, vocab_size=args.vocab_size)
+    if ch.ngram is not None:
+        costs[ch.ngram.name] = _ngram_costs(grid, ch.ngram.name, s.kv_length)
+    return costs
 
 
 @dataclass
@@ -139,13 +166,17 @@ class _Choice:
     mu: int
     tree_dual: Any
     tree_chain: Any
+    best_ngram: GridRow | None = None
 
 
 def _choose(rows: list[GridRow], tree: Any) -> _Choice:
-    chosen, best_dual, best_chain = (choose_config(rows, m) for m in (("chain", "dual"), ("dual",), ("chain",)))
-    chain_like = best_chain if chosen.mode == "dual" else chosen
+    modes = ("chain", "dual", NGRAM_MODE)
+    chosen, best_dual, best_chain = (choose_config(rows, m) for m in (modes, ("dual",), ("chain",)))
+    best_ngram = choose_config(rows, (NGRAM_MODE,)) if any(r.mode == NGRAM_MODE for r in rows) else None
+    chain_like = best_chain if chosen.mode != "chain" else chosen
     return _Choice(chosen=chosen, best_dual=best_dual, k_chain=chain_like.draft_k, mu=chain_like.mu[0],
-                   tree_dual=tree if best_dual.tree else None, tree_chain=tree if chain_like.tree else None)
+                   tree_dual=tree if best_dual.tree else None, tree_chain=tree if chain_like.tree else None,
+                   best_ngram=best_ngram)
 
 
 def _without(j: int, n: int) -> list[int]:
@@ -166,6 +197,9 @@ def _final_runs(run: _Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) 
              "dual": run([top, bottom], c.best_dual.draft_k, None, prompts, f"dual {tag_dual}", c.tree_dual),
              "chain": run(ch.levels, c.k_chain, c.mu, prompts, f"chain {tag_chain} mu={c.mu}", c.tree_chain),
              "dual_at_chain_k": run([top, bottom], c.k_chain, None, prompts, f"dual {tag_chain}", c.tree_chain)}
+    if c.best_ngram is not None:
+        k = c.best_ngram.draft_k
+        final[NGRAM_MODE] = run([top, ch.ngram], k, None, prompts, f"{NGRAM_MODE} k={k}")
     for j in range(1, n - 1):
         before, tail = _run_keys(ch, j)
         sub = _without(j, n)
@@ -265,6 +299,10 @@ def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettin
     if len(levels) < 3:
         raise PolyspecError(f"profiling needs at least three levels (target, intermediate, draft), got {len(levels)}")
     ch = _Chain(list(levels), list(tags or [lv.name for lv in levels]))
+    if s.ngram:
+        from polyspec.decode.ngram import NgramLevel
+
+        ch.ngram = NgramLevel(levels[0].model.args.vocab_size, name=_free_name("ngram", ch.names))
     say = say or (lambda _msg: None)
     run = _Runner(s, say)
     grid_set = prompts[: s.grid_prompts or len(prompts)]

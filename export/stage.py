@@ -285,7 +285,8 @@ def _settings(recipe: Any, threads: int | None) -> tuple[ProfileSettings, dict[s
         tree = tree_params(recipe.decode.tree)
     grid_prompts = p.grid_prompts or max(1, p.prompts // 4)
     s = ProfileSettings(max_new_tokens=p.max_new_tokens, kv_length=p.kv_length, warmup=p.warmup, repeats=p.repeats,
-                        draft_ks=tuple(p.draft_k_grid), mus=tuple(p.mu_grid), grid_prompts=grid_prompts, tree=tree)
+                        draft_ks=tuple(p.draft_k_grid), mus=tuple(p.mu_grid), grid_prompts=grid_prompts, tree=tree,
+                        ngram=p.ngram)
     keyed = {"profile": p.model_dump(mode="json"), "device": _device(recipe), "dtype": recipe.target.dtype,
              "draft_ks": list(s.draft_ks), "mus": list(s.mus), "grid_prompts": grid_prompts,
              "tree": recipe.decode.tree.model_dump(mode="json") if tree is not None else None,

@@ -31,10 +31,12 @@ from polyspec.export.results import (
     Speedups,
     VarianceCheck,
 )
+from polyspec.modes import AR, CHAIN, DUAL, DUAL_NGRAM
 from polyspec.theory import acceptance_length_moments, chain_time_per_token, insertion
 
 DECISION_RULE = ("min over the grid of the Lemma 3.1 time per token (measured T at the run's own forward widths, "
-                 "measured L_eff and beta), modes chain and dual, linear drafts and (when given) the draft tree; "
+                 "measured L_eff and beta), modes chain and dual, linear drafts and (when given) the draft tree, "
+                 "and (when weighed) dual over prompt lookup; "
                  "mode ar when ar's predicted time beats the measured dual baseline and chosen chain, or when the "
                  "final runs measured ar at least as fast as the chosen configuration")
 
@@ -133,8 +135,9 @@ def decide(chosen: GridRow, final: dict[str, Run], *, mu: int, n_levels: int, gr
     """The decision: ``chosen`` (the grid's fastest predicted chain or dual), unless plain decoding is predicted faster
     than the final dual and chain runs or the final runs measured ar at least as fast as ``chosen``'s mode (Lemma 3.1
     leaves out the decoder's own per-round work); the tuned speculative settings stay for --mode dual / chain."""
-    pred = {nm: final[nm].predicted.time_per_token_s for nm in ("ar", "dual", "chain")}
-    ar_faster = pred["ar"] < min(pred["dual"], pred["chain"])
+    spec = [nm for nm in (DUAL, CHAIN, DUAL_NGRAM) if nm in final]
+    pred = {nm: final[nm].predicted.time_per_token_s for nm in (AR, *spec)}
+    ar_faster = pred[AR] < min(pred[nm] for nm in spec)
     ar_measured = final["ar"].tokens_per_second >= final[chosen.mode].tokens_per_second
     return Decision(mode="ar" if ar_faster or ar_measured else chosen.mode, speculative_mode=chosen.mode,
                     draft_k=int(chosen.draft_k), mu=[mu] * (n_levels - 2), tree=chosen.tree,

@@ -255,6 +255,7 @@ class DecodeConfig(Section):
     draft_vocab: int = Field(
         0, ge=0, description="draft head's logits over this many most frequent training tokens (0 = full vocabulary)"
     )
+    ngram: bool = Field(False, description="dual mode drafts by prompt lookup instead of the chain's draft level")
 
     @field_validator("mu")
     @classmethod
@@ -277,6 +278,7 @@ class ProfileConfig(Section):
     mu_grid: list[int] = Field(default_factory=lambda: [4, 6, 8, 12], description="mu values tried for chains")
     grid_prompts: int | None = Field(None, ge=1, description="prompts per grid point (default: prompts // 4)")
     threads: int | None = Field(None, ge=1, description="torch threads while profiling (default: unchanged)")
+    ngram: bool = Field(True, description="also weigh prompt lookup (n-gram drafts, no model) under the target")
 
     @field_validator("draft_k_grid", "mu_grid")
     @classmethod

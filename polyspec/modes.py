@@ -5,6 +5,9 @@ from __future__ import annotations
 
 MODES = ("ar", "dual", "chain")  # fewest levels first
 AR, DUAL, CHAIN = MODES
+# dual with prompt lookup (decode.ngram) as the draft: a profile candidate, a bench mode; a chain that chose it
+# records mode dual with decode.ngram true
+DUAL_NGRAM = "dual-ngram"
 
 
 def mode_of(n_levels: int) -> str:

@@ -345,3 +345,38 @@ def test_dtype_auto_times_the_candidates_and_the_chain_decodes_in_the_choice(tin
     out = export_chain(tmp_path / "chain", tiny_parts, prof, DecodeConfig(), onnx=False)
     assert load_chain(out, device="cpu").models["target"].embed_tokens.weight.dtype == torch.bfloat16
     assert load_chain(out, device="cpu", dtype="float32").models["target"].embed_tokens.weight.dtype == torch.float32
+
+
+def test_prompt_lookup_joins_the_grid_and_a_chain_that_chose_it_decodes_with_it(tiny_parts, tmp_path):
+    """With ngram on, the grid holds the target over prompt lookup at every draft_k, its T is its own measured time
+    per forward, the decision is the minimum over every speculative row, and a chain exported with dual-ngram chosen
+    decodes dual by prompt lookup (greedy output equal to ar)."""
+    from polyspec.config import DecodeConfig
+    from polyspec.decode.generate import build_decoder, load_chain
+    from polyspec.decode.ngram import NgramLevel
+    from polyspec.export.package import export_chain
+    from polyspec.export.stage import profile_folders
+    from polyspec.manifest import read_manifest
+
+    s = ProfileSettings(max_new_tokens=12, kv_length=32, warmup=1, repeats=2, draft_ks=(2, 3), mus=(4,), ngram=True)
+    prof = profile_folders(tiny_parts, tmp_path / "p", s, device="cpu", prompt_ids=_prompts(), threads=1,
+                           say=lambda _m: None)
+    ng = [r for r in prof.grid if r.mode == "dual-ngram"]
+    assert [r.draft_k for r in ng] == [2, 3] and all(set(r.T_s) == {"target", "ngram"} for r in ng)
+    assert 0 < prof.costs["ngram"][0].median_s < prof.costs["target"][0].median_s
+    best = min((r for r in prof.grid if r.mode != "ar"), key=lambda r: r.predicted_time_per_token_s)
+    assert prof.decision.speculative_mode == best.mode
+    assert prof.final["dual-ngram"].levels == ["target", "ngram"] and prof.lossless_greedy
+    assert "dual-ngram" in prof.speedup["vs_ar"].configs
+    prof.decision.mode = prof.decision.speculative_mode = "dual-ngram"  # as when prompt lookup wins
+    prof.decision.tree = None
+    out = export_chain(tmp_path / "chain", tiny_parts, prof, DecodeConfig(), onnx=False)
+    dec_cfg = read_manifest(out).decode
+    assert (dec_cfg.mode, dec_cfg.ngram) == ("dual", True)
+    chain = load_chain(out, device="cpu")
+    prompt = _prompts()[1]
+    ar = build_decoder(chain, "ar", max_seq_len=64).generate(prompt, 16)
+    dual = build_decoder(chain, "dual", max_seq_len=64)
+    assert isinstance(dual.levels[-1], NgramLevel)
+    assert dual.generate(prompt, 16).token_ids == ar.token_ids
+    assert not isinstance(build_decoder(chain, "dual", max_seq_len=64, ngram=False).levels[-1], NgramLevel)

@@ -40,7 +40,8 @@ def test_fused_projections_are_views_of_one_weight(tiny):
 
 
 def test_fused_projections_compute_the_same(tiny, monkeypatch):
-    from polyspec.decode import cpu_kernels, model as model_mod
+    from polyspec.decode import cpu_kernels
+    from polyspec.decode import model as model_mod
 
     ref, model = copy.deepcopy(tiny), copy.deepcopy(tiny)
     fuse_projections(model)

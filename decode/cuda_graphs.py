@@ -118,6 +118,7 @@ class StaticRunner:
         self.model = model
         self.graphs = graphs
         self.compiled = compiled  # the step through torch.compile, projections fused (see compiled_step)
+        self._eager_first = compiled  # a compiled runner's first step after (re)syncing runs eagerly (see _step)
         self.max_width = max_width
         self._buckets: dict[int, _Bucket] = {}
         self._cache_key: tuple | None = None
@@ -149,6 +150,7 @@ class StaticRunner:
 
         if self.compiled:  # after a cast or move the projections are separate tensors again
             fuse_projections(self.model)
+            self._eager_first = True
 
         s = cache.k[0].shape[2]
         dev = cache.k[0].device
@@ -214,8 +216,13 @@ class StaticRunner:
 
     def _step(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The static forward over bucket ``bk``'s buffers -> (logits [1, W, V] float32, hidden [1, W, H])."""
-        step = compiled_step() if self.compiled else static_step
-        return step(self.model, bk.ids, bk.feats, bk.cos, bk.sin, bk.mask, bk.positions)
+        args = (self.model, bk.ids, bk.feats, bk.cos, bk.sin, bk.mask, bk.positions)
+        if self.compiled and self._eager_first:
+            # int4 layers build their kernels' packed weights on first use: eagerly, so the compiled graph reads
+            # them and never traces the packing (the step rewrites the same cache slots)
+            static_step(*args)
+            self._eager_first = False
+        return (compiled_step() if self.compiled else static_step)(*args)
 
     def _run(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.graphs:

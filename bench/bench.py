@@ -35,10 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError
+from polyspec.modes import DUAL_NGRAM
 from polyspec.modes import MODES as DECODE_MODES
 
-# *-tree: the EAGLE-2 draft tree at the bottom; dual-ngram: the target over prompt lookup (decode/ngram.py)
-ENGINE_MODES = (*DECODE_MODES, "dual-tree", "chain-tree", "dual-ngram")
+# *-tree: the EAGLE-2 draft tree at the bottom; dual-ngram: the target over prompt lookup (decode/ngram.py);
+# default: what the chain's manifest chose (its mode, draft_k, mu, tree on or off, prompt lookup or not)
+DEFAULT = "default"
+ENGINE_MODES = (*DECODE_MODES, "dual-tree", "chain-tree", DUAL_NGRAM, DEFAULT)
 MODES = (*ENGINE_MODES, "hf", "hf-assisted")
 
 
@@ -66,14 +69,15 @@ class EngineRunner:
     def __init__(self, chain: Any, mode: str, *, draft_k: int | None = None, mu: list[int] | None = None,
                  tree: Any = False):
         """mode: ar, dual, chain, or dual-tree / chain-tree with ``tree`` (TreeParams, or True for the manifest's
-        shape)."""
-        base = mode.removesuffix("-tree").removesuffix("-ngram")
+        shape), dual-ngram, or default (the manifest's choice: its tree and prompt-lookup settings too)."""
+        base = chain.mode if mode == DEFAULT else mode.removesuffix("-tree").removesuffix("-ngram")
         try:
             chain.levels_for(base)
         except PolyspecError as exc:
             raise NotApplicable(str(exc)) from None
-        self.chain, self.mode, self.draft_k, self.mu, self.tree = chain, base, draft_k, mu, tree
-        self.ngram = mode.endswith("-ngram")
+        self.chain, self.mode, self.draft_k, self.mu = chain, base, draft_k, mu
+        self.tree = None if mode == DEFAULT else tree  # None / ngram None: as the manifest says
+        self.ngram = None if mode == DEFAULT else mode == DUAL_NGRAM
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
                  eos: set[int]) -> Generation:

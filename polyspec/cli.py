@@ -188,6 +188,13 @@ def cmd_shape_bench(args: argparse.Namespace) -> int:
     return shape_bench.run(args)
 
 
+def cmd_gpu_probe(args: argparse.Namespace) -> int:
+    """Versions, the SDPA backends and the kernel split of one decode step on this machine (docs/GPU.md)."""
+    from polyspec.bench import gpu_probe
+
+    return gpu_probe.run(args)
+
+
 def add_tree_arguments(p: argparse.ArgumentParser) -> None:
     """--tree / --no-tree and the tree's shape (generate and bench)."""
     p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
@@ -337,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     from polyspec.bench import shape_bench as _shape_bench  # light: no torch at import
 
     _shape_bench.configure_parser(verb("shape-bench", cmd_shape_bench))
+    from polyspec.bench import gpu_probe as _gpu_probe  # light: no torch at import
+
+    _gpu_probe.configure_parser(verb("gpu-probe", cmd_gpu_probe))
 
     p = verb("generate", cmd_generate)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")

@@ -111,8 +111,17 @@ def test_shape_bench_reports_roofline_ratios_and_times(tmp_path, capsys):
 
 
 def test_shape_bench_bad_input(tmp_path, capsys):
+    # a --chain folder without a manifest (make gpu-prep found no CPU chain): one clear error before any model
+    # is built, naming the folder and both ways out
     assert main(["shape-bench", "tiny", "--device", "cpu", "--chain", str(tmp_path)]) == 2
-    assert "no manifest.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--chain {tmp_path} has no manifest.json" in err and "leave --chain out" in err
+    assert "Traceback" not in err and "polyspec export" in err
+    assert main(["shape-bench", "tiny", "--device", "cpu", "--chain", str(tmp_path / "absent")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    (tmp_path / "manifest.json").write_text("{}")
+    assert main(["shape-bench", "tiny", "--device", "cpu", "--chain", str(tmp_path)]) == 2
+    assert "error:" in capsys.readouterr().err
     assert main(["shape-bench", "tiny", "--device", "cpu", "--new-tokens", "0"]) == 2
     assert "--new-tokens must be >= 1" in capsys.readouterr().err
     assert main(["shape-bench", "tiny", "--device", "cpu", "--new-tokens", "2000"]) == 2

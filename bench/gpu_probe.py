@@ -129,13 +129,16 @@ def _median_ms(fn: Any, device: Any, repeats: int) -> float:
     return statistics.median(timed(fn, device)[1] for _ in range(repeats)) * 1e3
 
 
-def _decode_step_ops(args: Any, *, dtype: Any, device: Any, prompt: int) -> list[tuple[str, float]]:
-    """(name, microseconds) of each device kernel (leaf CPU op on the CPU) of one static decode step."""
+def _decode_step_ops(args: Any, *, dtype: Any, device: Any, prompt: int,
+                     compiled: bool = False) -> list[tuple[str, float]]:
+    """(name, microseconds) of each device kernel (leaf CPU op on the CPU) of one static decode step (``compiled``:
+    each layer torch.compile'd with fused projections, decode/cuda_graphs.compiled_layer_step)."""
     from polyspec.bench.shape_bench import random_model
     from polyspec.decode import cpu_kernels, cuda_graphs
 
     model = random_model(args, dtype=dtype, device=device)
-    runner = cuda_graphs.enable(model, graphs=False)  # the captured step, run eagerly: its kernels one by one
+    # the captured step, run without a graph: its kernels one by one
+    runner = cuda_graphs.enable(model, graphs=False, compiled=compiled)
     # polyspec's own CPU kernels (ctypes calls, invisible to the profiler) stay off: the step runs the torch ops a
     # GPU would run, so the CPU count stands in for the kernel count
     was = cpu_kernels.set_enabled(False)
@@ -195,11 +198,13 @@ def _kernel_times(events: Any, cuda: bool) -> list[tuple[str, float]]:
             and not any(_computes(c) for c in e.cpu_children)]
 
 
-def kernel_split(args: Any, *, dtype: Any, device: Any, prompt: int = 16, top: int = 12) -> dict[str, Any]:
+def kernel_split(args: Any, *, dtype: Any, device: Any, prompt: int = 16, top: int = 12,
+                 compiled: bool = False) -> dict[str, Any]:
     """Kernels (CPU: leaf ops) per decode step and per layer, and their time by family and by name."""
-    ops = _decode_step_ops(args, dtype=dtype, device=device, prompt=prompt)
+    ops = _decode_step_ops(args, dtype=dtype, device=device, prompt=prompt, compiled=compiled)
     layers = args.num_layers
-    one_layer = _decode_step_ops(dataclasses.replace(args, num_layers=1), dtype=dtype, device=device, prompt=prompt)
+    one_layer = _decode_step_ops(dataclasses.replace(args, num_layers=1), dtype=dtype, device=device, prompt=prompt,
+                                 compiled=compiled)
     per_layer = (len(ops) - len(one_layer)) / (layers - 1) if layers > 1 else float(len(one_layer))
     fams: dict[str, dict[str, float]] = {}
     names: dict[str, list[float]] = {}
@@ -238,6 +243,9 @@ def run_probe(shape: str, *, device: str = "auto", dtype: str | None = None, cac
                                    cache_len=cache_len, widths=widths or [1, 5], dtype=tdtype, device=dev)
     say(f"gpu-probe: profiling one static decode step of a random {shape} ({report['dtype']}) on {dev}")
     report["decode_step"] = kernel_split(args, dtype=tdtype, device=dev)
+    if dev.type == "cuda":  # the step CUDA runs by default: compiled, projections fused (POLYSPEC_COMPILE_STEP)
+        say("gpu-probe: the same step compiled (torch.compile, fused projections)")
+        report["decode_step_compiled"] = kernel_split(args, dtype=tdtype, device=dev, compiled=True)
     return report
 
 
@@ -251,8 +259,13 @@ def print_report(r: dict[str, Any], out: Any = None) -> None:
     for w, row in r["sdpa"].items():
         print(f"  SDPA W={w}: " + ", ".join(f"{b} {t:.3f} ms" if isinstance(t, float) else f"{b} refused"
                                             for b, t in row.items()), file=out)
-    d = r["decode_step"]
-    print(f"  one decode step of {r['shape']} ({r['dtype']}, {r['device']}): {d['per_step']} {d['unit']}, "
+    for key, how in (("decode_step", "eager"), ("decode_step_compiled", "compiled")):
+        if key in r:
+            _print_split(r, r[key], how, out)
+
+
+def _print_split(r: dict[str, Any], d: dict[str, Any], how: str, out: Any) -> None:
+    print(f"  one {how} decode step of {r['shape']} ({r['dtype']}, {r['device']}): {d['per_step']} {d['unit']}, "
           f"{d['per_layer']:.1f} per layer x {d['layers']} + {d['outside_layers']:.0f} outside, "
           f"{d['step_us'] / 1e3:.3f} ms in them", file=out)
     for fam, f in d["families"].items():

@@ -1,13 +1,13 @@
 """Kernels per decoder layer of the static decode step (polyspec.decode.cuda_graphs), eager against compiled.
 
-- eager: the operators the step dispatches (view-only ones left out: they launch nothing), each a kernel launch on
-  a GPU;
-- compiled: the calls in the wrapper inductor generates for the step (its fused kernels, and the matmuls and the
-  attention it leaves to library kernels), read from the generated code.
+- eager: the operators one layer's step dispatches (view-only ones left out: they launch nothing), each a kernel
+  launch on a GPU;
+- compiled: the calls in the wrapper inductor generates for one layer's step (:func:`cuda_graphs.compiled_layer_step`:
+  its fused kernels, and the matmuls and the attention it leaves to library kernels), read from the generated code.
 
-Per layer is the difference between a model of the shape with two layers and one with one (embedding, final norm
-and lm_head cancel out). Counted on the device at hand: inductor's CPU fusion (C++ kernels) is not its CUDA fusion
-(Triton kernels), so a CPU count stands in for the GPU's until a GPU counts it (docs/GPU.md's probe).
+Outside the layers a step adds the embedding, the final norm and the lm_head (eager in both). Counted on the device
+at hand: inductor's CPU fusion (C++ kernels) is not its CUDA fusion (Triton kernels), so a CPU count stands in for the
+GPU's until a GPU counts it (docs/GPU.md, call 1).
 
 ``python -m polyspec.bench.step_kernels llama2-7b --widths 1,5 --dtype bfloat16``
 """
@@ -30,26 +30,26 @@ def wrapper_launches(code: str) -> list[str]:
     return [m.group(1).rstrip("(") for line in body.splitlines() if (m := _LAUNCH.match(line))]
 
 
-def _step_inputs(model: Any, width: int):
-    """A cache and static buffers of ``width`` rows (a decode step at position 7, each row seeing the cache)."""
+def _layer_inputs(model: Any, width: int) -> tuple:
+    """Layer 0's static-step inputs at ``width`` rows (a step at position 7, each row seeing the cache before it)."""
     import torch
 
     from polyspec.decode.model import rope_cos_sin
 
     model.setup_cache(64)
-    dev, s = model.inv_freq.device, model._cache.k[0].shape[2]
-    ids = torch.arange(width, device=dev).view(1, width)
-    cos, sin = rope_cos_sin(model.inv_freq, torch.arange(7, 7 + width, device=dev), model._cache.k[0].dtype)
-    mask = torch.ones(width, s, dtype=torch.bool, device=dev).tril(7)
-    return ids, None, cos, sin, mask, torch.arange(7, 7 + width, device=dev)
+    dev, kc = model.inv_freq.device, model._cache.k[0]
+    x = torch.randn(1, width, model.args.hidden_size, device=dev, dtype=kc.dtype)
+    cos, sin = rope_cos_sin(model.inv_freq, torch.arange(7, 7 + width, device=dev), kc.dtype)
+    mask = torch.ones(width, kc.shape[2], dtype=torch.bool, device=dev).tril(7)
+    return (model._layers()[0], x, cos, sin, mask, kc, model._cache.v[0], torch.arange(7, 7 + width, device=dev))
 
 
 def eager_ops(model: Any, width: int) -> int:
-    """Operators the eager static step dispatches, view-only ones left out."""
+    """Operators one layer's eager static step dispatches, view-only ones left out."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from polyspec.decode.cuda_graphs import static_step
+    from polyspec.decode.cuda_graphs import layer_step
 
     class Count(TorchDispatchMode):
         n = 0
@@ -59,25 +59,25 @@ def eager_ops(model: Any, width: int) -> int:
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    inputs = _step_inputs(model, width)
+    inputs = _layer_inputs(model, width)
     with torch.inference_mode(), Count():
-        static_step(model, *inputs)
+        layer_step(*inputs)
     return Count.n
 
 
 def compiled_launches(model: Any, width: int) -> list[str]:
-    """Kernel calls of the compiled static step (projections fused first, as the compiled runner does)."""
+    """Kernel calls of one layer's compiled step (projections fused first, as the compiled runner does)."""
     import torch
     from torch._inductor.utils import run_and_get_code
 
-    from polyspec.decode.cuda_graphs import static_step
+    from polyspec.decode.cuda_graphs import layer_step
     from polyspec.decode.model import fuse_projections
 
     fuse_projections(model)
-    step = torch.compile(static_step, fullgraph=True, dynamic=False)
-    inputs = _step_inputs(model, width)
+    step = torch.compile(layer_step, fullgraph=True, dynamic=False)  # its own: the count reads the code it makes
+    inputs = _layer_inputs(model, width)
     with torch.inference_mode():
-        _, codes = run_and_get_code(step, model, *inputs)
+        _, codes = run_and_get_code(step, *inputs)
     return [c for code in codes for c in wrapper_launches(code)]
 
 
@@ -89,15 +89,12 @@ def count(args: Any, *, widths: list[int], dtype: Any, device: Any) -> list[dict
 
     rows = []
     for width in widths:
-        per = {}
-        for layers in (1, 2):
-            torch._dynamo.reset()  # a fresh compile per model: the count reads the code it generates
-            model = random_model(dataclasses.replace(args, num_layers=layers), dtype=dtype, device=device)
-            per[layers] = (eager_ops(model, width), compiled_launches(model, width))
-            del model
-        (e1, c1), (e2, c2) = per[1], per[2]
-        rows.append({"width": width, "eager_ops_per_layer": e2 - e1, "compiled_kernels_per_layer": len(c2) - len(c1),
-                     "compiled_kernels_one_layer_model": len(c1), "compiled_calls_one_layer_model": c1})
+        torch._dynamo.reset()
+        model = random_model(dataclasses.replace(args, num_layers=1), dtype=dtype, device=device)
+        eager = eager_ops(model, width)
+        calls = compiled_launches(model, width)
+        rows.append({"width": width, "eager_ops_per_layer": eager, "compiled_kernels_per_layer": len(calls),
+                     "compiled_calls": calls})
     return rows
 
 

@@ -13,7 +13,7 @@ every tensor address and shape. :class:`StaticRunner` therefore runs a forward o
 * RoPE cos/sin come from a table over every cache position, gathered by the position tensor.
 
 Each layer of the step is the model's own :class:`~polyspec.decode.model.DecoderLayer` (the one reference definition
-of the maths), called with a :class:`SlotStore` as its KV store and the static mask.
+of the maths), called with a :class:`LayerSlots` as its KV store and the static mask.
 
 The same static step runs eagerly on any device (``graphs=False``): that is the pure-torch path the tests compare
 with the model's own forward on the CPU. With ``graphs=True`` (CUDA only) each width bucket is captured on first use
@@ -21,7 +21,7 @@ with the model's own forward on the CPU. With ``graphs=True`` (CUDA only) each w
 Graphs are dropped whenever the cache is re-allocated or the model is moved or cast.
 
 With ``compiled=True`` (the default on CUDA, ``POLYSPEC_COMPILE_STEP=0`` turns it off) the step runs through
-``torch.compile`` with the projections fused (:func:`compiled_step`); the graph then captures the compiled code.
+``torch.compile`` layer by layer with the projections fused (:func:`compiled_layer_step`); the graph then captures the compiled code.
 
 Prefill blocks wider than ``max_width``, batches > 1, autograd and calls without a cache take the model's ordinary
 forward; both paths share the cache tensors. ``POLYSPEC_CUDA_GRAPHS=0`` keeps :func:`enable_for_device` from
@@ -70,23 +70,24 @@ def bucket_for(t: int, max_width: int) -> int | None:
     return None
 
 
-class SlotStore:
-    """The static step's KV store, handed to each :class:`~polyspec.decode.model.DecoderLayer` in place of the
-    dynamic cache (same ``store`` method): a layer's block K/V [1, kv, W, D] go to the cache slots held in the tensor
+class LayerSlots:
+    """The static step's KV store for one layer, handed to a :class:`~polyspec.decode.model.DecoderLayer` in place of
+    the dynamic cache (same ``store`` method): the block's K/V [1, kv, W, D] go to the cache slots held in the tensor
     ``slots`` [W] (``index_copy_``: fixed addresses, no host sync), and attention reads the layer's whole cache
-    [1, kv, S, D] under the step's mask [W, S], which hides every slot not yet valid."""
+    [1, kv, S, D] under the step's mask [W, S], which hides every slot not yet valid. One store per layer, so the
+    layer's step is the same code for every layer (one compiled graph serves them all)."""
 
     __slots__ = ("k", "v", "slots")
 
-    def __init__(self, cache: Any, slots: torch.Tensor):
-        self.k, self.v, self.slots = cache.k, cache.v, slots
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        self.k, self.v, self.slots = k, v, slots
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``start`` is unused: the positions are in ``slots`` (a tensor, so a captured graph replays anywhere)."""
-        k_cache, v_cache = self.k[layer], self.v[layer]
-        k_cache.index_copy_(2, self.slots, k)
-        v_cache.index_copy_(2, self.slots, v)
-        return k_cache, v_cache
+        """``layer`` and ``start`` are unused: this store is one layer's, its positions are in ``slots`` (a tensor,
+        so a captured graph replays anywhere)."""
+        self.k.index_copy_(2, self.slots, k)
+        self.v.index_copy_(2, self.slots, v)
+        return self.k, self.v
 
 
 class _Bucket:
@@ -117,7 +118,7 @@ class StaticRunner:
             raise PolyspecError(f"max_width must lie in 1..{BUCKETS[-1]}, got {max_width}")
         self.model = model
         self.graphs = graphs
-        self.compiled = compiled  # the step through torch.compile, projections fused (see compiled_step)
+        self.compiled = compiled  # layers through torch.compile, projections fused (see compiled_layer_step)
         self._eager_first = compiled  # a compiled runner's first step after (re)syncing runs eagerly (see _step)
         self.max_width = max_width
         self._buckets: dict[int, _Bucket] = {}
@@ -222,7 +223,7 @@ class StaticRunner:
             # them and never traces the packing (the step rewrites the same cache slots)
             static_step(*args)
             self._eager_first = False
-        return (compiled_step() if self.compiled else static_step)(*args)
+        return static_step(*args, compiled=self.compiled)
 
     def _run(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.graphs:
@@ -248,32 +249,44 @@ class StaticRunner:
         self.captures += 1
 
 
+def layer_step(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One reference layer of the static step: x [1, W, H] -> [1, W, H], its K/V written to ``slots`` [W] of its
+    cache k/v [1, kv, S, D], attention over the whole cache under ``mask`` [W, S]."""
+    return layer(x, cos, sin, mask, LayerSlots(k_cache, v_cache, slots), 0, 0)
+
+
 def static_step(model: nn.Module, ids: torch.Tensor, feats: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, *,
+                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One static forward: ids [1, W] (features [1, W, H] for a head) at cache slots ``slots`` [W], RoPE rows
-    cos/sin [W, D], mask [W, S] over the whole cache -> (logits [1, W, V] float32, hidden [1, W, H])."""
-    store = SlotStore(model._cache, slots)
+    cos/sin [W, D], mask [W, S] over the whole cache -> (logits [1, W, V] float32, hidden [1, W, H]).
+    ``compiled``: each layer through :func:`compiled_layer_step`."""
+    run_layer = compiled_layer_step() if compiled else layer_step
+    cache = model._cache
     x = model._embed(ids, feats)  # [1, W, H]
-    for i, layer in enumerate(model._layers()):  # the reference layer, on the static store and mask
-        x = layer(x, cos, sin, mask, store, i, 0)
+    for i, layer in enumerate(model._layers()):
+        x = run_layer(layer, x, cos, sin, mask, cache.k[i], cache.v[i], slots)
     return model._out(x, last_only=False)
 
 
 _compiled = None
 
 
-def compiled_step():
-    """:func:`static_step` through ``torch.compile`` (inductor, whole graph, static shapes): RMSNorm, RoPE, SwiGLU
-    and the residual adds fuse into a few generated kernels around the matmuls, which the fused projections
-    (model.fuse_projections) make five per layer. Compiled once per model and width bucket, on first use; the same
-    maths as the eager step (tests/test_cuda_graphs.py compares them)."""
+def compiled_layer_step():
+    """:func:`layer_step` through ``torch.compile`` (inductor, whole graph, static shapes): RMSNorm, RoPE with the
+    K/V write, SwiGLU and the residual adds fuse into a few generated kernels around the matmuls, which the fused
+    projections (model.fuse_projections) make four per layer. The layer, not the whole step, is what is compiled, so
+    one compiled graph serves every layer of a model (compile time does not grow with depth); it is compiled once per
+    kind of layer (plain, int4), dtype and width bucket, on first use. The same maths as the eager step
+    (tests/test_cuda_graphs.py compares them)."""
     global _compiled
     if _compiled is None:
         import torch._dynamo.config as dynamo_config
 
         # one code object serves every model and width: keep each compiled variant instead of falling back to eager
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        _compiled = torch.compile(static_step, fullgraph=True, dynamic=False)
+        _compiled = torch.compile(layer_step, fullgraph=True, dynamic=False)
     return _compiled
 
 

@@ -37,7 +37,7 @@ def test_tiny_probe_counts_the_ops_of_one_decode_step(tmp_path, capsys):
     assert sum(f["count"] for f in fams.values()) == d["per_step"]
     assert d["top"] and d["top"][0]["us"] >= d["top"][-1]["us"]
     text = capsys.readouterr().out
-    assert "one decode step of tiny" in text and "per layer" in text and "carried pydantic: requirements met" in text
+    assert "one eager decode step of tiny" in text and "per layer" in text and "carried pydantic: requirements met" in text
 
 
 def test_kernel_families_by_name():

@@ -108,11 +108,17 @@ class _Tree:
     proposals: dict[int, torch.Tensor]  # node -> the draft distribution [V] its children were drawn from
 
 
-def _ancestor_rows(mask: torch.Tensor, row: int, node: int, parents: list[int], col: dict[int, int]) -> None:
-    """Let mask[row] see ``node`` and every ancestor of it (column col[a] for tree node a; -1 is the root)."""
-    while node != -1:
-        mask[row, col[node]] = True
-        node = parents[node]
+def _ancestor_rows(mask: torch.Tensor, first_row: int, nodes: list[int], parents: list[int],
+                   col: dict[int, int]) -> None:
+    """Let mask[first_row + r] see nodes[r] and every ancestor of it (column col[a] for tree node a; -1 is the root),
+    in one indexed write (not one per cell: this runs every depth of every round)."""
+    rows, cols = [], []
+    for r, node in enumerate(nodes):
+        while node != -1:
+            rows.append(first_row + r)
+            cols.append(col[node])
+            node = parents[node]
+    mask[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = True
 
 
 @dataclass
@@ -474,8 +480,7 @@ class _Run:
                 break
             col = {n: c for c, n in enumerate(in_cache + frontier)}
             mask = torch.zeros(len(frontier), len(in_cache) + len(frontier), dtype=torch.bool)
-            for r, n in enumerate(frontier):  # its ancestors are all in the cache already
-                _ancestor_rows(mask, r, n, parents, col)
+            _ancestor_rows(mask, 0, frontier, parents, col)  # the frontier's ancestors are all in the cache already
             feats = None
             if level.needs_features:
                 feats = torch.stack([root_feature.to(logits.device) if parents[n] == -1 else hidden_of[parents[n]]
@@ -533,8 +538,7 @@ class _Run:
         mask[:n_lin, :n_lin] = torch.ones(n_lin, n_lin, dtype=torch.bool).tril()
         mask[n_lin:, :n_lin] = True
         cols = {j: n_lin + j for j in range(n_tree)}
-        for j in range(n_tree):
-            _ancestor_rows(mask, n_lin + j, j, tree.parents, cols)
+        _ancestor_rows(mask, n_lin, list(range(n_tree)), tree.parents, cols)
         positions = list(range(start, len(ctx))) + [len(ctx) - 1 + d for d in tree.depths]
         logits, hidden = level.forward_tree(lin + tree.tokens, positions, mask)
         self.stats[i].forward_passes += 1

@@ -483,6 +483,35 @@ def test_verify_candidates_returns_an_exact_sample_of_p():
     assert sampling.verify_candidates(one_hot, q, [0, 3], g) == (None, 2)
 
 
+def _verify_one_by_one(p, q, candidates, generator):
+    """verify_candidates written as the textbook loop: read, test and update per candidate on the host."""
+    r, qq = p.double(), q.double().clone()
+    for j, x in enumerate(candidates):
+        if float(sampling.uniform(generator)) * float(qq[x]) < float(r[x]):
+            return j, x
+        r = sampling.residual(r, qq)
+        qq[x] = 0.0
+        if float(qq.sum()) <= 0:
+            break
+        qq /= qq.sum()
+    return None, sampling.sample(r, generator)
+
+
+def test_verify_candidates_draws_what_the_one_by_one_loop_draws():
+    """Computing the residual chain up front changes no decision and no draw: same result and generator state as the
+    per-candidate loop, on random p, q and candidates (sparse rows, all-rejected and exhausted-q cases included)."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        v = int(torch.randint(2, 9, (), generator=g))
+        p = torch.softmax(torch.randn(v, generator=g) * 3, -1) * (torch.rand(v, generator=g) > 0.3)
+        q = torch.softmax(torch.randn(v, generator=g) * 3, -1) * (torch.rand(v, generator=g) > 0.2)
+        p, q = (p / p.sum() if p.sum() > 0 else torch.eye(v)[0]), (q / q.sum() if q.sum() > 0 else torch.eye(v)[1])
+        cands, _ = sampling.sample_without_replacement(q, int(torch.randint(1, v + 1, (), generator=g)), g)
+        a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        assert sampling.verify_candidates(p, q, cands, a) == _verify_one_by_one(p, q, cands, b), (p, q, cands)
+        assert torch.equal(a.get_state(), b.get_state())
+
+
 def test_tree_bad_input():
     v = 8
     target, _, draft = tables(v)

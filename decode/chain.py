@@ -108,11 +108,17 @@ class _Tree:
     proposals: dict[int, torch.Tensor]  # node -> the draft distribution [V] its children were drawn from
 
 
-def _ancestor_rows(mask: torch.Tensor, row: int, node: int, parents: list[int], col: dict[int, int]) -> None:
-    """Let mask[row] see ``node`` and every ancestor of it (column col[a] for tree node a; -1 is the root)."""
-    while node != -1:
-        mask[row, col[node]] = True
-        node = parents[node]
+def _ancestor_rows(mask: torch.Tensor, first_row: int, nodes: list[int], parents: list[int],
+                   col: dict[int, int]) -> None:
+    """Let mask[first_row + r] see nodes[r] and every ancestor of it (column col[a] for tree node a; -1 is the root),
+    in one indexed write (not one per cell: this runs every depth of every round)."""
+    rows, cols = [], []
+    for r, node in enumerate(nodes):
+        while node != -1:
+            rows.append(first_row + r)
+            cols.append(col[node])
+            node = parents[node]
+    mask[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = True
 
 
 @dataclass
@@ -297,6 +303,7 @@ class _Run:
         self.uses_features = self.levels[-1].needs_features
         self.stats = [LevelStats(lv.name) for lv in self.levels]
         self.on_tokens: Callable[[list[int]], bool | None] | None = None
+        self.noise: dict[torch.device, torch.Generator] = {}  # per accelerator: the Gumbel keys' generator (_noise)
 
     # -- the algorithm ---------------------------------------------------------------------------------------------
 
@@ -396,11 +403,25 @@ class _Run:
             return torch.softmax(logits.float(), dim=-1)
         return warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
 
-    def _children(self, q: torch.Tensor, k: int) -> list[int]:
-        """Up to k candidate tokens from q [V]: the top k at T = 0, else an ordered sample without replacement."""
+    def _children(self, q: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        """Up to k candidate tokens from q [V] and their probabilities under q, read in one transfer: the top k at
+        T = 0, else an ordered sample without replacement."""
         if self.sampling.temperature == 0:
-            return [int(x) for x in torch.topk(q, min(k, q.shape[-1])).indices]
-        return sample_without_replacement(q, k, self.gen)
+            top = torch.topk(q, min(k, q.shape[-1]))
+            tokens, probs = torch.stack([top.indices.double(), top.values.double()]).tolist()  # [2, k]
+            return [int(x) for x in tokens], probs
+        return sample_without_replacement(q, k, self._noise(q.device))
+
+    def _noise(self, device: torch.device) -> torch.Generator:
+        """The generator of the Gumbel keys on ``device``: the run's own on the CPU; elsewhere one made on that device
+        and seeded once from the run's (drawing [V] uniforms on the host and copying them over would sync every
+        node)."""
+        if device.type == "cpu":
+            return self.gen
+        if device not in self.noise:
+            seed = int(torch.randint(2 ** 62, (), generator=self.gen))
+            self.noise[device] = torch.Generator(device=device).manual_seed(seed)
+        return self.noise[device]
 
     def _draft_tree(self, ctx: list[int], room: int) -> _Tree | None:
         """EAGLE-2's dynamic tree from the bottom level, one draft forward per depth.
@@ -436,16 +457,14 @@ class _Run:
         def expand(node: int, row: torch.Tensor, depth: int, score: float) -> list[int]:
             q = self._proposal(row)  # [V]
             k = min(tp.top_k, budget - len(tokens))
-            xs = self._children(q, k) if k > 0 else []
+            xs, qx = self._children(q, k) if k > 0 else ([], [])
             if xs:
                 proposals[node] = q
-            new = []
-            for x in xs:
-                new.append(len(tokens))
-                tokens.append(x)
-                parents.append(node)
-                depths.append(depth)
-                scores.append(score + math.log(max(float(q[x]), 1e-300)))  # cumulative draft log-probability
+            new = list(range(len(tokens), len(tokens) + len(xs)))
+            tokens.extend(xs)
+            parents.extend([node] * len(xs))
+            depths.extend([depth] * len(xs))
+            scores.extend(score + math.log(max(p, 1e-300)) for p in qx)  # cumulative draft log-probability
             return new
 
         newest = expand(-1, logits[-1], 1, 0.0)
@@ -461,8 +480,7 @@ class _Run:
                 break
             col = {n: c for c, n in enumerate(in_cache + frontier)}
             mask = torch.zeros(len(frontier), len(in_cache) + len(frontier), dtype=torch.bool)
-            for r, n in enumerate(frontier):  # its ancestors are all in the cache already
-                _ancestor_rows(mask, r, n, parents, col)
+            _ancestor_rows(mask, 0, frontier, parents, col)  # the frontier's ancestors are all in the cache already
             feats = None
             if level.needs_features:
                 feats = torch.stack([root_feature.to(logits.device) if parents[n] == -1 else hidden_of[parents[n]]
@@ -504,9 +522,9 @@ class _Run:
         tree = self._draft_tree(ctx, room)
         if tree is None or not tree.tokens:
             logits = self._forward(i, ctx, first_row=len(ctx) - 1)  # nothing proposed: level i samples itself
-            p = warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)  # [1, V]
-            self._check_vocab(p.shape[-1], i)
-            out = self._cut([sample(p[0], self.gen)], room)
+            self._check_vocab(logits.shape[-1], i)
+            out, _, p = self._walk_tree(_Tree([], [], [], {}, {}), logits)  # the root alone: its bonus token
+            out = self._cut(out, room)
             self.stats[i].accept_lengths.append(len(out))
             return out, p[:1]
         # One forward: the unprocessed context (causal) and the tree (each node sees the context and its ancestors).
@@ -520,8 +538,7 @@ class _Run:
         mask[:n_lin, :n_lin] = torch.ones(n_lin, n_lin, dtype=torch.bool).tril()
         mask[n_lin:, :n_lin] = True
         cols = {j: n_lin + j for j in range(n_tree)}
-        for j in range(n_tree):
-            _ancestor_rows(mask, n_lin + j, j, tree.parents, cols)
+        _ancestor_rows(mask, n_lin, list(range(n_tree)), tree.parents, cols)
         positions = list(range(start, len(ctx))) + [len(ctx) - 1 + d for d in tree.depths]
         logits, hidden = level.forward_tree(lin + tree.tokens, positions, mask)
         self.stats[i].forward_passes += 1
@@ -530,25 +547,8 @@ class _Run:
         if hidden is not None and self._feeds(i):
             self._store_hidden(i, start, hidden[:n_lin])
         self._check_vocab(logits.shape[-1], i)
-        # logits row n_lin - 1: the root (last context token); row n_lin + j: tree node j. Only the rows the walk
-        # visits are warped.
-        out: list[int] = []
-        rows: list[torch.Tensor] = []
-        path: list[int] = []
-        node = -1
-        while True:
-            row = warp(logits[n_lin + node], self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
-            rows.append(row)
-            kids = tree.children.get(node, [])
-            if not kids:
-                out.append(sample(row, self.gen))  # a leaf (or nothing drawn): the bonus token
-                break
-            j, x = verify_candidates(row, tree.proposals[node], [tree.tokens[c] for c in kids], self.gen)
-            out.append(x)
-            if j is None or x in self.eos:
-                break
-            node = kids[j]
-            path.append(node)
+        # logits row n_lin - 1: the root (last context token); row n_lin + j: tree node j.
+        out, path, p = self._walk_tree(tree, logits[n_lin - 1:])
         out = self._cut(out, room)
         # Keep the accepted path in level i's cache, right after ctx.
         path = path[:len(out)]
@@ -563,7 +563,38 @@ class _Run:
         for j in range(i + 1, self.n):
             self._truncate(j, common_prefix(self.seen[j], ctx + out))
         self.stats[i].accept_lengths.append(len(out))
-        return out, torch.stack(rows[:len(out)])
+        return out, p[:len(out)]
+
+    def _walk_tree(self, tree: _Tree, logits: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+        """Walk a verified tree down from the root (logits [1 + n_tree, V]: row 0 the root, row 1 + j node j): at
+        each node its children are verified with :func:`~polyspec.decode.sampling.verify_candidates`, the walk goes
+        down the accepted child and ends with the correction token or, at a leaf, a bonus token. Returns the tokens
+        emitted, the accepted path (tree nodes) and the verifier's distributions at the emitted positions ([len, V];
+        at T = 0 their hot indices [len], as the linear rounds hand them up)."""
+        if self.sampling.temperature == 0:
+            # One-hot rows make verify_candidates argmax matching, so every row's argmax, read once, walks the tree.
+            best = argmax_rows(logits).tolist()  # [1 + n_tree]
+            out, path, node = [], [], -1
+            while True:
+                out.append(best[node + 1])
+                kept = [c for c in tree.children.get(node, []) if tree.tokens[c] == out[-1]]
+                if not kept or out[-1] in self.eos:
+                    return out, path, torch.tensor(out)
+                node = kept[0]
+                path.append(node)
+        out, path, rows, node = [], [], [], -1
+        while True:  # only the rows the walk visits are warped
+            rows.append(warp(logits[node + 1], self.sampling.temperature, self.sampling.top_p, self.sampling.top_k))
+            kids = tree.children.get(node, [])
+            if not kids:
+                out.append(sample(rows[-1], self.gen))  # a leaf (or nothing drawn): the bonus token
+                return out, path, torch.stack(rows)
+            j, x = verify_candidates(rows[-1], tree.proposals[node], [tree.tokens[c] for c in kids], self.gen)
+            out.append(x)
+            if j is None or x in self.eos:
+                return out, path, torch.stack(rows)
+            node = kids[j]
+            path.append(node)
 
     # -- caches, features, bookkeeping -----------------------------------------------------------------------------
 

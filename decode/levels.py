@@ -291,7 +291,8 @@ class TableLevel(TokenCache):
         self.forward_calls += 1
         base = len(self.tokens) - k
         keys = self.tokens[base:] + [int(x) for x in tokens]  # what the mask columns refer to
-        rows = [self.next_logits(self.tokens[:base] + [keys[c] for c in range(k + t) if bool(mask[j, c])])
+        visible = mask.tolist()  # [T][K + T], read once
+        rows = [self.next_logits(self.tokens[:base] + [keys[c] for c in range(k + t) if visible[j][c]])
                 for j in range(t)]
         self.tokens += [int(x) for x in tokens]
         logits = torch.stack(rows)  # [T, V]

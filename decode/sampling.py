@@ -6,9 +6,16 @@ Chen et al. 2023): a token ``x`` proposed from ``q`` is kept with probability ``
 rejection the replacement is drawn from :func:`residual` ``= normalise(max(0, p - q))``; if every token is kept a bonus
 token is drawn from ``p`` at the next position. The tokens it emits are then exact samples from ``p``.
 
-All randomness comes from a ``torch.Generator`` passed in (uniforms drawn on the CPU), never from the global RNG.
-Temperature 0 is greedy: warped rows are one-hot at the argmax (lowest index on ties), so acceptance is argmax matching
-and sampling returns the argmax; the comparisons below are written so that one-hot rows give exact answers.
+All randomness comes from a ``torch.Generator`` passed in, never from the global RNG. Temperature 0 is greedy: warped
+rows are one-hot at the argmax (lowest index on ties), so acceptance is argmax matching and sampling returns the
+argmax; the comparisons below are written so that one-hot rows give exact answers.
+
+Host syncs: the distributions may live on an accelerator, where every read of a value by Python waits for the device.
+So each function moves only the scalars its decision needs, gathered on the device and read in ONE transfer
+(``tolist``), and never a full-vocabulary row; the acceptance uniforms are drawn on the host (a CPU generator) and
+compared there. :func:`sample` reads one index, :func:`verify_block` and :func:`verify_candidates` one vector of
+gathered probabilities (plus the one :func:`sample` of a correction or bonus token), and
+:func:`sample_without_replacement` its k tokens with their probabilities (``tests/test_chain.py`` counts them).
 """
 
 from __future__ import annotations
@@ -61,15 +68,16 @@ def warp(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: in
 
 
 def uniform(generator: torch.Generator, n: int | None = None) -> torch.Tensor:
-    """U[0, 1) draws from ``generator`` on the CPU, float64: a scalar when n is None, else shape [n]."""
-    return torch.rand(() if n is None else (n,), generator=generator, dtype=torch.float64)
+    """U[0, 1) draws from ``generator`` on the generator's device, float64: a scalar when n is None, else shape [n]."""
+    return torch.rand(() if n is None else (n,), generator=generator, dtype=torch.float64, device=generator.device)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from probs [V] by inverse CDF with one uniform from ``generator``; never a zero-probability token."""
+    """One token from probs [V] by inverse CDF with one uniform from ``generator`` (a CPU generator: the draw is a host
+    value); never a zero-probability token. The CDF is searched on probs' device and one index is read back."""
     cdf = torch.cumsum(probs.double(), dim=0)  # [V]
-    u = float(uniform(generator)) * float(cdf[-1])
-    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True)[0])
+    u = float(uniform(generator))
+    idx = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True)[0])
     # searchsorted(right=True) returns the first index whose cdf exceeds u, which always has probability > 0; only
     # rounding (u landing on the total mass) can push it past the end: take the last token with probability > 0 then.
     if idx >= probs.shape[0]:
@@ -99,14 +107,12 @@ def verify_block(p: torch.Tensor, q: torch.Tensor, tokens: list[int] | torch.Ten
         raise ValueError(f"verify_block: p has {p.shape[0]} rows and q {q.shape[0]} for {m} tokens (want m+1 and m)")
     n_acc = m
     if m:
-        tok = torch.as_tensor(tokens, dtype=torch.long, device=p.device)  # [m]
-        rows = torch.arange(m, device=p.device)
-        px = p[rows, tok].double()  # [m]
-        qx = q[rows, tok].to(p.device).double()  # [m]
-        u = uniform(generator, m).to(p.device)  # [m]
-        rejected = torch.nonzero(~(u * qx < px))
-        if rejected.numel():
-            n_acc = int(rejected[0, 0])
+        tok = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(x) for x in tokens]
+        # p_j(x_j) and q_j(x_j) gathered on the device (indexed by host ints: no index copy), read in one transfer.
+        px_qx = torch.stack([p[j, x] for j, x in enumerate(tok)]
+                            + [q[j, x].to(p.device) for j, x in enumerate(tok)]).double().tolist()  # [2 m]
+        u = uniform(generator, m).tolist()
+        n_acc = next((j for j in range(m) if not u[j] * px_qx[m + j] < px_qx[j]), m)
     if n_acc < m:
         nxt = sample(residual(p[n_acc], q[n_acc].to(p.device)), generator)
     else:
@@ -142,17 +148,24 @@ def accept_prefix(best: list[int], tokens: list[int]) -> tuple[int, int]:
 # -- multi-candidate verification (the EAGLE-2 draft tree) ------------------------------------------------------------
 
 
-def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
-    """An ordered sample of ``min(k, support)`` distinct tokens from probs [V] without replacement: token 1 ~ probs,
-    token j ~ probs restricted to the tokens not drawn yet (renormalised). Gumbel-top-k: the k largest of
-    log(probs) + Gumbel noise, in decreasing order, are exactly such a sequential sample (Kool et al., 2019)."""
-    p = probs.detach().double().cpu()  # [V]
-    k = min(int(k), int((p > 0).sum()))
+def sample_without_replacement(probs: torch.Tensor, k: int,
+                               generator: torch.Generator) -> tuple[list[int], list[float]]:
+    """An ordered sample of ``min(k, support)`` distinct tokens from probs [V] without replacement, with their
+    probabilities: token 1 ~ probs, token j ~ probs restricted to the tokens not drawn yet (renormalised).
+    Gumbel-top-k: the k largest of log(probs) + Gumbel noise, in decreasing order, are exactly such a sequential sample
+    (Kool et al., 2019). The noise is drawn on ``generator``'s device (best: probs' device, so nothing of size V
+    crosses); the tokens and their probabilities come back in one transfer."""
+    p = probs.detach().double()  # [V]
+    k = min(int(k), p.shape[0])
     if k < 1:
-        return []
-    u = uniform(generator, p.shape[0]).clamp_(min=1e-300)  # [V]
+        return [], []
+    u = uniform(generator, p.shape[0]).to(p.device).clamp_(min=1e-300)  # [V]
     keys = torch.log(p) - torch.log(-torch.log(u))  # [V]; -inf where p == 0
-    return [int(x) for x in torch.topk(keys, k).indices]
+    idx = torch.topk(keys, k).indices  # [k]
+    tokens, px = torch.stack([idx.double(), p[idx]]).tolist()  # the one transfer
+    # Zero-probability tokens (keys -inf) rank after every token of the support: dropping them leaves the same sample.
+    kept = [j for j in range(k) if px[j] > 0]
+    return [int(tokens[j]) for j in kept], [px[j] for j in kept]
 
 
 def verify_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int],
@@ -166,18 +179,32 @@ def verify_candidates(p: torch.Tensor, q: torch.Tensor, candidates: list[int],
     one step of :func:`verify_block` per candidate, so the returned token is an exact sample of p whatever the
     candidates were. If none is kept, the token is drawn from the last residual.
 
+    The residual chain depends on the candidates only, not on the draws, so it runs on p's device for every candidate
+    first and r_j(x_j), q_j(x_j) and q_j's remaining mass come back in one transfer; the draws (one per candidate tried,
+    then one for the residual: the same stream as trying them one by one) are compared on the host.
+
     Returns (index of the accepted candidate or None, the token). With a one-hot p (temperature 0) this is argmax
     matching: the candidate equal to argmax(p) is kept whenever it is present, else argmax(p) is returned.
     """
-    r = p.detach().double().cpu()  # [V]
-    qq = q.detach().to(device="cpu", dtype=torch.float64, copy=True)  # [V], modified below
-    for j, x in enumerate(candidates):
-        if float(uniform(generator)) * float(qq[x]) < float(r[x]):
-            return j, int(x)
+    r = first = p.detach().double()  # [V]
+    qq = q.detach().to(device=p.device, dtype=torch.float64, copy=True)  # [V], modified below
+    residuals, tested = [], []  # residuals[j]: r_{j+1}; tested: r_j(x_j), q_j(x_j), mass of q_j without x_j
+    for x in candidates:
+        x = int(x)
+        tested += [r[x], qq[x].clone()]
         r = residual(r, qq)
+        residuals.append(r)
         qq[x] = 0.0
-        total = float(qq.sum())
+        total = qq.sum()
+        tested.append(total)
+        qq /= total  # garbage after a zero total, which ends the walk below before it is read
+    values = torch.stack(tested).tolist() if tested else []  # [3 k]: the one transfer
+    r = first
+    for j, x in enumerate(candidates):
+        rx, qx, total = values[3 * j:3 * j + 3]
+        if float(uniform(generator)) * qx < rx:
+            return j, int(x)
+        r = residuals[j]
         if total <= 0:
             break
-        qq /= total
     return None, sample(r, generator)

@@ -8,6 +8,8 @@ import copy
 import importlib.util
 import itertools
 import math
+import os
+import sys
 from statistics import NormalDist
 
 import pytest
@@ -430,8 +432,11 @@ def test_broken_tree_verification_fails_the_same_check(monkeypatch, n_levels, mu
     if broken == "candidates-q-unchanged":
         monkeypatch.setattr(chain_mod, "verify_candidates", _verify_without_renormalising)
     else:
-        monkeypatch.setattr(chain_mod._Run, "_children",
-                            lambda self, q, k: [int(x) for x in torch.topk(q, min(k, int((q > 0).sum()))).indices])
+        def top_k_children(self, q, k):
+            top = torch.topk(q, min(k, int((q > 0).sum())))
+            return top.indices.tolist(), top.values.double().tolist()
+
+        monkeypatch.setattr(chain_mod._Run, "_children", top_k_children)
     t, levels = dist_levels(n_levels)
     dec = ChainDecoder(levels, mu=mu, max_seq_len=16, tree=TreeParams(top_k=3, depth=3, total_tokens=8))
     stat, crit = chi2_against(dec, t, [1], SamplingParams(temperature=1.0), n=1000)
@@ -444,7 +449,8 @@ def test_sample_without_replacement_is_sequential_sampling():
     n = 20000
     pairs = torch.zeros(5, 5)
     for _ in range(n):
-        a, b = sampling.sample_without_replacement(p, 2, g)
+        (a, b), (pa, pb) = sampling.sample_without_replacement(p, 2, g)
+        assert (pa, pb) == (float(p[a]), float(p[b]))  # each token with its probability
         pairs[a, b] += 1
     expected = torch.zeros(5, 5)
     for a in range(5):
@@ -455,7 +461,8 @@ def test_sample_without_replacement_is_sequential_sampling():
     keep = expected > 0
     stat = float(((pairs[keep] - expected[keep]) ** 2 / expected[keep]).sum())
     assert stat < chi2_critical(int(keep.sum()) - 1, 1e-3), stat
-    assert sampling.sample_without_replacement(p, 10, g).__len__() == 4  # the support bounds k
+    tokens, probs = sampling.sample_without_replacement(p, 10, g)
+    assert len(tokens) == len(probs) == 4 and 4 not in tokens  # the support bounds k
 
 
 def test_verify_candidates_returns_an_exact_sample_of_p():
@@ -465,7 +472,7 @@ def test_verify_candidates_returns_an_exact_sample_of_p():
     n = 20000
     counts = torch.zeros(5)
     for _ in range(n):
-        cands = sampling.sample_without_replacement(q, 3, g)
+        cands, _ = sampling.sample_without_replacement(q, 3, g)
         j, x = sampling.verify_candidates(p, q, cands, g)
         assert j is None or cands[j] == x
         counts[x] += 1
@@ -474,6 +481,35 @@ def test_verify_candidates_returns_an_exact_sample_of_p():
     one_hot = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])
     assert sampling.verify_candidates(one_hot, q, [0, 2, 3], g) == (1, 2)  # greedy: argmax matching
     assert sampling.verify_candidates(one_hot, q, [0, 3], g) == (None, 2)
+
+
+def _verify_one_by_one(p, q, candidates, generator):
+    """verify_candidates written as the textbook loop: read, test and update per candidate on the host."""
+    r, qq = p.double(), q.double().clone()
+    for j, x in enumerate(candidates):
+        if float(sampling.uniform(generator)) * float(qq[x]) < float(r[x]):
+            return j, x
+        r = sampling.residual(r, qq)
+        qq[x] = 0.0
+        if float(qq.sum()) <= 0:
+            break
+        qq /= qq.sum()
+    return None, sampling.sample(r, generator)
+
+
+def test_verify_candidates_draws_what_the_one_by_one_loop_draws():
+    """Computing the residual chain up front changes no decision and no draw: same result and generator state as the
+    per-candidate loop, on random p, q and candidates (sparse rows, all-rejected and exhausted-q cases included)."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        v = int(torch.randint(2, 9, (), generator=g))
+        p = torch.softmax(torch.randn(v, generator=g) * 3, -1) * (torch.rand(v, generator=g) > 0.3)
+        q = torch.softmax(torch.randn(v, generator=g) * 3, -1) * (torch.rand(v, generator=g) > 0.2)
+        p, q = (p / p.sum() if p.sum() > 0 else torch.eye(v)[0]), (q / q.sum() if q.sum() > 0 else torch.eye(v)[1])
+        cands, _ = sampling.sample_without_replacement(q, int(torch.randint(1, v + 1, (), generator=g)), g)
+        a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        assert sampling.verify_candidates(p, q, cands, a) == _verify_one_by_one(p, q, cands, b), (p, q, cands)
+        assert torch.equal(a.get_state(), b.get_state())
 
 
 def test_tree_bad_input():
@@ -791,3 +827,88 @@ def test_engine_with_a_draft_vocabulary_equals_ar(tiny_models):
     a, b = dec.generate(prompt, 16, sp, seed=2), dec.generate(prompt, 16, sp, seed=2)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 16
     assert len(kept) == 64
+
+
+# -- host reads on the tree and sampling paths ----------------------------------------------------------------------
+
+READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
+DECODE_LOOP = ("chain.py", "sampling.py", "levels.py")  # the files of the tree and sampling paths
+
+
+def _count_reads(monkeypatch) -> list[tuple[str, str, int]]:
+    """Record every read of a tensor's values by Python (on an accelerator: a host sync) made from the decode loop's
+    files, as (function, method, numel). Uniform draws of the run's CPU generator are host values, not device reads,
+    and are skipped; model.py's reads (its checks of the host-built tree mask and compact indices) are not counted."""
+    reads: list[tuple[str, str, int]] = []
+    host: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive so an id is never reused)
+    draw = sampling.uniform
+
+    def uniform(generator, n=None):
+        u = draw(generator, n)
+        host[id(u)] = u
+        return u
+
+    monkeypatch.setattr(sampling, "uniform", uniform)
+    for name in READS:
+        method = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _method=method, _name=name, **kw):
+            caller = sys._getframe(1).f_code
+            if id(self) not in host and os.path.basename(caller.co_filename) in DECODE_LOOP:
+                reads.append((caller.co_name, _name, self.numel()))
+            return _method(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+@needs_model
+@needs_head
+@pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95)], ids=["T0", "T0.9"])
+def test_tree_reads_one_value_vector_per_node(monkeypatch, tiny_models, sp):
+    """The tree path reads values back once per expanded draft node (its children and their probabilities, in one
+    transfer) and, in the verification walk, once per visited node at T > 0 (the gathered acceptance values) plus the
+    round's last sample, once per round at T = 0 (every row's argmax); nothing as wide as the vocabulary."""
+    import polyspec.decode.chain as chain_mod
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t, h = tiny_models["target"], tiny_models["head"]
+    nodes = {"expanded": 0, "visited": 0}
+    children, verify = chain_mod._Run._children, chain_mod.verify_candidates
+
+    def counted_children(self, q, k):
+        nodes["expanded"] += 1
+        return children(self, q, k)
+
+    def counted_verify(*a):
+        nodes["visited"] += 1
+        return verify(*a)
+
+    monkeypatch.setattr(chain_mod._Run, "_children", counted_children)
+    monkeypatch.setattr(chain_mod, "verify_candidates", counted_verify)
+    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], max_seq_len=96, tree=TreeParams(8, 5, 32))
+    reads = _count_reads(monkeypatch)
+    r = dec.generate([5, 17, 230, 9, 77, 3], 32, sp, seed=0)
+    monkeypatch.undo()
+    rounds = len(r.level_stats[0].accept_lengths)
+    in_draft = [x for x in reads if x[0] in ("_children", "sample_without_replacement")]
+    assert nodes["expanded"] > 2 * rounds and len(in_draft) == nodes["expanded"], (nodes, reads)
+    per_round = len(reads) - len(in_draft) - nodes["visited"]
+    assert 0 < per_round <= rounds, (rounds, nodes, reads)  # T = 0: the argmax rows; T > 0: the last sample
+    assert nodes["visited"] == 0 if sp.temperature == 0 else nodes["visited"] >= rounds
+    assert max(n for *_, n in reads) < t.args.vocab_size and not [x for x in reads if x[1] in ("cpu", "numpy")]
+
+
+@needs_model
+def test_linear_sampling_reads_once_per_drafted_token_and_twice_per_round(monkeypatch, tiny_models):
+    """At T > 0 a linear round reads one sampled index per drafted token, then the block's gathered p(x), q(x) in one
+    transfer and the correction or bonus token's index."""
+    from polyspec.decode.levels import ModelLevel
+
+    dec = ChainDecoder([ModelLevel(tiny_models["target"], "t"), ModelLevel(tiny_models["other"], "o")], draft_k=4,
+                       max_seq_len=96)
+    reads = _count_reads(monkeypatch)
+    r = dec.generate([5, 17, 230, 9, 77, 3], 32, SamplingParams(temperature=0.9, top_p=0.95), seed=0)
+    monkeypatch.undo()
+    rounds, drafted = len(r.level_stats[0].accept_lengths), r.level_stats[1].tokens_emitted
+    assert drafted > rounds and len(reads) <= drafted + 2 * rounds, (rounds, drafted, reads)

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from conftest import ASSETS
 from test_chain import chi2_critical
 
 from polyspec.export.results import CostRow
@@ -291,3 +292,28 @@ def test_search_folder_is_written(tiny_parts, tmp_path):
     md = (out / "search.md").read_text()
     assert md.count("| 1 | target<-") == len(s.insertions) and "Decision:" in md
     assert verify_output(out) == []
+
+
+def test_cli_profile_search(tiny_parts, tmp_path, capsys):
+    """`polyspec profile RECIPE --search --int4 DIR --head DIR`: the search over the given levels and the copies made
+    from the target, written to <workdir>/profile/search and printed; the profile's own key ignores the search keys."""
+    from polyspec.cli import main
+    from polyspec.config import load_recipe
+    from polyspec.export.stage import _settings
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
+        "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},
+        "target": {"source": str(tiny_parts["target"]), "device": "cpu", "dtype": "float32"},
+        "profile": {"prompts": 1, "max_new_tokens": 4, "warmup": 0, "repeats": 1, "kv_length": 16,
+                    "draft_k_grid": [2], "mu_grid": [2], "search_exit_layers": 1, "search_max_levels": 3}}))
+    rc = main(["profile", str(recipe), "profile.grid_prompts=1", "--search", "--int4", str(tiny_parts["int4"]),
+               "--head", str(tiny_parts["head"]), "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "Decision:" in out and "search folder:" in out
+    folder = tmp_path / "w" / "profile" / "search"
+    saved = json.loads((folder / "search.json").read_text())
+    assert [c["name"] for c in saved["candidates"]] == ["int4", "head", "int4_g64", "exit1", "ngram"]
+    plain, searched = (load_recipe(recipe, [f"profile.search={v}"]) for v in ("false", "true"))
+    assert _settings(plain, None)[1] == _settings(searched, None)[1]

@@ -239,9 +239,10 @@ def search_markdown(s: Search) -> str:
               f"{_ms(t.time_before_s)} -> {_ms(t.time_after_s)} | {t.pays} | {_verdict_cells(t.verdict)} |"
               for t in s.insertions]
     lines += ["", f"Greedy chain: {'<-'.join(s.greedy_chain.levels)} (stopped: {s.stop_reason})", "",
-              "| confirmed (all prompts) | draft_k | mu | predicted ms/token (grid / all) | measured tok/s "
-              "(wall / steady) | greedy = ar |", "|---|---|---|---|---|---|"]
+              "| confirmed (all prompts) | draft_k | mu | predicted ms/token (grid / all) | predicted tok/s | "
+              "measured tok/s (wall / steady) | greedy = ar |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {'<-'.join(c.levels)} | {c.draft_k} | {c.mu} | {_ms(c.predicted_grid_s)} / {_ms(c.predicted_s)} | "
+              f"{c.predicted_tokens_per_second or float('nan'):.2f} | "
               f"{c.tokens_per_second:.2f} / {c.tokens_per_second_steady:.2f} | {c.lossless_greedy} |"
               for c in [*s.confirmed, s.ar]]
     d = s.decision

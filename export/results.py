@@ -313,6 +313,7 @@ class ConfirmedChain:
     mu: list[int]
     predicted_grid_s: float | None
     predicted_s: float | None
+    predicted_tokens_per_second: float | None  # 1 / predicted_s
     tokens_per_second: float
     tokens_per_second_steady: float
     lossless_greedy: bool

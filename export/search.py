@@ -224,8 +224,10 @@ def _confirm(run: Runner, book: _Costs, top: list[_Point], prompts: list[list[in
     book.ensure([ar, *runs])
 
     def confirmed(r: Run, grid_time: float) -> ConfirmedChain:
+        t = book.time(r)
         return ConfirmedChain(levels=list(r.levels), mode=_mode(r.levels, kinds), draft_k=r.draft_k, mu=list(r.mu),
-                              predicted_grid_s=_finite(grid_time), predicted_s=_finite(book.time(r)),
+                              predicted_grid_s=_finite(grid_time), predicted_s=_finite(t),
+                              predicted_tokens_per_second=1.0 / t if 0 < t < math.inf else None,
                               tokens_per_second=r.tokens_per_second,
                               tokens_per_second_steady=r.tokens_per_second_steady,
                               lossless_greedy=r.outputs == ar.outputs)

@@ -6,7 +6,6 @@ rule, and a four-level chain of candidates decodes losslessly (greedy = ar; samp
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from conftest import ASSETS
 from test_chain import chi2_critical
 
 from polyspec.export.results import CostRow
+from polyspec.theory import insertion
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -99,20 +99,20 @@ def measured(loaded, cands):
 
 def test_search_lists_every_insertion_with_both_predictions(measured):
     s = measured
-    assert {p.levels[-1] for p in s.drafts} == {"int4", "head", "int4_g64", "exit1", "ngram"}
-    assert s.insertions, "the greedy search tried no insertion"
+    assert [(p.levels[-1], p.draft_k) for p in s.drafts] == [(c.name, 2) for c in s.candidates]
+    best_draft = min(s.drafts, key=lambda p: p.predicted_time_per_token_s)
     first = [t for t in s.insertions if t.round == 1]
-    assert all(t.before == s.drafts[0].levels[:1] + [t.before[-1]] for t in first)
+    assert first and all(t.before == best_draft.levels for t in first)
+    assert {t.inserted for t in first} == {c.name for c in s.candidates if not c.bottom_only} - set(best_draft.levels)
     for t in s.insertions:
-        assert t.inserted not in t.before and t.inserted not in ("head", "ngram")
-        assert 1 <= t.position < len(t.before) + 1 - 1 + 1
-        if t.time_before_s is not None and t.time_after_s is not None:
-            assert t.pays == (t.time_after_s < t.time_before_s)
-        if t.verdict is not None:
-            assert t.verdict.above == t.before[t.position - 1] and t.verdict.below == t.before[t.position]
-            assert t.verdict.pays == (t.verdict.time_after < t.verdict.time_before)
-    best_draft = min(s.drafts, key=lambda p: p.predicted_time_per_token_s or math.inf)
-    assert [t.before for t in first][0] == best_draft.levels
+        assert t.inserted not in t.before and 1 <= t.position <= len(t.before) - 1
+        assert t.pays == (t.time_after_s < t.time_before_s)
+        v = t.verdict
+        assert (v.above, v.level, v.below) == (t.before[t.position - 1], t.inserted, t.before[t.position])
+        i = v.inputs
+        again = insertion(i.T_i, i.T_new, i.T_next, i.L_i, i.L_new, i.L_i_new, i.beta)
+        assert (v.cond1_holds, v.cond2_holds, v.valid_regime, v.pays) == (
+            again.cond1_holds, again.cond2_holds, again.valid_regime, again.pays)
     assert s.runs >= len(s.drafts) + len(s.insertions)
 
 
@@ -194,6 +194,7 @@ def test_decide_search_rule():
 
     def c(levels, pred, tps):
         return ConfirmedChain(levels=levels, mode="chain", draft_k=2, mu=[2], predicted_grid_s=pred, predicted_s=pred,
+                              predicted_tokens_per_second=1 / pred,
                               tokens_per_second=tps, tokens_per_second_steady=tps, lossless_greedy=True)
 
     a, b = c(["t", "x", "d"], 1.0, 50.0), c(["t", "d"], 2.0, 60.0)

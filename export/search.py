@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from polyspec.errors import PolyspecError
@@ -262,7 +262,8 @@ def search_chain(target: Any, cands: list[Candidate], prompts: list[list[int]], 
         raise PolyspecError(f"search max_levels must be >= 2 (the target and a draft), got {s.max_levels}")
     t0, say = time.perf_counter(), say or (lambda _m: None)
     run = Runner(s.profile, say)
-    book = _Costs({target.name: target, **{c.name: c.level for c in cands}}, s.profile, say)
+    book = _Costs({target.name: target, **{c.name: c.level for c in cands}}, replace(s.profile, mus=s.insertion_mus),
+                  say)
     grid = prompts[: s.profile.grid_prompts or len(prompts)]
     drafts = _drafts(run, book, target, cands, grid)
     start = min(drafts, key=lambda p: p.time)

@@ -318,3 +318,14 @@ def test_cli_profile_search(tiny_parts, tmp_path, capsys):
     assert [c["name"] for c in saved["candidates"]] == ["int4", "head", "int4_g64", "exit1", "ngram"]
     plain, searched = (load_recipe(recipe, [f"profile.search={v}"]) for v in ("false", "true"))
     assert _settings(plain, None)[1] == _settings(searched, None)[1]
+
+
+def test_an_eagle3_head_only_under_levels_with_the_layers_it_reads(cands):
+    from types import SimpleNamespace
+
+    from polyspec.export.candidates import fits_head
+
+    by = {c.name: c.level for c in cands}
+    eagle3 = SimpleNamespace(aux_layers=[0, 1])
+    assert fits_head(by["int4_g64"], eagle3) and not fits_head(by["exit1"], eagle3)
+    assert fits_head(by["exit1"], SimpleNamespace(aux_layers=[0])) and fits_head(by["exit1"], by["head"])

@@ -73,7 +73,7 @@ class _Chain:
         return [self.levels[i] for i in idx]
 
 
-class _Runner:
+class Runner:
     """Runs each configuration once (keyed by levels, draft_k, mu, prompt count, tree) and reports it."""
 
     def __init__(self, s: ProfileSettings, say: Callable[[str], None]):
@@ -100,7 +100,7 @@ def _shape(tree: Any) -> str:
     return f"tree {tree.top_k}x{tree.depth}/{tree.total_tokens}" if tree is not None else ""
 
 
-def _grid_runs(run: _Runner, ch: _Chain, prompts: list[list[int]], s: ProfileSettings) -> list[Run]:
+def _grid_runs(run: Runner, ch: _Chain, prompts: list[list[int]], s: ProfileSettings) -> list[Run]:
     """Dual per draft_k, the whole chain per (draft_k, mu), the tree variants, ar (in this order)."""
     dual, full = [ch.levels[0], ch.levels[-1]], ch.levels
     out: list[Run] = []
@@ -121,7 +121,7 @@ def _free_name(name: str, taken: list[str]) -> str:
     return name if name not in taken else _free_name(name + "_", taken)
 
 
-def _ngram_costs(grid: list[Run], name: str, kv_length: int) -> list[CostRow]:
+def ngram_costs(grid: list[Run], name: str, kv_length: int) -> list[CostRow]:
     """T of the prompt-lookup level: its mean measured seconds per forward in the grid's runs (a list search and a
     one-hot row; no model to time apart), the same at every width it ran."""
     runs = [r.per_level[name] for r in grid if name in r.per_level]
@@ -152,7 +152,7 @@ def _costs(ch: _Chain, grid: list[Run], s: ProfileSettings, say: Callable[[str],
     costs = measure_costs(dict(zip(ch.names, ch.levels, strict=True)), widths, s.kv_length, warmup=s.warmup,
                           repeats=s.repeats, hidden_size=args.hidden_size, vocab_size=args.vocab_size)
     if ch.ngram is not None:
-        costs[ch.ngram.name] = _ngram_costs(grid, ch.ngram.name, s.kv_length)
+        costs[ch.ngram.name] = ngram_costs(grid, ch.ngram.name, s.kv_length)
     return costs
 
 
@@ -189,7 +189,7 @@ def _run_keys(ch: _Chain, j: int) -> tuple[str, str]:
     return before, "_over_".join(ch.tags[j:])
 
 
-def _final_runs(run: _Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) -> dict[str, Run]:
+def _final_runs(run: Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) -> dict[str, Run]:
     n, top, bottom = len(ch.levels), ch.levels[0], ch.levels[-1]
     tag_dual = _shape(c.tree_dual) or f"k={c.best_dual.draft_k}"
     tag_chain = _shape(c.tree_chain) or f"k={c.k_chain}"
@@ -214,9 +214,16 @@ def _final_runs(run: _Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) 
 
 def _inputs(ch: _Chain, j: int, t: dict[str, float], before: Run, tail_l: float, after: Run,
             k: int) -> InsertionInputs:
-    """Theorem 3.2's inputs for level j between j-1 and j+1: T at the chain's widths, L_i and beta without level j,
-    L_i_new with it, L_new of level j over j+1 (``tail_l``)."""
-    above, new, below = ch.names[j - 1], ch.names[j], ch.names[j + 1]
+    """Theorem 3.2's inputs for level j between j-1 and j+1 (see :func:`insertion_inputs`)."""
+    return insertion_inputs((ch.names[j - 1], ch.names[j], ch.names[j + 1]), t, before, tail_l, after, k)
+
+
+def insertion_inputs(names: tuple[str, str, str], t: dict[str, float], before: Run, tail_l: float, after: Run,
+                     k: int) -> InsertionInputs:
+    """Theorem 3.2's inputs for inserting ``new`` between ``above`` and ``below`` (``names``): T at the chain's
+    widths (``t``), L_i and beta from ``before`` (the chain without it), L_i_new from ``after`` (with it), L_new of
+    the new level over the one below (``tail_l``)."""
+    above, new, below = names
     beta = before.betas[before.levels.index(above)]
     return InsertionInputs(T_i=t[above], T_new=t[new], T_next=t[below], L_i=before.per_level[above].L,
                            L_new=tail_l, L_i_new=after.per_level[above].L, beta=beta or float(k))
@@ -304,7 +311,7 @@ def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettin
 
         ch.ngram = NgramLevel(levels[0].model.args.vocab_size, name=_free_name("ngram", ch.names))
     say = say or (lambda _msg: None)
-    run = _Runner(s, say)
+    run = Runner(s, say)
     grid_set = prompts[: s.grid_prompts or len(prompts)]
     grid = _grid_runs(run, ch, grid_set, s)
     costs = _costs(ch, grid, s, say)

@@ -1,5 +1,6 @@
 """A profile on disk: ``profile.json`` (format :data:`~polyspec.export.results.PROFILE_FORMAT`), the stamped tables,
-the verdict table as Markdown and the two plots, written as one folder atomically; and reading it back.
+the verdict table as Markdown and the two plots, written as one folder atomically; and reading it back. A chain
+search (:mod:`polyspec.export.search`) is written apart: ``search.json`` and ``search.md`` (:func:`write_search`).
 
 Folder layout::
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError
-from polyspec.export.results import PROFILE_FORMAT, Insertion, Profile, from_json, to_json
+from polyspec.export.results import PROFILE_FORMAT, Insertion, Profile, Search, from_json, to_json
 from polyspec.fsutil import atomic_folder
 
 PROFILE_JSON = "profile.json"
@@ -205,3 +206,56 @@ def read_profile(folder: Path) -> Profile | None:
     p = from_json(Profile, raw)
     p.path = str(folder)
     return p
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The chain search: search.json and search.md
+
+SEARCH_JSON = "search.json"
+
+
+def _ms(x: float | None) -> str:
+    return f"{x * 1e3:.3f}" if x is not None else "n/a"
+
+
+def _verdict_cells(v: Insertion | None) -> str:
+    if v is None:
+        return "n/a | n/a | n/a"
+    return (f"{v.cond1_lhs:.3f} < {v.cond1_rhs:.3f}: {v.cond1_holds} | {v.cond2_lhs:.3f} < {v.cond2_rhs:.3f}: "
+            f"{v.cond2_holds} | {v.valid_regime}")
+
+
+def search_markdown(s: Search) -> str:
+    """The search's tables: drafts, every insertion tried, predicted vs measured for the confirmed chains, the
+    decision."""
+    lines = [f"Chain search ({s.device}, {s.dtype}, {s.prompts.count} prompts ({s.prompts.grid_count} in the runs "
+             f"that search) x {s.prompts.max_new_tokens} tokens, {s.runs} runs)", "",
+             "| draft under the target | draft_k | predicted ms/token | measured tok/s (grid) |", "|---|---|---|---|"]
+    lines += [f"| {p.levels[-1]} | {p.draft_k} | {_ms(p.predicted_time_per_token_s)} | "
+              f"{p.measured_tokens_per_second:.2f} |" for p in s.drafts]
+    lines += ["", "| round | chain before | inserted at | draft_k | mu | Lemma 3.1 ms/token before -> after | pays | "
+              "cond1 | cond2 | valid regime |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {t.round} | {'<-'.join(t.before)} | {t.inserted} @ {t.position} | {t.draft_k} | {t.mu} | "
+              f"{_ms(t.time_before_s)} -> {_ms(t.time_after_s)} | {t.pays} | {_verdict_cells(t.verdict)} |"
+              for t in s.insertions]
+    lines += ["", f"Greedy chain: {'<-'.join(s.greedy_chain.levels)} (stopped: {s.stop_reason})", "",
+              "| confirmed (all prompts) | draft_k | mu | predicted ms/token (grid / all) | predicted tok/s | "
+              "measured tok/s (wall / steady) | greedy = ar |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {'<-'.join(c.levels)} | {c.draft_k} | {c.mu} | {_ms(c.predicted_grid_s)} / {_ms(c.predicted_s)} | "
+              f"{c.predicted_tokens_per_second or float('nan'):.2f} | "
+              f"{c.tokens_per_second:.2f} / {c.tokens_per_second_steady:.2f} | {c.lossless_greedy} |"
+              for c in [*s.confirmed, s.ar]]
+    d = s.decision
+    lines += ["", f"Decision: {d.mode} {'<-'.join(d.levels)} draft_k={d.draft_k} mu={d.mu} (ar predicted faster: "
+              f"{d.ar_predicted_faster}, ar measured at least as fast: {d.ar_measured_faster})", f"Rule: {d.rule}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_search(out_dir: Path, s: Search) -> Path:
+    """search.json and search.md, written as one folder atomically with the files' hashes."""
+
+    def write(tmp: Path) -> None:
+        write_json(tmp / SEARCH_JSON, to_json(s))
+        (tmp / "search.md").write_text(search_markdown(s), encoding="utf-8")
+
+    return atomic_folder(out_dir, write, hashes=True)

@@ -260,6 +260,101 @@ class Profile:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The chain search (:mod:`polyspec.export.search`; ``search.json``)
+
+
+@dataclass
+class CandidateInfo:
+    name: str
+    kind: str  # int4 (folder), rtn_int4, early_exit, model, head, ngram
+    bottom_only: bool
+    note: str = ""
+
+
+@dataclass
+class ChainPoint:
+    """One chain the search ran on the grid prompts: its Lemma 3.1 time (None: an L or T it needs was 0)."""
+
+    levels: list[str]
+    draft_k: int
+    mu: list[int]
+    predicted_time_per_token_s: float | None
+    measured_tokens_per_second: float
+    L: dict[str, float]
+    beta: float | None
+
+
+@dataclass
+class InsertionTried:
+    """One insertion the greedy search ran: ``inserted`` at index ``position`` of the new chain (between
+    before[position - 1] and before[position]); the whole chains' Lemma 3.1 times before and after (each run at its
+    own widths, L_eff and beta) decide; ``verdict`` holds Theorem 3.2's cond1 / cond2 / valid regime and the exact
+    two-level times (None where an input was 0)."""
+
+    round: int
+    before: list[str]
+    inserted: str
+    position: int
+    draft_k: int
+    mu: int
+    time_before_s: float | None
+    time_after_s: float | None
+    pays: bool
+    verdict: Insertion | None = None
+
+
+@dataclass
+class ConfirmedChain:
+    """A chain (or ar) run on all prompts: predicted (Lemma 3.1 on this run and on its grid run) and measured."""
+
+    levels: list[str]
+    mode: str
+    draft_k: int | None
+    mu: list[int]
+    predicted_grid_s: float | None
+    predicted_s: float | None
+    predicted_tokens_per_second: float | None  # 1 / predicted_s
+    tokens_per_second: float
+    tokens_per_second_steady: float
+    lossless_greedy: bool
+
+
+@dataclass
+class SearchDecision:
+    mode: str  # ar, dual, chain or dual-ngram
+    levels: list[str]
+    draft_k: int | None
+    mu: list[int]
+    ar_predicted_faster: bool
+    ar_measured_faster: bool
+    rule: str
+
+
+@dataclass
+class Search:
+    """Everything a chain search tried, measured and decided (what ``search.json`` holds)."""
+
+    candidates: list[CandidateInfo]
+    settings: dict[str, Any]
+    prompts: PromptInfo
+    drafts: list[ChainPoint]
+    insertions: list[InsertionTried]
+    greedy_chain: ChainPoint
+    stop_reason: str
+    confirmed: list[ConfirmedChain]
+    ar: ConfirmedChain
+    decision: SearchDecision
+    costs: dict[str, list[CostRow]]
+    runs: int  # distinct generation runs made
+    format: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    notes: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    stamps: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # JSON
 
 _NOT_PERSISTED = {"outputs", "path"}

@@ -29,6 +29,7 @@ from polyspec.export.profile import ProfileSettings
 from polyspec.export.results import PROFILE_FORMAT, Profile
 
 Say = Callable[[str], None]
+SEARCH_KEYS = {"search", "search_max_levels", "search_mu", "search_group_sizes", "search_exit_layers"}
 
 
 def _say(msg: str) -> None:
@@ -275,6 +276,65 @@ def profile_folders(parts: Parts, out_dir: Path, settings: ProfileSettings, *, p
     return p
 
 
+def search_folders(parts: Parts, out_dir: Path, settings: Any, cand: Any, *, prompts: int = 8,
+                   device: str = "auto", dtype: str | None = None, data: Mapping[str, Any] | None = None,
+                   prompt_ids: list[list[int]] | None = None, threads: int | None = None, say: Say = _say,
+                   draft_vocab: int = 0) -> Any:
+    """The chain search (:func:`polyspec.export.search.search_chain`) over the levels of ``parts`` (target first;
+    the others are candidates) and those made from the target (``cand``: a CandidateSettings); writes ``out_dir``
+    (search.json, search.md) atomically and returns the :class:`~polyspec.export.results.Search`. Arguments as
+    :func:`profile_folders`; ``settings``: a SearchSettings."""
+    import torch
+
+    from polyspec.decode.generate import eos_ids
+    from polyspec.export.candidates import make_candidates
+    from polyspec.export.report import write_search
+    from polyspec.export.search import search_chain
+
+    t0, old_threads = time.perf_counter(), torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        folders = ordered_parts(parts)
+        if dtype == "auto":
+            dtype, _ = pick_dtype(folders[0], device, settings.profile, say)
+        lv = load_levels(folders, device=device, dtype=dtype, draft_vocab=draft_vocab)
+        ids, _ = _prompts(lv, prompts, data, prompt_ids)
+        cands = make_candidates(lv.levels[0], list(zip(lv.tags[1:], lv.levels[1:], strict=True)), cand)
+        say(f"search: {len(ids)} prompts, candidates " + ", ".join(c.name for c in cands))
+        s = replace(settings, profile=replace(settings.profile, eos_ids=frozenset(eos_ids(lv.tokenizer))))
+        with torch.inference_mode():
+            result = search_chain(lv.levels[0], cands, ids, s, say=say)
+    finally:
+        torch.set_num_threads(old_threads)
+    result.device, result.dtype, result.seconds = lv.device, lv.dtype, time.perf_counter() - t0
+    result.stamps = stamps()
+    write_search(Path(out_dir), result)
+    return result
+
+
+def search_stage(recipe: Any, *, parts: Parts | None = None, threads: int | None = None, say: Say = _say) -> Path:
+    """The recipe's chain search (``polyspec profile --search``): its level folders (default: the target, quantize
+    and train stages'), its profile settings and ``profile.search_*``; writes ``<workdir>/profile/search``. It
+    changes nothing the pipeline exports. Returns the folder."""
+    from polyspec.export.candidates import CandidateSettings
+    from polyspec.export.search import SearchSettings
+
+    folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
+    settings, _ = _settings(recipe, threads)
+    p, d = recipe.profile, recipe.data
+    ss = SearchSettings(profile=replace(settings, tree=None, ngram=False), max_levels=p.search_max_levels,
+                        mus=tuple(p.search_mu) if p.search_mu else None)
+    cs = CandidateSettings(rtn_group_sizes=tuple(p.search_group_sizes), exit_layers=p.search_exit_layers,
+                           ngram=p.ngram)
+    out = Path(recipe.workdir) / "profile" / "search"
+    search_folders(folders, out, ss, cs, prompts=p.prompts, device=_device(recipe), dtype=recipe.target.dtype,
+                   threads=threads or p.threads, draft_vocab=recipe.decode.draft_vocab, say=say,
+                   data={"source": d.source, "max_conversations": d.max_conversations,
+                         "heldout_fraction": d.heldout_fraction, "seed": d.seed})
+    return out
+
+
 def _settings(recipe: Any, threads: int | None) -> tuple[ProfileSettings, dict[str, Any]]:
     """The recipe's profile settings, and everything that keys the stored profile."""
     p = recipe.profile
@@ -287,7 +347,8 @@ def _settings(recipe: Any, threads: int | None) -> tuple[ProfileSettings, dict[s
     s = ProfileSettings(max_new_tokens=p.max_new_tokens, kv_length=p.kv_length, warmup=p.warmup, repeats=p.repeats,
                         draft_ks=tuple(p.draft_k_grid), mus=tuple(p.mu_grid), grid_prompts=grid_prompts, tree=tree,
                         ngram=p.ngram)
-    keyed = {"profile": p.model_dump(mode="json"), "device": _device(recipe), "dtype": recipe.target.dtype,
+    # the search settings key nothing the profile measures (and profiles made before them keep their keys)
+    keyed = {"profile": p.model_dump(mode="json", exclude=SEARCH_KEYS), "device": _device(recipe), "dtype": recipe.target.dtype,
              "draft_ks": list(s.draft_ks), "mus": list(s.mus), "grid_prompts": grid_prompts,
              "tree": recipe.decode.tree.model_dump(mode="json") if tree is not None else None,
              "data": recipe.data.model_dump(mode="json"), "threads": threads or p.threads}

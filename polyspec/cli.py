@@ -142,11 +142,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from polyspec.export.stage import profile_stage
 
     recipe = _load(args)
+    if args.search or recipe.profile.search:
+        return _search(args, recipe)
     with quiet(recipe.workdir, "profile"):
         parts, notes = _stage_inputs(args, recipe)
         prof = profile_stage(recipe, parts=parts, notes=notes, threads=args.threads)
     print(Path(prof.path, "verdict.md").read_text(encoding="utf-8"))
     print(f"profile folder: {prof.path}")
+    return 0
+
+
+def _search(args: argparse.Namespace, recipe: Any) -> int:
+    """``profile --search``: the chain search over the given levels and the copies made from the target."""
+    from polyspec.console import quiet
+    from polyspec.export.stage import search_stage
+
+    with quiet(recipe.workdir, "profile"):
+        parts, _ = _stage_inputs(args, recipe)
+        out = search_stage(recipe, parts=parts, threads=args.threads)
+    print(Path(out, "search.md").read_text(encoding="utf-8"))
+    print(f"search folder: {out}")
     return 0
 
 
@@ -333,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--untrained-head", action="store_true", help="use a random-init head (timing, wiring)")
         p.add_argument("--rtn-int4", action="store_true", help="use an RTN int4 copy of the target")
         p.add_argument("--threads", type=int, help="torch threads while profiling (default: profile.threads)")
+        if name == "profile":
+            p.add_argument("--search", action="store_true", help="search which levels, in which order (candidates: "
+                           "the given levels, RTN int4 and early-exit copies of the target, prompt lookup); writes "
+                           "<workdir>/profile/search (same as profile.search=true)")
 
     from polyspec.decode.serve import server as _serve  # light: no fastapi/torch at import
 

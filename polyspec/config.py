@@ -279,12 +279,26 @@ class ProfileConfig(Section):
     grid_prompts: int | None = Field(None, ge=1, description="prompts per grid point (default: prompts // 4)")
     threads: int | None = Field(None, ge=1, description="torch threads while profiling (default: unchanged)")
     ngram: bool = Field(True, description="also weigh prompt lookup (n-gram drafts, no model) under the target")
+    search: bool = Field(False, description="polyspec profile runs the chain search (docs/PROFILE.md) instead")
+    search_max_levels: int = Field(4, ge=2, description="chain search: the longest chain, target included")
+    search_mu: list[int] | None = Field(None, description="chain search: mu per insertion (default: mu_grid)")
+    search_group_sizes: list[int] = Field(default_factory=lambda: [64],
+                                          description="chain search: group sizes of the RTN int4 copies it makes")
+    search_exit_layers: int | None = Field(None, ge=1, description="chain search: layers of the early-exit copy "
+                                           "(default: half the target's)")
 
     @field_validator("draft_k_grid", "mu_grid")
     @classmethod
     def _grid(cls, v: list[int]) -> list[int]:
         if not v or any(x < 1 for x in v):
             raise ValueError("must be a non-empty list of integers >= 1")
+        return v
+
+    @field_validator("search_mu", "search_group_sizes")
+    @classmethod
+    def _search_lists(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(x < 1 for x in v):
+            raise ValueError("must hold integers >= 1")
         return v
 
 

@@ -317,7 +317,8 @@ def assemble_chain(out: Path, target: Path, intermediates: list[Path] = (), draf
         raise PolyspecError(f"{out} exists; pass --overwrite or choose another --out")
     parts: list[tuple[str, Path]] = [("target", Path(target))]
     for i, p in enumerate(intermediates):
-        parts.append((f"int4_{i}" if len(intermediates) > 1 else "intermediate", Path(p)))
+        # the names export gives (stage.level_names): an intermediate need not be int4
+        parts.append((f"intermediate{i + 1}" if len(intermediates) > 1 else "intermediate", Path(p)))
     if draft is not None:
         parts.append(("draft", Path(draft)))
     tmp = temp_folder(out)  # names this process, so a killed assemble's leftover is removed by the next write

@@ -225,6 +225,10 @@ def _verdict_cells(v: Insertion | None) -> str:
             f"{v.cond2_holds} | {v.valid_regime}")
 
 
+def _tps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def search_markdown(s: Search) -> str:
     """The search's tables: drafts, every insertion tried, predicted vs measured for the confirmed chains, the
     decision."""
@@ -233,10 +237,12 @@ def search_markdown(s: Search) -> str:
              "| draft under the target | draft_k | predicted ms/token | measured tok/s (grid) |", "|---|---|---|---|"]
     lines += [f"| {p.levels[-1]} | {p.draft_k} | {_ms(p.predicted_time_per_token_s)} | "
               f"{p.measured_tokens_per_second:.2f} |" for p in s.drafts]
-    lines += ["", "| round | chain before | inserted at | draft_k | mu | Lemma 3.1 ms/token before -> after | pays | "
-              "cond1 | cond2 | valid regime |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| round | chain before | inserted at | draft_k | mu | Lemma 3.1 ms/token before -> after | "
+              "measured tok/s before -> after (grid) | pays | cond1 | cond2 | valid regime |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {t.round} | {'<-'.join(t.before)} | {t.inserted} @ {t.position} | {t.draft_k} | {t.mu} | "
-              f"{_ms(t.time_before_s)} -> {_ms(t.time_after_s)} | {t.pays} | {_verdict_cells(t.verdict)} |"
+              f"{_ms(t.time_before_s)} -> {_ms(t.time_after_s)} | {_tps(t.measured_tokens_per_second_before)} -> "
+              f"{_tps(t.measured_tokens_per_second_after)} | {t.pays} | {_verdict_cells(t.verdict)} |"
               for t in s.insertions]
     lines += ["", f"Greedy chain: {'<-'.join(s.greedy_chain.levels)} (stopped: {s.stop_reason})", "",
               "| confirmed (all prompts) | draft_k | mu | predicted ms/token (grid / all) | predicted tok/s | "

@@ -301,6 +301,8 @@ class InsertionTried:
     time_after_s: float | None
     pays: bool
     verdict: Insertion | None = None
+    measured_tokens_per_second_before: float | None = None  # the two chains' grid runs, beside the predictions
+    measured_tokens_per_second_after: float | None = None
 
 
 @dataclass

@@ -181,7 +181,9 @@ def _round(run: Runner, book: _Costs, cur: _Point, cands: list[Candidate], grid:
         p = _Point(levels, cur.k, mu, r, book.time(r))
         out.append((InsertionTried(round=n, before=cur.names, inserted=c.name, position=j, draft_k=cur.k, mu=mu,
                                    time_before_s=_finite(cur.time), time_after_s=_finite(p.time),
-                                   pays=p.time < cur.time, verdict=_verdict(book, cur, c, j, r, mu)), p))
+                                   pays=p.time < cur.time, verdict=_verdict(book, cur, c, j, r, mu),
+                                   measured_tokens_per_second_before=cur.run.tokens_per_second,
+                                   measured_tokens_per_second_after=r.tokens_per_second), p))
     return out
 
 

@@ -103,7 +103,9 @@ def activity(description: str) -> Iterator[None]:
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # rich would point sys.stdout / sys.stderr at the terminal while the bar shows: a logging handler made then
+    # (tokenicer's basicConfig when GPTQModel is imported) would print everything after it there, not in the log
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=True,
-                  console=rich_console(stderr=True)) as bar:
+                  console=rich_console(stderr=True), redirect_stdout=False, redirect_stderr=False) as bar:
         bar.add_task(description, total=None)
         yield

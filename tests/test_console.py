@@ -95,3 +95,25 @@ def test_activity_prints_one_line_when_not_a_terminal(tmp_path, capfd):
         print("GPTQModel per-row progress")
     err = capfd.readouterr().err
     assert "quantize: GPTQ int4 g128 ..." in err and "per-row" not in err
+
+
+def test_a_handler_made_under_a_live_bar_writes_to_the_log(tmp_path, capfd, monkeypatch):
+    """On a terminal the bar is rich's; a library that makes a logging handler while it shows (tokenicer's
+    basicConfig when GPTQModel is imported) must still write to the log, during the bar and after it."""
+    import polyspec.console as console
+
+    with console.quiet(tmp_path, "quantize") as path:
+        terminal = console.stream()
+        monkeypatch.setattr(terminal, "isatty", lambda: True)  # the live bar, as on a terminal
+        before = sys.stderr
+        with console.activity("quantize: GPTQ int4 g128"):
+            assert sys.stderr is before  # not rich's proxy of the terminal
+            lib = logging.getLogger("polyspec-test-basicconfig")
+            lib.propagate = False
+            lib.addHandler(logging.StreamHandler())  # bound to sys.stderr as it is now
+            lib.warning("tokenicer-style record during the bar")
+        lib.warning("tokenicer-style record after the bar")
+        lib.handlers.clear()
+    err = capfd.readouterr().err
+    assert "tokenicer-style" not in err
+    assert path.read_text().count("tokenicer-style record") == 2

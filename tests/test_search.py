@@ -107,6 +107,9 @@ def test_search_lists_every_insertion_with_both_predictions(measured):
     for t in s.insertions:
         assert t.inserted not in t.before and 1 <= t.position <= len(t.before) - 1
         assert t.pays == (t.time_after_s < t.time_before_s)
+        before = next(p for p in s.drafts if p.levels == t.before and p.draft_k == t.draft_k) if t.round == 1 else None
+        assert t.measured_tokens_per_second_after > 0
+        assert before is None or t.measured_tokens_per_second_before == before.measured_tokens_per_second
         v = t.verdict
         assert (v.above, v.level, v.below) == (t.before[t.position - 1], t.inserted, t.before[t.position])
         i = v.inputs

@@ -130,6 +130,66 @@ def mode_of(n_levels: int) -> str:
     return {1: "ar", 2: "dual"}.get(n_levels, "chain")
 
 
+def _seq_len(prompts: list[list[int]], max_new_tokens: int, draft_k: int, mu: list[int]) -> int:
+    return max(len(p) for p in prompts) + max_new_tokens + max(draft_k, max(mu or [0])) + 8
+
+
+class ConfigRun:
+    """One configuration (levels top first, draft_k, mu, tree): its decoder, every level wrapped in a
+    :class:`RecordingLevel`, and the counts summed over the prompts :meth:`step` has generated so far. Several
+    configurations over the same loaded levels can take turns prompt by prompt (:func:`run_interleaved`): each
+    generation resets the caches it uses, and every decoder must then be built for the same ``max_seq_len``."""
+
+    def __init__(self, levels: list[Any], max_new_tokens: int, *, draft_k: int, max_seq_len: int,
+                 mu: list[int] | None = None, eos_ids: set[int] | frozenset[int] = frozenset(), label: str = "",
+                 tree: Any = None):
+        from polyspec.decode.chain import ChainDecoder
+
+        self.levels, self.max_new_tokens, self.eos_ids, self.label, self.tree = levels, max_new_tokens, eos_ids, label, tree
+        self.wrapped = [RecordingLevel(lv) for lv in levels]
+        mu = list(mu or []) if len(levels) > 2 else []
+        self.dec = ChainDecoder(self.wrapped, draft_k=draft_k, mu=mu, tree=tree if len(levels) > 1 else None,
+                                max_seq_len=max_seq_len)
+        self.draft_k = draft_k
+        self.tallies = [_Tally() for _ in self.wrapped]
+        self.outputs: list[list[int]] = []
+        self.seconds = 0.0
+        self.pairs = [[0, 0] for _ in self.wrapped[1:]]  # per adjacent pair: [forwards below, verifications above]
+
+    def step(self, ids: list[int]) -> None:
+        """Generate greedily after one prompt and add its counts."""
+        from polyspec.decode.chain import SamplingParams
+
+        for w in self.wrapped:
+            w.calls.clear()
+        res = self.dec.generate(list(ids), self.max_new_tokens, SamplingParams(), seed=0, eos_token_ids=self.eos_ids)
+        self.outputs.append(list(res.token_ids))
+        self.seconds += float(res.stats["seconds"])
+        for w, st, tally in zip(self.wrapped, res.level_stats, self.tallies, strict=True):
+            tally.add(st, w.calls)
+        for i, pair in enumerate(self.pairs):
+            pair[0] += res.level_stats[i + 1].forward_passes
+            pair[1] += len(res.level_stats[i].accept_lengths)
+
+    def result(self) -> Run:
+        """The aggregated measurements over the prompts stepped so far."""
+        n, seconds, tree = sum(len(o) for o in self.outputs), self.seconds, self.tree
+        last = len(self.wrapped) - 1
+        per_level = {w.name: t.level_run(i < last or last == 0, n)
+                     for i, (w, t) in enumerate(zip(self.wrapped, self.tallies, strict=True))}
+        prefill = sum(t.prefill_seconds for t in self.tallies)
+        spec = len(self.levels) > 1
+        return Run(label=self.label or mode_of(len(self.levels)), mode=mode_of(len(self.levels)),
+                   levels=[w.name for w in self.wrapped],
+                   draft_k=(tree.depth if tree is not None else self.draft_k) if spec else None, mu=list(self.dec.mu),
+                   tree=asdict(tree) if tree is not None and spec else None, prompts=len(self.outputs),
+                   max_new_tokens=self.max_new_tokens, new_tokens=n, seconds=seconds,
+                   tokens_per_second=n / seconds if seconds > 0 else 0.0,
+                   forward_seconds=sum(t.forward_seconds for t in self.tallies), prefill_seconds=prefill,
+                   tokens_per_second_steady=n / (seconds - prefill) if seconds > prefill else 0.0,
+                   betas=[a / b if b else None for a, b in self.pairs], per_level=per_level, outputs=self.outputs)
+
+
 def run_config(levels: list[Any], prompts: list[list[int]], max_new_tokens: int, *, draft_k: int,
                mu: list[int] | None = None, eos_ids: set[int] | frozenset[int] = frozenset(),
                label: str = "", tree: Any = None) -> Run:
@@ -139,43 +199,23 @@ def run_config(levels: list[Any], prompts: list[list[int]], max_new_tokens: int,
     ``tree``: a :class:`~polyspec.decode.chain.TreeParams` for an EAGLE-2 draft tree (then ``draft_k`` is unused and
     reported as the tree's depth).
     """
-    from polyspec.decode.chain import ChainDecoder, SamplingParams
+    return run_interleaved([dict(levels=levels, draft_k=draft_k, mu=mu, label=label, tree=tree)], prompts,
+                           max_new_tokens, eos_ids=eos_ids)[0]
 
+
+def run_interleaved(configs: list[dict[str, Any]], prompts: list[list[int]], max_new_tokens: int, *,
+                    eos_ids: set[int] | frozenset[int] = frozenset()) -> list[Run]:
+    """Several configurations (each a dict of :class:`ConfigRun`'s keyword arguments: levels, draft_k, and optionally
+    mu, label, tree) over the same prompts, taking turns prompt by prompt, so a machine that slows down for a while
+    slows them all alike; one Run each, in order."""
     if not prompts:
         raise PolyspecError("run_config needs at least one calibration prompt")
-    wrapped = [RecordingLevel(lv) for lv in levels]
-    mu = list(mu or []) if len(levels) > 2 else []
-    longest = max(len(p) for p in prompts)
-    dec = ChainDecoder(wrapped, draft_k=draft_k, mu=mu, tree=tree if len(levels) > 1 else None,
-                       max_seq_len=longest + max_new_tokens + max(draft_k, max(mu or [0])) + 8)
-    tallies = [_Tally() for _ in wrapped]
-    outputs: list[list[int]] = []
-    seconds = 0.0
-    pairs = [[0, 0] for _ in wrapped[1:]]  # per adjacent pair: [forwards below, verifications above]
+    size = max(_seq_len(prompts, max_new_tokens, c["draft_k"], list(c.get("mu") or [])) for c in configs)
+    runs = [ConfigRun(max_new_tokens=max_new_tokens, max_seq_len=size, eos_ids=eos_ids, **c) for c in configs]
     for ids in prompts:
-        for w in wrapped:
-            w.calls.clear()
-        res = dec.generate(list(ids), max_new_tokens, SamplingParams(), seed=0, eos_token_ids=eos_ids)
-        outputs.append(list(res.token_ids))
-        seconds += float(res.stats["seconds"])
-        for w, st, tally in zip(wrapped, res.level_stats, tallies, strict=True):
-            tally.add(st, w.calls)
-        for i, pair in enumerate(pairs):
-            pair[0] += res.level_stats[i + 1].forward_passes
-            pair[1] += len(res.level_stats[i].accept_lengths)
-    n = sum(len(o) for o in outputs)
-    last = len(wrapped) - 1
-    per_level = {w.name: t.level_run(i < last or last == 0, n) for i, (w, t) in enumerate(zip(wrapped, tallies, strict=True))}
-    prefill = sum(t.prefill_seconds for t in tallies)
-    spec = len(levels) > 1
-    return Run(label=label or mode_of(len(levels)), mode=mode_of(len(levels)), levels=[w.name for w in wrapped],
-               draft_k=(tree.depth if tree is not None else draft_k) if spec else None, mu=list(dec.mu),
-               tree=asdict(tree) if tree is not None and spec else None, prompts=len(prompts),
-               max_new_tokens=max_new_tokens, new_tokens=n, seconds=seconds,
-               tokens_per_second=n / seconds if seconds > 0 else 0.0,
-               forward_seconds=sum(t.forward_seconds for t in tallies), prefill_seconds=prefill,
-               tokens_per_second_steady=n / (seconds - prefill) if seconds > prefill else 0.0,
-               betas=[a / b if b else None for a, b in pairs], per_level=per_level, outputs=outputs)
+        for r in runs:
+            r.step(ids)
+    return [r.result() for r in runs]
 
 
 def steady_widths(run: Run, name: str) -> dict[int, int]:

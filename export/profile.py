@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyspec.errors import PolyspecError
-from polyspec.export.acceptance import run_config, steady_widths
+from polyspec.export.acceptance import run_interleaved, steady_widths
 from polyspec.export.results import CostRow, GridRow, Insertion, InsertionInputs, LevelInfo, Profile, PromptInfo, Run
 from polyspec.export.timing import grid_widths, mean_cost, measure_costs
 from polyspec.export.verdict import (
@@ -81,19 +81,32 @@ class Runner:
 
     def __call__(self, levels: list[Any], k: int, mu: int | None, prompts: list[list[int]], tag: str,
                  tree: Any = None) -> Run:
-        n = len(levels)
-        key = (tuple(lv.name for lv in levels), k if n > 1 else None, mu if n > 2 else None, len(prompts),
-               tuple(tree_dict(tree).values()) if tree is not None else None)
-        if key not in self.done:
-            t0 = time.perf_counter()
-            run = run_config(levels, prompts, self.s.max_new_tokens, draft_k=k, mu=[mu] * (n - 2) if n > 2 else None,
-                             eos_ids=self.s.eos_ids, label=tag, tree=tree)
+        return self.many([(levels, k, mu, tag, tree)], prompts)[0]
+
+    def many(self, specs: list[tuple[list[Any], int, int | None, str, Any]], prompts: list[list[int]]) -> list[Run]:
+        """Each (levels, draft_k, mu, tag, tree) over ``prompts``; the ones not run yet take turns prompt by prompt
+        (acceptance.run_interleaved), so the comparisons the decision rests on see the same machine."""
+        keys = [self._key(levels, k, mu, len(prompts), tree) for levels, k, mu, _, tree in specs]
+        todo = {key: spec for key, spec in zip(keys, specs, strict=True) if key not in self.done}
+        t0 = time.perf_counter()
+        configs = [dict(levels=levels, draft_k=k, mu=[mu] * (len(levels) - 2) if len(levels) > 2 else None,
+                        label=tag, tree=tree) for levels, k, mu, tag, tree in todo.values()]
+        runs = run_interleaved(configs, prompts, self.s.max_new_tokens, eos_ids=self.s.eos_ids) if todo else []
+        for key, (levels, *_rest), run in zip(todo, todo.values(), runs, strict=True):
             if getattr(levels[-1], "kind", None) == "ngram":
                 run.mode = NGRAM_MODE
-            ls = "/".join(f"{lv.L:.2f}" for lv in run.per_level.values() if lv.L is not None)
-            self.say(f"profile: {tag:<28} L={ls} {run.tokens_per_second:.1f} tok/s ({time.perf_counter() - t0:.1f} s)")
             self.done[key] = run
-        return self.done[key]
+        took = (time.perf_counter() - t0) / max(len(runs), 1)
+        for run in runs:
+            ls = "/".join(f"{lv.L:.2f}" for lv in run.per_level.values() if lv.L is not None)
+            self.say(f"profile: {run.label:<28} L={ls} {run.tokens_per_second:.1f} tok/s ({took:.1f} s)")
+        return [self.done[key] for key in keys]
+
+    @staticmethod
+    def _key(levels: list[Any], k: int, mu: int | None, n_prompts: int, tree: Any) -> tuple:
+        n = len(levels)
+        return (tuple(lv.name for lv in levels), k if n > 1 else None, mu if n > 2 else None, n_prompts,
+                tuple(tree_dict(tree).values()) if tree is not None else None)
 
 
 def _shape(tree: Any) -> str:
@@ -190,26 +203,25 @@ def _run_keys(ch: _Chain, j: int) -> tuple[str, str]:
 
 
 def _final_runs(run: Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) -> dict[str, Run]:
+    """The final runs on all prompts (see the module docstring), interleaved prompt by prompt."""
     n, top, bottom = len(ch.levels), ch.levels[0], ch.levels[-1]
     tag_dual = _shape(c.tree_dual) or f"k={c.best_dual.draft_k}"
     tag_chain = _shape(c.tree_chain) or f"k={c.k_chain}"
-    final = {"ar": run([top], 1, None, prompts, "ar"),
-             "dual": run([top, bottom], c.best_dual.draft_k, None, prompts, f"dual {tag_dual}", c.tree_dual),
-             "chain": run(ch.levels, c.k_chain, c.mu, prompts, f"chain {tag_chain} mu={c.mu}", c.tree_chain),
-             "dual_at_chain_k": run([top, bottom], c.k_chain, None, prompts, f"dual {tag_chain}", c.tree_chain)}
+    specs = {"ar": ([top], 1, None, "ar", None),
+             "dual": ([top, bottom], c.best_dual.draft_k, None, f"dual {tag_dual}", c.tree_dual),
+             "chain": (ch.levels, c.k_chain, c.mu, f"chain {tag_chain} mu={c.mu}", c.tree_chain),
+             "dual_at_chain_k": ([top, bottom], c.k_chain, None, f"dual {tag_chain}", c.tree_chain)}
     if c.best_ngram is not None:
         k = c.best_ngram.draft_k
-        final[NGRAM_MODE] = run([top, ch.ngram], k, None, prompts, f"{NGRAM_MODE} k={k}")
+        specs[NGRAM_MODE] = ([top, ch.ngram], k, None, f"{NGRAM_MODE} k={k}", None)
     for j in range(1, n - 1):
         before, tail = _run_keys(ch, j)
         sub = _without(j, n)
         mu = f" mu={c.mu}" if len(sub) > 2 else ""
-        final[before] = run(ch.sub(sub), c.k_chain, c.mu, prompts, f"chain without {ch.tags[j]} {tag_chain}{mu}",
-                            c.tree_chain)
+        specs[before] = (ch.sub(sub), c.k_chain, c.mu, f"chain without {ch.tags[j]} {tag_chain}{mu}", c.tree_chain)
         mu = f" mu={c.mu}" if n - j > 2 else ""
-        final[tail] = run(ch.levels[j:], c.k_chain, c.mu, prompts, "<-".join(ch.tags[j:]) + f" {tag_chain}{mu}",
-                          c.tree_chain)
-    return final
+        specs[tail] = (ch.levels[j:], c.k_chain, c.mu, "<-".join(ch.tags[j:]) + f" {tag_chain}{mu}", c.tree_chain)
+    return dict(zip(specs, run.many(list(specs.values()), prompts), strict=True))
 
 
 def _inputs(ch: _Chain, j: int, t: dict[str, float], before: Run, tail_l: float, after: Run,

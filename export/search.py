@@ -9,8 +9,8 @@
    chains' Lemma 3.1 times; take the insertion with the smallest predicted time if it is smaller than the current
    chain's; repeat until none is, or the chain has ``max_levels`` levels.
 3. Confirm: the two distinct chains (level lists) with the smallest predicted times, each at its best (draft_k,
-   mu), and ar, on all prompts. Decision (:data:`SEARCH_RULE`): the measured-faster of the two, unless ar is
-   predicted faster than it or measured at least as fast (then ar).
+   mu), and ar, on all prompts, taking turns prompt by prompt. Decision (:data:`SEARCH_RULE`): the measured-faster
+   of the two, unless ar is predicted faster than it or measured at least as fast (then ar).
 
 Runs (each over the grid prompts; cached by configuration): B * K drafts (B candidates, K draft_ks), then per round
 U * P * M (U unused model candidates, P = levels - 1 positions, M mus), plus 3 confirm runs over all prompts
@@ -219,10 +219,11 @@ def _mode(levels: list[str], kinds: dict[str, str]) -> str:
 
 def _confirm(run: Runner, book: _Costs, top: list[_Point], prompts: list[list[int]],
              kinds: dict[str, str]) -> tuple[list[ConfirmedChain], ConfirmedChain]:
-    """``top`` and ar on all prompts, predicted and measured."""
+    """``top`` and ar on all prompts (taking turns prompt by prompt), predicted and measured."""
     target = top[0].levels[0]
-    ar = run([target], 1, None, prompts, "confirm ar")
-    runs = [run(p.levels, p.k, p.mu, prompts, "confirm " + "<-".join(p.names)) for p in top]
+    specs = [([target], 1, None, "confirm ar", None)]
+    specs += [(p.levels, p.k, p.mu, "confirm " + "<-".join(p.names), None) for p in top]
+    ar, *runs = run.many(specs, prompts)
     book.ensure([ar, *runs])
 
     def confirmed(r: Run, grid_time: float) -> ConfirmedChain:

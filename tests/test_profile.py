@@ -385,3 +385,29 @@ def test_prompt_lookup_joins_the_grid_and_a_chain_that_chose_it_decodes_with_it(
 
     default = EngineRunner(chain, "default").generate(prompt, 16, SamplingParams(), 0, set())
     assert default.token_ids == ar.token_ids and default.levels[-1]["name"] == "ngram"
+
+
+def test_interleaved_runs_take_turns_and_measure_what_separate_runs_measure(tiny_parts, monkeypatch):
+    """Final runs take turns prompt by prompt (so a machine slowing down for a while slows every configuration
+    alike); each configuration's counts are those of running it alone."""
+    from polyspec.export import acceptance
+    from polyspec.export.package import ordered_parts
+    from polyspec.export.stage import load_levels
+
+    lv = load_levels(ordered_parts(tiny_parts), device="cpu")
+    target, inter, draft = lv.levels
+    prompts = _prompts(3)
+    configs = [dict(levels=[target], draft_k=1, label="ar"), dict(levels=[target, draft], draft_k=3, label="dual"),
+               dict(levels=[target, inter, draft], draft_k=2, mu=[4], label="chain")]
+    alone = [acceptance.run_config(c["levels"], prompts, 12, draft_k=c["draft_k"], mu=c.get("mu"), label=c["label"])
+             for c in configs]
+    order = []
+    step = acceptance.ConfigRun.step
+    monkeypatch.setattr(acceptance.ConfigRun, "step", lambda self, ids: order.append(self.label) or step(self, ids))
+    together = acceptance.run_interleaved(configs, prompts, 12)
+    assert order == ["ar", "dual", "chain"] * 3
+    for a, t in zip(alone, together, strict=True):
+        assert (t.label, t.levels, t.outputs, t.new_tokens, t.betas) == (a.label, a.levels, a.outputs, a.new_tokens,
+                                                                          a.betas)
+        assert {n: x.L for n, x in t.per_level.items()} == {n: x.L for n, x in a.per_level.items()}
+    assert together[0].outputs == together[1].outputs == together[2].outputs  # greedy: lossless

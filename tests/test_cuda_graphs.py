@@ -296,7 +296,8 @@ class _Ctx:
         return False
 
 
-def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monkeypatch, compiled):
     """The graph path (warm-up, capture once per bucket, replay into static outputs, clones handed out, no re-capture
     across generations) on the CPU, with torch.cuda's graph API replaced by a fake that re-runs the step on replay."""
     from polyspec.decode.levels import ModelLevel
@@ -311,7 +312,7 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
     monkeypatch.setattr(torch.cuda, "graph", _Ctx)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     t = copy.deepcopy(models["target"])
-    runner = cuda_graphs.StaticRunner(t, graphs=True, max_width=16)
+    runner = cuda_graphs.StaticRunner(t, graphs=True, max_width=16, compiled=compiled)
     t.__dict__["_static_runner"] = runner
     _FakeGraph.runner = runner
     prompt = [5, 17, 230, 9, 77, 3]

@@ -48,16 +48,21 @@ def _none() -> None:
     return None
 
 
+def _env_on(name: str) -> bool:
+    """An on-by-default switch: off only when the variable says 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def graphs_wanted(device: torch.device | str) -> bool:
     """CUDA graphs by default on a CUDA device unless ``POLYSPEC_CUDA_GRAPHS=0``."""
     dev = torch.device(device)
-    return dev.type == "cuda" and os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
+    return dev.type == "cuda" and _env_on(ENV)
 
 
 def compile_wanted(device: torch.device | str) -> bool:
     """The compiled (fused) static step by default on a CUDA device unless ``POLYSPEC_COMPILE_STEP=0``."""
     dev = torch.device(device)
-    return dev.type == "cuda" and os.environ.get(COMPILE_ENV, "1") not in ("0", "false", "no", "off")
+    return dev.type == "cuda" and _env_on(COMPILE_ENV)
 
 
 def bucket_for(t: int, max_width: int) -> int | None:

@@ -307,8 +307,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     maths: fp32 scores and softmax); everything else, training and compiled steps included (inductor lowers it to
     one attention kernel), is ``F.scaled_dot_product_attention``."""
     small = q.is_cpu and q.dtype != torch.float32 and q.shape[2] <= SMALL_ATTENTION_ROWS
-    eager = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
-    if small and eager and (mask is None or mask.dim() == 2 or mask.shape[1] == 1):
+    if small and not (torch.is_grad_enabled() or torch.compiler.is_compiling()) and (
+            mask is None or mask.dim() == 2 or mask.shape[1] == 1):
         return attend_matmul(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 

@@ -33,7 +33,15 @@ import torch
 from torch import nn
 
 from polyspec.decode import cpu_kernels
-from polyspec.decode.model import CachedDecoder, DecoderLayer, Linear, ModelArgs, read_json_object, rope_inv_freq
+from polyspec.decode.model import (
+    CachedDecoder,
+    DecoderLayer,
+    Linear,
+    ModelArgs,
+    read_json_object,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from polyspec.errors import PolyspecError
 from polyspec.fsutil import atomic_folder
 
@@ -42,6 +50,58 @@ TOKEN_COUNTS_FILE = "token_counts.safetensors"
 HEAD_FORMAT_VERSION = 1
 TRAINABLE_PREFIXES = ("fc.", "layer.")
 HEAD_TYPES = ("eagle", "eagle3")  # EAGLE-1/2 (this module), EAGLE-3 (polyspec.decode.head3)
+
+
+def ttt_mask(t: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Training-time-test attention mask bool [T, (step + 1) T] for unroll step ``step`` over T rows: row t sees the
+    step-0 keys of rows <= t (the context, with true features) and its own entries of steps 1 .. step (the tokens
+    it drafted itself), never another row's drafted entries: what the head's cache holds after drafting ``step``
+    tokens beyond row t."""
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()  # [T, T]
+    eye = torch.eye(t, dtype=torch.bool, device=device)  # [T, T]
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+class ScratchKV:
+    """The KV store of one unroll step: the earlier steps' K/V followed by this step's (new tensors each step, so
+    autograd never sees an in-place write to something it saved)."""
+
+    def __init__(self, past: ScratchKV | None):
+        self.past = past
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def store(self, layer_idx: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, kv, T, D] -> the [B, kv, (steps so far) T, D] keys/values this step attends over."""
+        if self.past is not None:
+            k, v = torch.cat((self.past.k, k), dim=2), torch.cat((self.past.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
+def training_unroll(head: nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int,
+                    logits_fn: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The training-time test of an EAGLE head (either kind): ``steps`` passes over a batch without a cache.
+
+    input_ids [B, T] (row t: x_{t+1}), hidden [B, T, H] (row t: the feature the head reads at t, already fused for
+    an EAGLE-3 head) -> per step k (``logits_fn(out)``, out [B, T, H]). Step k row t reads token x_{t+1+k} (ground
+    truth; 0 past the end) and the output row t had at step k - 1 (``hidden`` at step 0), at RoPE position t + k,
+    attending as :func:`ttt_mask` says: exactly what the head computes when it drafts k tokens past row t.
+    """
+    if head._cache is not None:
+        raise PolyspecError("a head's training unroll runs without a KV cache (training); do not call setup_cache")
+    b, t = input_ids.shape
+    past: ScratchKV | None = None
+    out = []
+    for k in range(steps):
+        ids_k = torch.cat((input_ids[:, k:], input_ids.new_zeros(b, min(k, t))), dim=1)  # [B, T]
+        x = head._embed(ids_k, hidden)  # [B, T, H] (EAGLE-3: [B, T, 2H])
+        cos, sin = rope_cos_sin(head.inv_freq, torch.arange(t, device=x.device) + k, x.dtype)  # [T, D]
+        scratch = ScratchKV(past)
+        hidden = head.layer(x, cos, sin, ttt_mask(t, k, x.device), scratch, 0, k * t)  # [B, T, H]
+        past = scratch
+        out.append((logits_fn(hidden), hidden))
+    return out
 
 
 class EagleHead(CachedDecoder):
@@ -125,6 +185,16 @@ class EagleHead(CachedDecoder):
             out = self._out(x, last_only) if vocab_ids is None else (subset_logits(self.lm_head, x, vocab_ids), x)
         logits, x = out
         return (logits[0], x[0]) if squeeze else (logits, x)
+
+    def unroll(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int,
+               vocab_ids: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The training-time test (:func:`training_unroll`): input_ids [B, T], features [B, T, H] (row t: f_t) ->
+        per step (logits [B, T, V], or [B, T, Vd] over ``vocab_ids``; the head's output [B, T, H]). Step k's row t
+        predicts x_{t+2+k} and f_{t+1+k}, as the head's k-th drafted token past row t does."""
+        def logits(x: torch.Tensor) -> torch.Tensor:
+            return self.lm_head(x).float() if vocab_ids is None else subset_logits(self.lm_head, x, vocab_ids)
+
+        return training_unroll(self, input_ids, features, steps, logits)
 
     def _layers(self) -> list[nn.Module]:
         return [self.layer]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from polyspec.decode.head import training_unroll, ttt_mask
 from polyspec.decode.model import (
     MLP,
     Attention,
@@ -36,7 +37,6 @@ from polyspec.decode.model import (
     ModelArgs,
     RMSNorm,
     StaticKVCache,
-    rope_cos_sin,
     rope_inv_freq,
 )
 from polyspec.errors import PolyspecError
@@ -73,16 +73,6 @@ def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
     return d2t, t2d
 
 
-def ttt_mask(t: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Training-time-test attention mask bool [T, (step + 1) T] for unroll step ``step`` over T rows: row t sees the
-    step-0 keys of rows <= t (the context, with true features) and its own entries of steps 1 .. step (the tokens
-    it drafted itself), never another row's drafted entries: what the head's cache holds after drafting ``step``
-    tokens beyond row t."""
-    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()  # [T, T]
-    eye = torch.eye(t, dtype=torch.bool, device=device)  # [T, T]
-    return torch.cat([causal] + [eye] * step, dim=1)
-
-
 class Eagle3Layer(nn.Module):
     """A Llama decoder layer whose attention reads concat(input_layernorm(embeds), hidden_norm(hidden)) [2H] and
     whose residual is the hidden half (SpecForge / speculators' first EAGLE-3 layer); parameter names match theirs."""
@@ -107,23 +97,6 @@ class Eagle3Layer(nn.Module):
         attn_in = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [B, T, 2H]
         r = hidden + self.self_attn(attn_in, cos, sin, mask, cache, layer_idx, start)
         return r + self.mlp(self.post_attention_layernorm(r))
-
-
-class _ScratchKV:
-    """The KV store of one unroll step: the earlier steps' K/V followed by this step's (new tensors each step, so
-    autograd never sees an in-place write to something it saved)."""
-
-    def __init__(self, past: _ScratchKV | None):
-        self.past = past
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def store(self, layer_idx: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [B, kv, T, D] -> the [B, kv, (steps so far) T, D] keys/values this step attends over."""
-        if self.past is not None:
-            k, v = torch.cat((self.past.k, k), dim=2), torch.cat((self.past.v, v), dim=2)
-        self.k, self.v = k, v
-        return k, v
 
 
 class Eagle3Head(CachedDecoder):
@@ -226,29 +199,9 @@ class Eagle3Head(CachedDecoder):
         return (logits[0], x[0]) if squeeze else (logits, x)
 
     def unroll(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, ...]]:
-        """The training-time test: ``steps`` passes over a batch without a cache (training).
-
-        input_ids [B, T] (row t: x_{t+1}), aux [B, T, A H] (row t: the target's aux states at t) -> per step k
-        (draft logits [B, T, Vd], hidden [B, T, H]). Step k row t reads token x_{t+1+k} (ground truth; 0 past the
-        end) and the hidden row t had at step k - 1 (fc(aux) at step 0), at RoPE position t + k, attending as
-        :func:`ttt_mask` says; its logits predict x_{t+2+k}.
-        """
-        if self._cache is not None:
-            raise PolyspecError("Eagle3Head.unroll runs without a KV cache (training); do not call setup_cache")
-        b, t = input_ids.shape
-        hidden = self.fuse(aux)  # [B, T, H]
-        past: _ScratchKV | None = None
-        out = []
-        for k in range(steps):
-            ids_k = torch.cat((input_ids[:, k:], input_ids.new_zeros(b, min(k, t))), dim=1)  # [B, T]
-            x = self._embed(ids_k, hidden)  # [B, T, 2H]
-            cos, sin = rope_cos_sin(self.inv_freq, torch.arange(t, device=x.device) + k, x.dtype)  # [T, D]
-            scratch = _ScratchKV(past)
-            mask = ttt_mask(t, k, x.device)  # [T, (k + 1) T]
-            hidden = self.layer(x, cos, sin, mask, scratch, 0, k * t)  # [B, T, H]
-            past = scratch
-            out.append((self.draft_logits(hidden), hidden))
-        return out
+        """The training-time test (:func:`polyspec.decode.head.training_unroll`) from g = fc(aux): input_ids [B, T],
+        aux [B, T, A H] (row t: the target's aux states at t) -> per step (draft logits [B, T, Vd], hidden [B, T, H])."""
+        return training_unroll(self, input_ids, self.fuse(aux), steps, self.draft_logits)
 
 
 def init_from_target(head: Eagle3Head, target: nn.Module, draft_ids: torch.Tensor) -> Eagle3Head:

@@ -178,9 +178,16 @@ class TrainConfig(Section):
         "eagle3: EAGLE-3 head (fused low/middle/high layer states, its own lm_head over train.draft_vocab tokens, "
         "trained with a training-time test)"
     )
-    ttt_steps: int | None = Field(None, ge=1, description="eagle3: training-time-test unroll steps (default 3)")
+    ttt_steps: int | None = Field(
+        None, ge=1, description="training-time test: the head unrolled on its own states for this many steps "
+        "(default: eagle3 3, eagle 1 = no unroll)"
+    )
     ttt_decay: float | None = Field(
-        None, gt=0, le=1, description="eagle3: the loss of unroll step i is weighted ttt_decay ** i (default 0.8)"
+        None, gt=0, le=1, description="the loss of unroll step i is weighted ttt_decay ** i (default 0.8)"
+    )
+    ttt_start: float | None = Field(
+        None, ge=0, lt=1, description="the share of the optimizer steps trained one step deep before the unroll "
+        "starts (default 0; needs train.max_steps)"
     )
     draft_vocab: int | None = Field(
         None, ge=1, description="eagle3: draft vocabulary, the most frequent assistant tokens of the training data "
@@ -193,18 +200,22 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _head_options(self) -> TrainConfig:
-        eagle3_only = [k for k in EAGLE3_KEYS if getattr(self, k) is not None]
+        eagle3_only = [k for k in EAGLE3_ONLY if getattr(self, k) is not None]
         if self.head == "eagle" and eagle3_only:
             raise ValueError(f"{', '.join('train.' + k for k in eagle3_only)} only apply to train.head=eagle3 "
                              "(this recipe trains an EAGLE-1/2 head)")
+        if self.ttt_start and self.max_steps is None:
+            raise ValueError("train.ttt_start is a share of train.max_steps; set train.max_steps too")
         if self.head == "eagle3" and self.loss_vocab:
             raise ValueError("train.loss_vocab is for EAGLE-1/2 heads; an EAGLE-3 head trains over its own "
                              "train.draft_vocab")
         return self
 
 
-EAGLE3_KEYS = ("ttt_steps", "ttt_decay", "draft_vocab", "aux_layers")  # TrainConfig keys only train.head=eagle3 reads
+EAGLE3_KEYS = ("ttt_steps", "ttt_decay", "ttt_start", "draft_vocab", "aux_layers")  # unset, absent from EAGLE-1/2 keys
+EAGLE3_ONLY = ("draft_vocab", "aux_layers")  # TrainConfig keys only train.head=eagle3 reads
 EAGLE3_DEFAULTS = {"ttt_steps": 3, "ttt_decay": 0.8, "draft_vocab": 32000}
+EAGLE_DEFAULTS = {"ttt_steps": 1, "ttt_decay": 0.8}  # EAGLE-1/2: no unroll unless asked
 
 
 class QuantizeConfig(Section):

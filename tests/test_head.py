@@ -175,3 +175,31 @@ def test_draft_vocab_keeps_the_most_frequent_tokens_and_their_exact_logits(targe
         load_head(out, target).set_draft_vocab(10)
     with pytest.raises(PolyspecError, match="token_counts"):
         save_head(head, tmp_path / "h2", {}, token_counts=torch.zeros(3, dtype=torch.int64))
+
+
+def test_unroll_step_equals_a_cached_linear_draft(target):
+    """Unroll step k at row t is exactly the head's k-th drafted step past row t with its KV cache (step 0 over rows
+    0..t with the target's features, then its own outputs as features): the training-time test trains what decoding
+    runs. Also over a draft vocabulary."""
+    head = _head(target, seed=3)
+    g = torch.Generator().manual_seed(4)
+    ids, feats = torch.randint(0, 512, (1, 9), generator=g), torch.randn(1, 9, 128, generator=g)
+    vocab = torch.arange(0, 512, 3)
+    with torch.no_grad():
+        steps = head.unroll(ids, feats, 3)
+        sub = head.unroll(ids, feats, 3, vocab_ids=vocab)
+    assert len(steps) == 3 and steps[0][0].shape == (1, 9, 512) and sub[2][0].shape == (1, 9, len(vocab))
+    row = 5
+    head.setup_cache(16)
+    with torch.inference_mode():
+        logits, h = head(ids[0, :row + 1], feats[0, :row + 1])
+        torch.testing.assert_close(h, steps[0][1][0, :row + 1], atol=1e-5, rtol=1e-5)
+        hid = h[-1:]
+        for k in (1, 2):
+            logits, hid = head(ids[0, row + k:row + k + 1], hid)
+            torch.testing.assert_close(hid[0], steps[k][1][0, row], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[0], steps[k][0][0, row], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logits[0, vocab], sub[k][0][0, row], atol=1e-4, rtol=1e-4)
+    head.setup_cache(16)
+    with pytest.raises(PolyspecError, match="without a KV cache"):
+        head.unroll(ids, feats, 2)

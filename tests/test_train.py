@@ -19,6 +19,7 @@ from polyspec.errors import PolyspecError
 from polyspec.train.ckpt_io import load_tree, save_tree
 from polyspec.train.losses import (
     eagle_losses,
+    eagle_unrolled_losses,
     expected_acceptance_length,
     shift_for_head,
     warmup_linear_decay,
@@ -513,3 +514,77 @@ def test_a_damaged_feature_cache_is_named_and_extracted_again(tmp_path, tiny_mod
     again = build_feature_cache(teacher, {"train": prepared.train}, cache, info={"teacher": "t"}, batch_size=3)
     assert "is damaged" in capsys.readouterr().err
     assert cache_damage(cache) is None and again["tokens"] == index["tokens"]
+
+
+def test_unrolled_losses_compare_step_k_with_the_targets_k_rows_later():
+    """Step 0 of the unrolled loss is eagle_losses itself; step k's rows 0..N-1-k are scored against rows k..N-1 of
+    the targets; the steps are summed with weights decay ** k of (feature weight * feature + token weight * token)."""
+    g = torch.Generator().manual_seed(0)
+    b, n, h, v = 2, 6, 8, 11
+    steps = [(torch.randn(b, n, v, generator=g), torch.randn(b, n, h, generator=g)) for _ in range(3)]
+    feats, logits = torch.randn(b, n, h, generator=g), torch.randn(b, n, v, generator=g)
+    weight = (torch.rand(b, n, generator=g) > 0.3).float()
+    got = eagle_unrolled_losses(steps, feats, logits, weight, decay=0.5, feature_weight=2.0, token_weight=0.25)
+    want = 0.0
+    for k, (lg, out) in enumerate(steps):
+        p = eagle_losses(lg[:, :n - k], out[:, :n - k], feats[:, k:], logits[:, k:], weight[:, k:])
+        want += 0.5 ** k * (2.0 * p["feature"] + 0.25 * p["token"])
+        assert float(got["step_correct"][k]) == float(p["correct"]) and float(got["step_count"][k]) == float(p["count"])
+    first = eagle_losses(*steps[0], feats, logits, weight)
+    torch.testing.assert_close(got["loss"], torch.as_tensor(want, dtype=torch.float32))
+    assert float(got["token"]) == float(first["token"]) and float(got["correct"]) == float(first["correct"])
+
+
+def test_eagle_ttt_options_checked_and_keyed():
+    """EAGLE-1/2 heads take the training-time test (ttt_steps, ttt_decay, ttt_start); an unset ttt_steps and 1 train
+    the same head, so they share a key (the key of a head from before the options existed); ttt_start needs
+    max_steps; EAGLE-3-only options stay refused."""
+    from polyspec.train.stage import train_key
+
+    def cfg(**kw):
+        return validate_tree({"workdir": "w", "target": {"source": "x"}, "train": kw}, "test").train
+
+    runtime = {"strategy": "auto", "devices": 1, "precision": "32-true", "accelerator": "cpu"}
+    base = train_key("t", "t", "d", cfg(), runtime)
+    assert train_key("t", "t", "d", cfg(ttt_steps=1, ttt_decay=0.5), runtime) == base
+    deep = train_key("t", "t", "d", cfg(ttt_steps=3), runtime)
+    assert deep != base and train_key("t", "t", "d", cfg(ttt_steps=3, ttt_decay=0.8), runtime) == deep
+    assert train_key("t", "t", "d", cfg(ttt_steps=3, ttt_start=0.5, max_steps=10), runtime) != \
+        train_key("t", "t", "d", cfg(ttt_steps=3, max_steps=10), runtime)
+    with pytest.raises(PolyspecError, match="ttt_start"):
+        cfg(ttt_steps=2, ttt_start=0.5)
+    with pytest.raises(PolyspecError, match="only apply to train.head=eagle3"):
+        cfg(draft_vocab=100)
+
+
+def test_tiny_eagle_training_with_an_unroll_logs_each_step_and_decodes_losslessly(tmp_path, tiny_model):
+    """train.ttt_steps on an EAGLE-1/2 head: one step deep for the first ttt_start share of the steps, then
+    unrolled (each step's agreement logged); the loss falls and the head decodes exactly like ar."""
+    from polyspec.decode.chain import ChainDecoder
+    from polyspec.decode.head import load_head
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+    from polyspec.decode.model import Transformer
+    from polyspec.train import train_stage
+
+    import lightning as L
+
+    seen: dict[int, set[str]] = {}
+
+    class Keys(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen[trainer.global_step] = set(pl_module.train_log)
+
+    recipe = _recipe(tmp_path, tiny_model, ttt_steps=3, ttt_start=0.5, max_steps=12, epochs=20, checkpoint_every=6)
+    out = train_stage(recipe, progress=False, log_every=1, callbacks=[Keys()])
+    info = _info(out)
+    assert info["steps"] == 12 and info["train"]["ttt_steps"] == 3
+    deep = sorted(step for step, keys in seen.items() if "train/step2_agreement" in keys)
+    assert deep == list(range(7, 13))  # steps 0..5 one deep (global_step 1..6 after them), then unrolled
+    evals = [e["heldout/loss"] for e in info["eval_history"]]
+    assert evals[-1] < evals[0]
+    target = Transformer.from_pretrained(tiny_model).eval()
+    head = load_head(out, target)
+    prompt = [5, 17, 30, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(target, "t")], max_seq_len=64).generate(prompt, 16).token_ids
+    assert ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=3,
+                        max_seq_len=64).generate(prompt, 16).token_ids == ar

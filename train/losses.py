@@ -73,6 +73,30 @@ def eagle_losses(head_logits: torch.Tensor, head_hidden: torch.Tensor, target_fe
     }
 
 
+def eagle_unrolled_losses(steps: list[tuple[torch.Tensor, torch.Tensor]], target_features: torch.Tensor,
+                          target_logits: torch.Tensor, weight: torch.Tensor, *, decay: float, feature_weight: float,
+                          token_weight: float) -> dict[str, torch.Tensor]:
+    """The EAGLE-1/2 loss over training-time-test steps (:meth:`polyspec.decode.head.EagleHead.unroll`).
+
+    steps: per step k (head logits [B, N, V], head output [B, N, H]); row t of step k predicts what row t + k of
+    step 0 would, so it is compared with the targets and weights of rows k..N-1 (:func:`eagle_losses` on them).
+    ``loss`` = sum over k of decay ** k * (feature_weight * feature + token_weight * token). ``feature``,
+    ``token``, ``correct``, ``count`` are step 0's; ``step_correct`` / ``step_count`` [K] every step's.
+    """
+    n = weight.shape[1]
+    loss = weight.new_zeros((), dtype=torch.float32)
+    per_step = []
+    for k, (logits, out) in enumerate(steps[:n]):
+        p = eagle_losses(logits[:, :n - k], out[:, :n - k], target_features[:, k:], target_logits[:, k:],
+                         weight[:, k:])
+        loss = loss + decay ** k * (feature_weight * p["feature"] + token_weight * p["token"])
+        per_step.append(p)
+    first = per_step[0]
+    return {"loss": loss, "feature": first["feature"], "token": first["token"], "correct": first["correct"],
+            "count": first["count"], "step_correct": torch.stack([p["correct"] for p in per_step]),
+            "step_count": torch.stack([p["count"] for p in per_step])}
+
+
 def eagle3_losses(step_logits: list[torch.Tensor], target_logits: torch.Tensor, weight: torch.Tensor,
                   draft_ids: torch.Tensor, t2d: torch.Tensor, decay: float) -> dict[str, torch.Tensor]:
     """The EAGLE-3 training-time-test loss over unroll steps (all in float32).
@@ -163,5 +187,5 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b) if b else 0
 
 
-__all__ = ["shift_for_head", "uniform_noise", "eagle_losses", "eagle3_losses", "expected_acceptance_length", "warmup_linear_decay",
+__all__ = ["shift_for_head", "uniform_noise", "eagle_losses", "eagle_unrolled_losses", "eagle3_losses", "expected_acceptance_length", "warmup_linear_decay",
            "padded_batch", "tokens_in", "ceil_div"]

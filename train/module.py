@@ -21,6 +21,7 @@ from polyspec.train.features import teacher_outputs
 from polyspec.train.losses import (
     eagle3_losses,
     eagle_losses,
+    eagle_unrolled_losses,
     expected_acceptance_length,
     shift_for_head,
     uniform_noise,
@@ -85,16 +86,27 @@ class HeadModule(L.LightningModule):
             teacher.to(self.device)
         return teacher
 
-    def _losses(self, batch: dict[str, torch.Tensor], noise: float) -> dict[str, torch.Tensor]:
-        """The loss parts of a batch; ``loss`` is what the optimizer minimises."""
+    def _unroll_steps(self) -> int:
+        """How deep this training step unrolls the head: train.ttt_steps, or 1 during the first train.ttt_start share
+        of the optimizer steps."""
+        start = (self.cfg.ttt_start or 0.0) * (self.cfg.max_steps or 0)
+        return self.cfg.ttt_steps if self.global_step >= start else 1
+
+    def _losses(self, batch: dict[str, torch.Tensor], noise: float, steps: int = 1) -> dict[str, torch.Tensor]:
+        """The loss parts of a batch with the head unrolled ``steps`` deep; ``loss`` is what the optimizer minimises."""
         logits_t, hidden = self._teacher_signal(batch)  # EAGLE-3: hidden is the aux concatenation [B, T, A H]
         s = shift_for_head(batch["input_ids"], hidden, logits_t, batch["loss_mask"], batch["lengths"])
         if self.eagle3:  # no feature noise: the training-time test already feeds the head its own states
-            steps = self.head.unroll(s["head_ids"], s["head_features"].float(), self.cfg.ttt_steps)
-            parts = eagle3_losses([lg for lg, _ in steps], s["target_logits"], s["weight"], self.head.draft_ids,
+            unrolled = self.head.unroll(s["head_ids"], s["head_features"].float(), steps)
+            parts = eagle3_losses([lg for lg, _ in unrolled], s["target_logits"], s["weight"], self.head.draft_ids,
                                   self.head.t2d, self.cfg.ttt_decay)
             return {**parts, "feature": torch.zeros_like(parts["loss"])}
-        feats = uniform_noise(s["head_features"].float(), noise)  # [B, T-1, H]
+        feats = uniform_noise(s["head_features"].float(), noise)  # [B, T-1, H]; step 0's input only
+        if steps > 1:
+            unrolled = self.head.unroll(s["head_ids"], feats, steps, vocab_ids=self.loss_ids)
+            return eagle_unrolled_losses(unrolled, s["target_features"], s["target_logits"], s["weight"],
+                                         decay=self.cfg.ttt_decay, feature_weight=self.cfg.feature_loss_weight,
+                                         token_weight=self.cfg.token_loss_weight)
         logits, out = self.head(s["head_ids"], feats, vocab_ids=self.loss_ids)  # [B, T-1, V or Vd], [B, T-1, H]
         parts = eagle_losses(logits, out, s["target_features"], s["target_logits"], s["weight"])
         parts["loss"] = self.cfg.feature_loss_weight * parts["feature"] + self.cfg.token_loss_weight * parts["token"]
@@ -103,7 +115,7 @@ class HeadModule(L.LightningModule):
     # -- training --------------------------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        parts = self._losses(batch, self.cfg.feature_noise)
+        parts = self._losses(batch, self.cfg.feature_noise, self._unroll_steps())
         loss = parts["loss"]
         self.tokens_seen += int(batch["lengths"].sum())
         count = float(parts["count"])
@@ -113,7 +125,7 @@ class HeadModule(L.LightningModule):
             "train/token_loss": float(parts["token"].detach()),
             "train/top1_agreement": float(parts["correct"]) / count if count else 0.0,
         }
-        if self.eagle3:  # the unrolled steps' agreement: how well the head drafts on its own states
+        if "step_correct" in parts:  # the unrolled steps' agreement: how well the head drafts on its own states
             for k, (c, n) in enumerate(zip(parts["step_correct"].tolist(), parts["step_count"].tolist(), strict=True)):
                 self.train_log[f"train/step{k}_agreement"] = c / n if n else 0.0
         self.log("loss", loss.detach(), prog_bar=True, on_step=True, batch_size=batch["input_ids"].shape[0])
@@ -138,7 +150,7 @@ class HeadModule(L.LightningModule):
         self._val_sums = torch.zeros(5, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        parts = self._losses(batch, 0.0)
+        parts = self._losses(batch, 0.0, self.cfg.ttt_steps if self.eagle3 else 1)  # EAGLE-1/2: as before
         c = parts["count"].double()
         self._val_sums += torch.stack((parts["feature"].double() * c, parts["token"].double() * c,
                                        parts["loss"].double() * c, parts["correct"].double(), c))

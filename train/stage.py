@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_KEYS, Recipe, TrainConfig
+from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_KEYS, EAGLE_DEFAULTS, Recipe, TrainConfig
 from polyspec.device import device_name, fast_bf16_matmul, is_global_rank_zero, resolve_dtype
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.fsutil import atomic_file, atomic_folder, damage_note, verify_output, write_file_hashes
@@ -79,12 +79,15 @@ def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
 
 def train_key(target_id: str, teacher_id: str, data_key: str, cfg: TrainConfig, runtime: dict[str, Any]) -> str:
     """SHA-256 over everything that changes the trained head."""
-    if cfg.head == "eagle3":  # an unset option and its default train the same head
-        cfg = eagle3_settings(cfg)
+    cfg = head_settings(cfg)  # an unset option and its default train the same head
     train = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
-    if cfg.head == "eagle":  # keys of EAGLE-1/2 heads are what they were before EAGLE-3 options existed
+    if not train.get("ttt_start"):  # keys from before the option existed stay as they were
+        train.pop("ttt_start", None)
+    if cfg.head == "eagle":  # keys of EAGLE-1/2 heads without an unroll are what they were before EAGLE-3 existed
+        unrolled = cfg.ttt_steps > 1
         for k in ("head", *EAGLE3_KEYS):
-            train.pop(k, None)
+            if k == "head" or not (unrolled and k.startswith("ttt_")):
+                train.pop(k, None)
     ident = {"format": TRAIN_FORMAT, "target": target_id, "teacher": teacher_id, "data": data_key, "train": train,
              "runtime": {k: str(runtime[k]) for k in ("strategy", "devices", "precision", "accelerator")}}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
@@ -384,9 +387,11 @@ def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
     return probe
 
 
-def eagle3_settings(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with the EAGLE-3 options' defaults filled in (EAGLE3_DEFAULTS) where the recipe leaves them unset."""
-    return cfg.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS.items() if getattr(cfg, k) is None})
+def head_settings(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the head's defaults (EAGLE3_DEFAULTS, or EAGLE_DEFAULTS for EAGLE-1/2) filled in where the recipe
+    leaves them unset."""
+    defaults = EAGLE3_DEFAULTS if cfg.head == "eagle3" else EAGLE_DEFAULTS
+    return cfg.model_copy(update={k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
 def _aux_layers(cfg: TrainConfig, teacher) -> list[int]:
@@ -434,7 +439,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
 
     # the shared embedding / lm_head are frozen eval-mode modules on purpose
     warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
-    cfg = eagle3_settings(recipe.train) if recipe.train.head == "eagle3" else recipe.train
+    cfg = head_settings(recipe.train)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     head = _new_head(cfg, teacher, counts)
     module = HeadModule(head, cfg, draft_k=recipe.decode.draft_k,

@@ -24,6 +24,19 @@ class AcceptanceResult:
     new_tokens: int
     verifications: int
     prompts: int
+    depth_accept: tuple[float, ...] = ()  # linear drafts: P(draft token j accepted | tokens 1..j-1 were), j = 1..k
+
+
+def depth_acceptance(lengths: list[int], draft_k: int) -> tuple[float, ...]:
+    """Per-depth conditional acceptance of linear drafts from the tokens each verification committed (accepted + 1):
+    entry j - 1 is the share of verifications that accepted draft token j among those that accepted tokens 1..j-1
+    (0.0 where none got that far). Where a drop falls tells feature drift (later drafts read the head's own
+    features) from a weak first guess."""
+    out = []
+    for j in range(1, draft_k + 1):
+        reached = sum(1 for n in lengths if n >= j)  # draft tokens 1..j-1 accepted
+        out.append(sum(1 for n in lengths if n >= j + 1) / reached if reached else 0.0)
+    return tuple(out)
 
 
 def prompt_prefix(input_ids: list[int], loss_mask: list[int]) -> list[int] | None:
@@ -40,7 +53,8 @@ def decoder_acceptance(target: torch.nn.Module, head: torch.nn.Module, prompts: 
                        eos_token_ids: frozenset[int] = frozenset()) -> AcceptanceResult:
     """Decode each prompt greedily with ``target`` verifying ``head`` (an EAGLE head reading the target's features):
     linear drafts of ``draft_k`` tokens, or the EAGLE-2 tree ``tree`` (a :class:`polyspec.decode.chain.TreeParams`).
-    Returns the mean number of tokens committed per target verification (accepted drafts + the target's own)."""
+    Returns the mean number of tokens committed per target verification (accepted drafts + the target's own) and,
+    for linear drafts, the per-depth acceptance (:func:`depth_acceptance`)."""
     from polyspec.decode.chain import ChainDecoder, SamplingParams
     from polyspec.decode.generate import KV_SLACK
     from polyspec.decode.levels import HeadLevel, ModelLevel
@@ -52,12 +66,13 @@ def decoder_acceptance(target: torch.nn.Module, head: torch.nn.Module, prompts: 
         longest = max(len(p) for p in prompts)
         dec = ChainDecoder([ModelLevel(target, "target"), HeadLevel(head, "head")], draft_k=draft_k,
                            max_seq_len=longest + max_new_tokens + KV_SLACK, tree=tree)
-        new = verifications = 0
+        new, lengths = 0, []
         for ids in prompts:
             res = dec.generate(list(ids), max_new_tokens, SamplingParams(), seed=0, eos_token_ids=eos_token_ids)
             new += len(res.token_ids)
-            verifications += len(res.level_stats[0].accept_lengths)
+            lengths += res.level_stats[0].accept_lengths
     finally:
         for model, cache in saved:
             model._cache = cache
-    return AcceptanceResult(new / verifications if verifications else 0.0, new, verifications, len(prompts))
+    depths = depth_acceptance(lengths, draft_k) if tree is None else ()
+    return AcceptanceResult(new / len(lengths) if lengths else 0.0, new, len(lengths), len(prompts), depths)

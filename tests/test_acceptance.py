@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyspec.decode.acceptance import decoder_acceptance, prompt_prefix
+from polyspec.decode.acceptance import decoder_acceptance, depth_acceptance, prompt_prefix
 from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
 from polyspec.decode.head import EagleHead
 from polyspec.decode.levels import HeadLevel, ModelLevel
@@ -49,3 +49,35 @@ def test_acceptance_counts_tokens_per_target_verification_and_leaves_the_models_
         assert (res.new_tokens, res.verifications, res.prompts) == (new, ver, 2)
         assert res.tokens_per_verification == new / ver
         assert 1.0 <= res.tokens_per_verification <= k + 1
+        assert len(res.depth_accept) == (k if tree is None else 0)
+
+
+def test_depth_acceptance_is_conditional_on_the_earlier_drafts():
+    # four verifications of 3-token drafts committing 1, 2, 4, 3 tokens: draft 1 accepted in 3 of 4, draft 2 in 2
+    # of those 3, draft 3 in 1 of those 2
+    assert depth_acceptance([1, 2, 4, 3], 3) == (0.75, 2 / 3, 0.5)
+    assert depth_acceptance([1, 1], 2) == (0.0, 0.0)  # nobody reached draft 2
+    assert depth_acceptance([], 2) == (0.0, 0.0)
+
+
+def test_head_probe_scores_the_heads_first_guess_on_the_targets_own_answer(tiny_llama_dir):
+    """bench.head_probe: the teacher-forced top-1 over an answer equals a step-by-step count with the models' KV caches
+    (the head drafting one token from the target's true feature at each position), and the models stay stateless."""
+    from polyspec.bench.head_probe import own_text_top1
+
+    target, head = _models(tiny_llama_dir)
+    prompt, answer = [1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2]
+    hits, positions = own_text_top1(target, head, prompt, answer)
+    assert target._cache is None and head._cache is None and positions == len(answer) - 1
+    seq = prompt + answer
+    target.setup_cache(32)
+    head.setup_cache(32)
+    want = 0
+    with torch.inference_mode():
+        logits, hidden = target(torch.tensor(seq))
+        for t in range(len(seq) - 2):
+            head_logits, _ = head(torch.tensor(seq[t + 1:t + 2]), hidden[t:t + 1])  # row t, cached
+            if t + 2 > len(prompt):  # answer token 0 comes from the prefill, never from a draft
+                want += int(head_logits[0].argmax() == logits[t + 1].argmax())
+    target._cache = head._cache = None
+    assert hits == want

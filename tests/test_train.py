@@ -560,13 +560,13 @@ def test_eagle_ttt_options_checked_and_keyed():
 def test_tiny_eagle_training_with_an_unroll_logs_each_step_and_decodes_losslessly(tmp_path, tiny_model):
     """train.ttt_steps on an EAGLE-1/2 head: one step deep for the first ttt_start share of the steps, then
     unrolled (each step's agreement logged); the loss falls and the head decodes exactly like ar."""
+    import lightning as L
+
     from polyspec.decode.chain import ChainDecoder
     from polyspec.decode.head import load_head
     from polyspec.decode.levels import HeadLevel, ModelLevel
     from polyspec.decode.model import Transformer
     from polyspec.train import train_stage
-
-    import lightning as L
 
     seen: dict[int, set[str]] = {}
 

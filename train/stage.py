@@ -129,7 +129,8 @@ def training_summary(head_dir: Path, stage_seconds: float) -> dict[str, Any]:
     """What ``polyspec train`` prints: the head folder and the headline numbers of its training.json."""
     info = json.loads((Path(head_dir) / TRAINING_JSON).read_text(encoding="utf-8"))
     keys = ("steps", "epochs_completed", "fit_seconds", "tokens_per_second", "heldout_top1_agreement",
-            "acceptance_length_estimate", "decoder_accept_linear", "decoder_accept_tree", "train_loss_first",
+            "acceptance_length_estimate", "decoder_accept_linear", "decoder_accept_tree", "decoder_accept_depths",
+            "train_loss_first",
             "train_loss_last", "resumed_from", "draft_k", "offline_cache")
     return {"head": str(head_dir), "stage_seconds": round(stage_seconds, 1), **{k: info.get(k) for k in keys}}
 
@@ -350,7 +351,8 @@ def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict
 
 
 def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
-    """A function head -> {heldout/accept_linear, heldout/accept_tree}: the decoder's tokens per target verification
+    """A function head -> {heldout/accept_linear, heldout/accept_tree, heldout/accept_depth<j>}: the decoder's tokens
+    per target verification (and the linear drafts' acceptance of draft token j given 1..j-1)
     on the first ``train.accept_prompts`` held-out prompts (greedy dual, linear drafts of ``decode.draft_k`` and the
     recipe's tree shape); None when turned off or nothing is held out."""
     import torch
@@ -381,6 +383,7 @@ def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
                 res = decoder_acceptance(teacher, head, prompts, max_new_tokens=cfg.accept_tokens,
                                          draft_k=dec.draft_k, tree=shape, eos_token_ids=eos)
                 out[f"heldout/accept_{name}"] = res.tokens_per_verification
+                out.update({f"heldout/accept_depth{j}": a for j, a in enumerate(res.depth_accept, 1)})
         head.train(was_training)
         return out
 
@@ -507,6 +510,10 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
         for name in ("accept_linear", "accept_tree"):
             if f"heldout/{name}" in module.last_eval:
                 result[f"decoder_{name}"] = module.last_eval[f"heldout/{name}"]
+        depths = [module.last_eval[f"heldout/accept_depth{j}"] for j in range(1, recipe.decode.draft_k + 1)
+                  if f"heldout/accept_depth{j}" in module.last_eval]
+        if depths:
+            result["decoder_accept_depths"] = depths
     return result
 
 

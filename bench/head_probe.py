@@ -27,19 +27,19 @@ from polyspec.errors import PolyspecError
 
 def own_text_top1(target: Any, head: Any, prompt: list[int], answer: list[int]) -> tuple[int, int]:
     """(agreements, positions): over the answer's tokens, whether the head's argmax from the target's true features
-    equals the target's own argmax. Head row t reads (x_{t+1}, f_t) and predicts x_{t+2}; without a KV cache."""
+    equals the target's own argmax. Head row t reads (x_{t+1}, f_t) and predicts x_{t+2}. The engine prefills the
+    target with the prompt but its last token, so the head drafts from row P - 2 on (P = prompt length): every answer
+    token is a position. Without a KV cache (the models' caches are left as they were)."""
     import torch
 
+    from polyspec.decode.acceptance import kept_caches
+
     seq = torch.tensor(prompt + answer)
-    saved = (target.__dict__.get("_cache"), head.__dict__.get("_cache"))
-    target._cache = head._cache = None
-    try:
-        with torch.no_grad():
-            logits, hidden = target(seq)  # [L, V], [L, H]
-            head_logits, _ = head(seq[1:], hidden[:-1])  # row t predicts x_{t+2}
-    finally:
-        target._cache, head._cache = saved
-    rows = slice(len(prompt) - 1, len(seq) - 2)  # rows t predicting answer tokens 1..n-1 (x_{t+2}); token 0 is prefill
+    with kept_caches(target, head), torch.no_grad():
+        target._cache = head._cache = None
+        logits, hidden = target(seq)  # [L, V], [L, H]
+        head_logits, _ = head(seq[1:], hidden[:-1])  # [L - 1, V]: row t predicts x_{t+2}
+    rows = slice(max(len(prompt) - 2, 0), len(seq) - 2)  # the rows whose x_{t+2} is an answer token
     hits = head_logits.argmax(-1)[rows] == logits.argmax(-1)[1:][rows]
     return int(hits.sum()), int(hits.numel())
 
@@ -47,26 +47,19 @@ def own_text_top1(target: Any, head: Any, prompt: list[int], answer: list[int]) 
 def probe_category(target: Any, head: Any, tokenizer: Any, questions: list[Any], *, max_new_tokens: int,
                    draft_k: int) -> dict[str, Any]:
     """One category's numbers (module docstring)."""
-    from polyspec.decode.acceptance import depth_acceptance
-    from polyspec.decode.chain import ChainDecoder, SamplingParams
-    from polyspec.decode.generate import KV_SLACK, encode_prompt, eos_ids
-    from polyspec.decode.levels import HeadLevel, ModelLevel
+    from polyspec.decode.acceptance import decoder_acceptance
+    from polyspec.decode.generate import encode_prompt, eos_ids
 
-    eos = frozenset(eos_ids(tokenizer))
     prompts = [encode_prompt(tokenizer, q.turns[0]) for q in questions]
-    dec = ChainDecoder([ModelLevel(target, "target"), HeadLevel(head, "head")], draft_k=draft_k,
-                       max_seq_len=max(len(p) for p in prompts) + max_new_tokens + KV_SLACK)
-    lengths: list[int] = []
-    new = hits = positions = 0
-    for ids in prompts:
-        res = dec.generate(list(ids), max_new_tokens, SamplingParams(), seed=0, eos_token_ids=eos)
-        lengths += res.level_stats[0].accept_lengths
-        new += len(res.token_ids)
-        h, n = own_text_top1(target, head, list(ids), list(res.token_ids))
+    res = decoder_acceptance(target, head, prompts, max_new_tokens=max_new_tokens, draft_k=draft_k,
+                             eos_token_ids=frozenset(eos_ids(tokenizer)))
+    hits = positions = 0
+    for ids, answer in zip(prompts, res.outputs, strict=True):
+        h, n = own_text_top1(target, head, list(ids), list(answer))
         hits, positions = hits + h, positions + n
-    return {"prompts": len(prompts), "new_tokens": new,
-            "tokens_per_verification": round(new / len(lengths), 4) if lengths else 0.0,
-            "depth_accept": [round(a, 4) for a in depth_acceptance(lengths, draft_k)],
+    return {"prompts": res.prompts, "new_tokens": res.new_tokens,
+            "tokens_per_verification": round(res.tokens_per_verification, 4),
+            "depth_accept": [round(a, 4) for a in res.depth_accept],
             "top1_own_text": round(hits / positions, 4) if positions else 0.0}
 
 
@@ -99,10 +92,16 @@ def _run(args: argparse.Namespace) -> None:
 
     target = load_model(args.target, dtype=getattr(torch, args.dtype), device=torch.device("cpu"))
     head = load_head(args.head, target)
+    if getattr(head, "head_type", "eagle") != "eagle":
+        raise PolyspecError(f"{args.head}: head_probe reads EAGLE-1/2 heads (the target's final hidden state as the "
+                            "feature); this is an EAGLE-3 head")
     head.set_draft_vocab(args.draft_vocab)
     tokenizer = load_tokenizer(args.target)
     for cat in args.categories.split(","):
-        qs = builtin_questions(categories=[cat], limit=args.limit)
+        notes: list[str] = []
+        qs = builtin_questions(categories=[cat], limit=args.limit, notes=notes)
+        if not qs:
+            raise PolyspecError("; ".join(notes) or f"no prompts in category {cat!r}")
         row = probe_category(target, head, tokenizer, qs, max_new_tokens=args.max_new_tokens, draft_k=args.draft_k)
         print(json.dumps({"category": cat, **row}), flush=True)
 

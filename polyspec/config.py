@@ -187,7 +187,7 @@ class TrainConfig(Section):
     )
     ttt_start: float | None = Field(
         None, ge=0, lt=1, description="the share of the optimizer steps trained one step deep before the unroll "
-        "starts (default 0; needs train.max_steps)"
+        "starts (default 0)"
     )
     draft_vocab: int | None = Field(
         None, ge=1, description="eagle3: draft vocabulary, the most frequent assistant tokens of the training data "
@@ -204,15 +204,17 @@ class TrainConfig(Section):
         if self.head == "eagle" and eagle3_only:
             raise ValueError(f"{', '.join('train.' + k for k in eagle3_only)} only apply to train.head=eagle3 "
                              "(this recipe trains an EAGLE-1/2 head)")
-        if self.ttt_start and self.max_steps is None:
-            raise ValueError("train.ttt_start is a share of train.max_steps; set train.max_steps too")
+        unused = [k for k in TTT_KEYS[1:] if getattr(self, k) is not None]
+        if self.head == "eagle" and (self.ttt_steps or 1) == 1 and unused:
+            raise ValueError(f"{', '.join('train.' + k for k in unused)} only apply to an unrolled head; set "
+                             "train.ttt_steps above 1 too")
         if self.head == "eagle3" and self.loss_vocab:
             raise ValueError("train.loss_vocab is for EAGLE-1/2 heads; an EAGLE-3 head trains over its own "
                              "train.draft_vocab")
         return self
 
 
-EAGLE3_KEYS = ("ttt_steps", "ttt_decay", "ttt_start", "draft_vocab", "aux_layers")  # unset, absent from EAGLE-1/2 keys
+TTT_KEYS = ("ttt_steps", "ttt_decay", "ttt_start")  # the training-time test (both heads)
 EAGLE3_ONLY = ("draft_vocab", "aux_layers")  # TrainConfig keys only train.head=eagle3 reads
 EAGLE3_DEFAULTS = {"ttt_steps": 3, "ttt_decay": 0.8, "draft_vocab": 32000}
 EAGLE_DEFAULTS = {"ttt_steps": 1, "ttt_decay": 0.8}  # EAGLE-1/2: no unroll unless asked

@@ -53,31 +53,47 @@ def test_acceptance_counts_tokens_per_target_verification_and_leaves_the_models_
 
 
 def test_depth_acceptance_is_conditional_on_the_earlier_drafts():
-    # four verifications of 3-token drafts committing 1, 2, 4, 3 tokens: draft 1 accepted in 3 of 4, draft 2 in 2
-    # of those 3, draft 3 in 1 of those 2
-    assert depth_acceptance([1, 2, 4, 3], 3) == (0.75, 2 / 3, 0.5)
-    assert depth_acceptance([1, 1], 2) == (0.0, 0.0)  # nobody reached draft 2
+    # one prompt, five verifications of 3-token drafts committing 1, 2, 4, 3, then 1 (its last, cut by the budget:
+    # left out): draft 1 accepted in 3 of 4, draft 2 in 2 of those 3, draft 3 in 1 of those 2
+    assert depth_acceptance([[1, 2, 4, 3, 1]], 3) == (0.75, 2 / 3, 0.5)
+    assert depth_acceptance([[1, 1, 4], [2]], 2) == (0.0, 0.0)  # nobody reached draft 2 in a counted verification
     assert depth_acceptance([], 2) == (0.0, 0.0)
 
 
-def test_head_probe_scores_the_heads_first_guess_on_the_targets_own_answer(tiny_llama_dir):
-    """bench.head_probe: the teacher-forced top-1 over an answer equals a step-by-step count with the models' KV caches
-    (the head drafting one token from the target's true feature at each position), and the models stay stateless."""
+class _StubTarget(torch.nn.Module):
+    """argmax of position i is token i; the feature of position i is i."""
+
+    def forward(self, seq):
+        n = len(seq)
+        return torch.eye(64)[:n] * 5, torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 4)
+
+
+class _StubHead(torch.nn.Module):
+    """Row t (feature t) predicts token t + 1, the target's next argmax, when t % 3 == 0, else token 63."""
+
+    def forward(self, ids, feats):
+        rows = feats[:, 0].long()
+        best = torch.where(rows % 3 == 0, rows + 1, torch.full_like(rows, 63))
+        return torch.nn.functional.one_hot(best, 64).float(), feats
+
+
+def test_head_probe_scores_every_drafted_answer_position():
+    """bench.head_probe: head row t predicts x_{t+2}; the rows scored are those whose x_{t+2} is an answer token
+    (rows P - 2 .. L - 3), compared with the target's argmax at t + 1. Stubs make the agreements row-dependent,
+    so an off-by-one in the rows changes the count; the models' caches are left as they were."""
     from polyspec.bench.head_probe import own_text_top1
 
+    target, head = _StubTarget(), _StubHead()
+    target._cache = head._cache = "kept"
+    hits, positions = own_text_top1(target, head, [1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2])
+    assert (hits, positions) == (3, 8)  # rows 3..10; rows 3, 6, 9 agree
+    assert target._cache == "kept" and head._cache == "kept"
+
+
+def test_the_head_drafts_the_first_answer_token(tiny_llama_dir):
+    """Why head_probe scores answer token 0: the engine prefills the target with the prompt but its last token, so
+    the first verification already checks a draft of answer token 0 (head row P - 2)."""
     target, head = _models(tiny_llama_dir)
-    prompt, answer = [1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2]
-    hits, positions = own_text_top1(target, head, prompt, answer)
-    assert target._cache is None and head._cache is None and positions == len(answer) - 1
-    seq = prompt + answer
-    target.setup_cache(32)
-    head.setup_cache(32)
-    want = 0
-    with torch.inference_mode():
-        logits, hidden = target(torch.tensor(seq))
-        for t in range(len(seq) - 2):
-            head_logits, _ = head(torch.tensor(seq[t + 1:t + 2]), hidden[t:t + 1])  # row t, cached
-            if t + 2 > len(prompt):  # answer token 0 comes from the prefill, never from a draft
-                want += int(head_logits[0].argmax() == logits[t + 1].argmax())
-    target._cache = head._cache = None
-    assert hits == want
+    res = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=2,
+                       max_seq_len=64).generate([1, 2, 3, 4], 1, SamplingParams(), seed=0)
+    assert len(res.token_ids) == 1 and res.level_stats[1].tokens_emitted >= 1

@@ -535,24 +535,47 @@ def test_unrolled_losses_compare_step_k_with_the_targets_k_rows_later():
     assert float(got["token"]) == float(first["token"]) and float(got["correct"]) == float(first["correct"])
 
 
+def _key_before_the_ttt_options(cfg, runtime) -> str:
+    """train_key as it was computed before the training-time test existed for EAGLE-1/2 heads (and ttt_start at all)."""
+    import hashlib
+
+    from polyspec.train.stage import OPERATIONAL_KEYS, TRAIN_FORMAT, head_settings
+
+    if cfg.head == "eagle3":
+        cfg = head_settings(cfg)
+    train = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
+    train.pop("ttt_start", None)
+    if cfg.head == "eagle":
+        for k in ("head", "ttt_steps", "ttt_decay", "draft_vocab", "aux_layers"):
+            train.pop(k, None)
+    ident = {"format": TRAIN_FORMAT, "target": "t", "teacher": "t", "data": "d", "train": train,
+             "runtime": {k: str(runtime[k]) for k in ("strategy", "devices", "precision", "accelerator")}}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
 def test_eagle_ttt_options_checked_and_keyed():
-    """EAGLE-1/2 heads take the training-time test (ttt_steps, ttt_decay, ttt_start); an unset ttt_steps and 1 train
-    the same head, so they share a key (the key of a head from before the options existed); ttt_start needs
-    max_steps; EAGLE-3-only options stay refused."""
+    """EAGLE-1/2 heads take the training-time test (ttt_steps, ttt_decay, ttt_start). Heads without it (unset or
+    ttt_steps 1), and every EAGLE-3 head trained without ttt_start, keep the keys they had before the options
+    existed; an unrolled head gets its own key. ttt_decay / ttt_start without an unroll, and EAGLE-3-only options
+    on an EAGLE-1/2 head, are refused."""
     from polyspec.train.stage import train_key
 
     def cfg(**kw):
         return validate_tree({"workdir": "w", "target": {"source": "x"}, "train": kw}, "test").train
 
     runtime = {"strategy": "auto", "devices": 1, "precision": "32-true", "accelerator": "cpu"}
+    for old in (cfg(), cfg(max_steps=10), cfg(ttt_steps=1), cfg(head="eagle3"),
+                cfg(head="eagle3", ttt_steps=2, draft_vocab=100, ttt_decay=0.5), cfg(head="eagle3", ttt_start=0.0)):
+        assert train_key("t", "t", "d", old, runtime) == _key_before_the_ttt_options(old, runtime)
     base = train_key("t", "t", "d", cfg(), runtime)
-    assert train_key("t", "t", "d", cfg(ttt_steps=1, ttt_decay=0.5), runtime) == base
     deep = train_key("t", "t", "d", cfg(ttt_steps=3), runtime)
     assert deep != base and train_key("t", "t", "d", cfg(ttt_steps=3, ttt_decay=0.8), runtime) == deep
-    assert train_key("t", "t", "d", cfg(ttt_steps=3, ttt_start=0.5, max_steps=10), runtime) != \
-        train_key("t", "t", "d", cfg(ttt_steps=3, max_steps=10), runtime)
-    with pytest.raises(PolyspecError, match="ttt_start"):
-        cfg(ttt_steps=2, ttt_start=0.5)
+    assert train_key("t", "t", "d", cfg(ttt_steps=3, ttt_start=0.5), runtime) != deep
+    assert train_key("t", "t", "d", cfg(head="eagle3", ttt_start=0.5), runtime) != \
+        train_key("t", "t", "d", cfg(head="eagle3"), runtime)
+    for refused in ({"ttt_decay": 0.5}, {"ttt_steps": 1, "ttt_start": 0.5}):
+        with pytest.raises(PolyspecError, match="only apply to an unrolled head"):
+            cfg(**refused)
     with pytest.raises(PolyspecError, match="only apply to train.head=eagle3"):
         cfg(draft_vocab=100)
 

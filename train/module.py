@@ -88,8 +88,11 @@ class HeadModule(L.LightningModule):
 
     def _unroll_steps(self) -> int:
         """How deep this training step unrolls the head: train.ttt_steps, or 1 during the first train.ttt_start share
-        of the optimizer steps."""
-        start = (self.cfg.ttt_start or 0.0) * (self.cfg.max_steps or 0)
+        of the optimizer steps this fit will run (the total the learning-rate schedule uses)."""
+        if not self.cfg.ttt_start:
+            return self.cfg.ttt_steps
+        total = self.trainer.estimated_stepping_batches
+        start = self.cfg.ttt_start * (total if total != float("inf") else 0)
         return self.cfg.ttt_steps if self.global_step >= start else 1
 
     def _losses(self, batch: dict[str, torch.Tensor], noise: float, steps: int = 1) -> dict[str, torch.Tensor]:

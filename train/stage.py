@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_KEYS, EAGLE_DEFAULTS, Recipe, TrainConfig
+from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_ONLY, EAGLE_DEFAULTS, TTT_KEYS, Recipe, TrainConfig
 from polyspec.device import device_name, fast_bf16_matmul, is_global_rank_zero, resolve_dtype
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.fsutil import atomic_file, atomic_folder, damage_note, verify_output, write_file_hashes
@@ -84,10 +84,9 @@ def train_key(target_id: str, teacher_id: str, data_key: str, cfg: TrainConfig, 
     if not train.get("ttt_start"):  # keys from before the option existed stay as they were
         train.pop("ttt_start", None)
     if cfg.head == "eagle":  # keys of EAGLE-1/2 heads without an unroll are what they were before EAGLE-3 existed
-        unrolled = cfg.ttt_steps > 1
-        for k in ("head", *EAGLE3_KEYS):
-            if k == "head" or not (unrolled and k.startswith("ttt_")):
-                train.pop(k, None)
+        dropped = ("head", *EAGLE3_ONLY, *(TTT_KEYS if cfg.ttt_steps == 1 else ()))
+        for k in dropped:
+            train.pop(k, None)
     ident = {"format": TRAIN_FORMAT, "target": target_id, "teacher": teacher_id, "data": data_key, "train": train,
              "runtime": {k: str(runtime[k]) for k in ("strategy", "devices", "precision", "accelerator")}}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
@@ -489,29 +488,32 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     if val_dl is not None and module.last_eval.get("step") != float(trainer.global_step):
         trainer.validate(module, dataloaders=val_dl, verbose=False)
         logger_cb.on_validation_end(trainer, module)  # validate() alone does not run the fit-time callback path
-    history = logger_cb.history
+    numbers = {"steps": int(trainer.global_step), "epochs_completed": int(trainer.current_epoch),
+               "resumed_from": str(resume) if resume else None, "fit_seconds": wall,
+               "tokens_seen": int(module.tokens_seen) * world, "tokens_this_run": int(tokens_this_run),
+               "tokens_per_second": tokens_this_run / max(train_seconds, 1e-9)}
+    return _fit_result(numbers, module, logger_cb, recipe.decode.draft_k)
+
+
+def _fit_result(numbers: dict[str, Any], module: Any, logger_cb: Any, draft_k: int) -> dict[str, Any]:
+    """The fit's numbers for training.json: ``numbers`` plus the losses, the held-out metrics and the decoder's
+    acceptance (the last validation's), and the trained head under "_head"."""
+    history, last = logger_cb.history, module.last_eval
     result: dict[str, Any] = {
-        "steps": int(trainer.global_step),
-        "epochs_completed": int(trainer.current_epoch),
-        "resumed_from": str(resume) if resume else None,
-        "fit_seconds": wall,
-        "tokens_seen": int(module.tokens_seen) * world,
-        "tokens_this_run": int(tokens_this_run),
-        "tokens_per_second": tokens_this_run / max(train_seconds, 1e-9),
+        **numbers,
         "train_loss_first": history[0]["train/loss"] if history else None,
         "train_loss_last": history[-1]["train/loss"] if history else None,
-        "heldout": {k.removeprefix("heldout/"): v for k, v in module.last_eval.items()},
+        "heldout": {k.removeprefix("heldout/"): v for k, v in last.items()},
         "eval_history": logger_cb.evals,
         "_head": module.head,
     }
-    if module.last_eval:
-        result["heldout_top1_agreement"] = module.last_eval["heldout/top1_agreement"]
-        result["acceptance_length_estimate"] = module.last_eval["heldout/acceptance_length_estimate"]
+    if last:
+        result["heldout_top1_agreement"] = last["heldout/top1_agreement"]
+        result["acceptance_length_estimate"] = last["heldout/acceptance_length_estimate"]
         for name in ("accept_linear", "accept_tree"):
-            if f"heldout/{name}" in module.last_eval:
-                result[f"decoder_{name}"] = module.last_eval[f"heldout/{name}"]
-        depths = [module.last_eval[f"heldout/accept_depth{j}"] for j in range(1, recipe.decode.draft_k + 1)
-                  if f"heldout/accept_depth{j}" in module.last_eval]
+            if f"heldout/{name}" in last:
+                result[f"decoder_{name}"] = last[f"heldout/{name}"]
+        depths = [last[f"heldout/accept_depth{j}"] for j in range(1, draft_k + 1) if f"heldout/accept_depth{j}" in last]
         if depths:
             result["decoder_accept_depths"] = depths
     return result

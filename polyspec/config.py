@@ -204,7 +204,8 @@ class TrainConfig(Section):
         if self.head == "eagle" and eagle3_only:
             raise ValueError(f"{', '.join('train.' + k for k in eagle3_only)} only apply to train.head=eagle3 "
                              "(this recipe trains an EAGLE-1/2 head)")
-        unused = [k for k in TTT_KEYS[1:] if getattr(self, k) is not None]
+        unused = [k for k, used in (("ttt_decay", self.ttt_decay is not None), ("ttt_start", bool(self.ttt_start)))
+                  if used]
         if self.head == "eagle" and (self.ttt_steps or 1) == 1 and unused:
             raise ValueError(f"{', '.join('train.' + k for k in unused)} only apply to an unrolled head; set "
                              "train.ttt_steps above 1 too")

@@ -80,3 +80,24 @@ def test_bad_input_is_one_clear_error(chain):
         generate_batch(model, [[1, 2]], max_new_tokens=2, eos_token_ids=set(), temperature=0.5)
     with pytest.raises(PolyspecError, match="polyspec's engine"):
         generate_batch(torch.nn.Linear(2, 2), [[1]], max_new_tokens=2, eos_token_ids=set())
+
+
+def test_batch_decode_bench_prints_one_row_per_batch_size(tmp_path, capsys):
+    """python -m polyspec.bench.batch_decode: one JSON row per batch size, every row's tokens counted; bad batch sizes
+    are one clear error (exit 2)."""
+    import json
+
+    from conftest import make_tiny_llama
+
+    from polyspec.bench.batch_decode import main
+
+    model = make_tiny_llama(tmp_path / "m", hidden=64, intermediate=128, heads=4, kv_heads=2)
+    assert main([str(model), "--batches", "1,3", "--new-tokens", "5", "--dtype", "float32"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["ms_per_step"] > 0
+        # tokens/s is generated tokens (batch x 5) over the same seconds that ms_per_step divides by 5 steps
+        assert abs(r["tokens_per_second"] - r["batch"] * 1000 / r["ms_per_step"]) <= 0.05 * r["tokens_per_second"]
+    assert main([str(model), "--batches", "0,x"]) == 2
+    assert "positive integers" in capsys.readouterr().err

@@ -217,8 +217,9 @@ class TrainConfig(Section):
 
 TTT_KEYS = ("ttt_steps", "ttt_decay", "ttt_start")  # the training-time test (both heads)
 EAGLE3_ONLY = ("draft_vocab", "aux_layers")  # TrainConfig keys only train.head=eagle3 reads
-EAGLE3_DEFAULTS = {"ttt_steps": 3, "ttt_decay": 0.8, "draft_vocab": 32000}
-EAGLE_DEFAULTS = {"ttt_steps": 1, "ttt_decay": 0.8}  # EAGLE-1/2: no unroll unless asked
+TTT_DECAY = 0.8  # the default weight ratio of successive unroll steps' losses, both heads
+EAGLE3_DEFAULTS = {"ttt_steps": 3, "ttt_decay": TTT_DECAY, "draft_vocab": 32000}
+EAGLE_DEFAULTS = {"ttt_steps": 1, "ttt_decay": TTT_DECAY}  # EAGLE-1/2: no unroll unless asked
 
 
 class QuantizeConfig(Section):

@@ -57,6 +57,7 @@ class HeadModule(L.LightningModule):
         self.eagle3 = getattr(head, "head_type", "eagle") == "eagle3"
         self._aux = tuple(head.aux_layers) if self.eagle3 else ()
         self._kept = {"head." + k for k in head.trainable_state_dict()}  # what checkpoints hold
+        self._unroll_from = 0.0  # optimizer step from which training unrolls the head (configure_optimizers)
 
     # -- teacher -------------------------------------------------------------------------------------------------
 
@@ -87,13 +88,9 @@ class HeadModule(L.LightningModule):
         return teacher
 
     def _unroll_steps(self) -> int:
-        """How deep this training step unrolls the head: train.ttt_steps, or 1 during the first train.ttt_start share
-        of the optimizer steps this fit will run (the total the learning-rate schedule uses)."""
-        if not self.cfg.ttt_start:
-            return self.cfg.ttt_steps
-        total = self.trainer.estimated_stepping_batches
-        start = self.cfg.ttt_start * (total if total != float("inf") else 0)
-        return self.cfg.ttt_steps if self.global_step >= start else 1
+        """How deep this training step unrolls the head: train.ttt_steps, or 1 before ``_unroll_from`` (the first
+        train.ttt_start share of the fit's optimizer steps, set with the schedule in configure_optimizers)."""
+        return self.cfg.ttt_steps if self.global_step >= self._unroll_from else 1
 
     def _losses(self, batch: dict[str, torch.Tensor], noise: float, steps: int = 1) -> dict[str, torch.Tensor]:
         """The loss parts of a batch with the head unrolled ``steps`` deep; ``loss`` is what the optimizer minimises."""
@@ -140,6 +137,7 @@ class HeadModule(L.LightningModule):
         total = self.trainer.estimated_stepping_batches
         total = int(total) if total != float("inf") else 0
         warmup = self.cfg.warmup_steps
+        self._unroll_from = (self.cfg.ttt_start or 0.0) * total  # the schedule's total, worked out once per fit
 
         def factor(step: int) -> float:
             return warmup_linear_decay(step, warmup, total)

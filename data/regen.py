@@ -5,13 +5,14 @@ history (rendered by the tokenizer's chat template, as :mod:`polyspec.data.chat`
 (k + 1)-th, until ``data.regen.max_turns`` turns are answered, the conversation has no user turn left, or its prompt
 reaches ``data.max_length`` tokens (anything later would be truncated away from the training sequence anyway).
 
-Who answers: the target in-process on polyspec's engine, batched (:mod:`polyspec.decode.batch`), or an
+Who answers: the target in-process on polyspec's engine, continuously batched (:mod:`polyspec.decode.batch`), or an
 OpenAI-compatible server (``data.regen.endpoint``; POST /v1/chat/completions, a few requests in flight).
 
 Cache and resume: ``<workdir>/cache/regen/<key>/`` where the key hashes the target's identity (or the endpoint's URL
-and model), every prompt (system and user turns) and the sampling settings. Conversations are answered in shards of
-:data:`SHARD_SIZE`; each finished shard is written atomically as ``shard-NNNNNN.json``, so a killed run loses at most
-the shard in progress and a rerun skips the shards already there. Sampling is seeded per conversation and turn, so a
+and model), every prompt (system and user turns) and the sampling settings. Conversations are stored in shards of
+:data:`SHARD_SIZE` and answered a wave of shards at a time (:func:`shards_per_wave`); each shard of a finished wave is
+written atomically as ``shard-NNNNNN.json``, so a killed run loses at most the wave in progress and a rerun skips the
+shards already there. Sampling is seeded per conversation and turn, so a
 resumed run equals an uninterrupted one (also at temperature > 0, and whatever the batch size).
 """
 
@@ -36,7 +37,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 Message = dict[str, str]
 FORMAT_VERSION = 1  # bump when the shard layout or the answering rules change
-SHARD_SIZE = 64  # conversations per shard file: what a kill can lose
+SHARD_SIZE = 64  # conversations per shard file
+WAVE_PROMPTS_PER_ROW = 4  # conversations answered together per batch row (shards_per_wave): what a kill can lose
 
 
 @dataclass
@@ -98,14 +100,14 @@ def turn_seed(seed: int, conversation: int, turn: int) -> int:
 
 
 class InProcess:
-    """The target on polyspec's engine: prompts sorted by length and answered ``batch_size`` at a time."""
+    """The target on polyspec's engine: ``batch_size`` rows decoded together, each refilled with the next prompt when
+    its answer ends (:func:`polyspec.decode.batch.generate_batch`)."""
 
     def __init__(self, model: Any, tokenizer: Any, cfg: RegenConfig):
         from polyspec.decode.generate import eos_ids
 
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.eos = eos_ids(tokenizer)
-        self.pad = next(iter(self.eos), 0)
         self.context = int(model.args.max_position_embeddings)
 
     def max_new(self, prompt_len: int) -> int:
@@ -117,21 +119,12 @@ class InProcess:
 
         from polyspec.decode.batch import generate_batch
 
-        replies: list[Reply | None] = [None] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: little padding
-        b = self.cfg.batch_size
-        for lo in range(0, len(order), b):
-            chunk = order[lo:lo + b]
-            rows = [prompts[i] for i in chunk]
-            gens = [torch.Generator().manual_seed(seeds[i]) for i in chunk] if self.cfg.temperature > 0 else None
-            out = generate_batch(self.model, rows, max_new_tokens=self.max_new(max(map(len, rows))),
-                                 eos_token_ids=self.eos, temperature=self.cfg.temperature, generators=gens,
-                                 pad_id=self.pad)
-            for i, row in zip(chunk, out, strict=True):
-                text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
-                replies[i] = Reply(text=text, tokens=len(row.token_ids), eos=row.stopped_at_eos)
-            done(len(chunk), sum(len(r.token_ids) for r in out))
-        return replies  # type: ignore[return-value]
+        gens = [torch.Generator().manual_seed(s) for s in seeds] if self.cfg.temperature > 0 else None
+        out = generate_batch(self.model, prompts, max_new_tokens=self.max_new(max(map(len, prompts))),
+                             eos_token_ids=self.eos, temperature=self.cfg.temperature, generators=gens,
+                             batch_size=self.cfg.batch_size, on_done=lambda i, n: done(1, n))
+        return [Reply(text=self.tokenizer.decode(row.token_ids, skip_special_tokens=True),
+                      tokens=len(row.token_ids), eos=row.stopped_at_eos) for row in out]
 
 
 class Endpoint:
@@ -202,15 +195,15 @@ def _encode(tokenizer: Any, history: list[Message]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def answer_shard(conversations: Sequence[Sequence[Message]], first: int, answerer: Any, tokenizer: Any,
-                 recipe: Recipe, done: Callable[[int, int], None]) -> dict[str, Any]:
-    """Answer conversations ``first``, ``first + 1``, ... turn by turn; returns the shard's JSON object."""
+def answer_wave(conversations: Sequence[Sequence[Message]], first: int, answerer: Any, tokenizer: Any,
+                recipe: Recipe, done: Callable[[int, int], None]) -> list[dict[str, Any]]:
+    """Answer conversations ``first``, ``first + 1``, ... together, turn by turn; returns one shard object per
+    :data:`SHARD_SIZE` of them (the wave's generation time split between its shards by their tokens)."""
     cfg = recipe.data.regen
     states = []
     for conv in conversations:
         head, users = prompt_turns(conv, cfg.max_turns)
-        states.append({"messages": head, "users": users, "turns": [], "open": True})
-    skipped = 0
+        states.append({"messages": head, "users": users, "turns": [], "open": True, "skipped": 0})
     t0 = time.perf_counter()
     for k in range(max((len(s["users"]) for s in states), default=0)):
         live, histories, prompts = [], [], []
@@ -221,8 +214,8 @@ def answer_shard(conversations: Sequence[Sequence[Message]], first: int, answere
             ids = _encode(tokenizer, history)
             if len(ids) >= recipe.data.max_length or answerer.max_new(len(ids)) < 1:
                 s["open"] = False  # its answer would start past the training sequence's end
-                skipped += len(s["users"]) - k
-                done(len(s["users"]) - k, 0)
+                s["skipped"] = len(s["users"]) - k
+                done(s["skipped"], 0)
                 continue
             live.append(i)
             histories.append(history)
@@ -233,9 +226,41 @@ def answer_shard(conversations: Sequence[Sequence[Message]], first: int, answere
         for i, history, reply in zip(live, histories, answerer.answer(histories, prompts, seeds, done), strict=True):
             states[i]["messages"] = history + [{"role": "assistant", "content": reply.text}]
             states[i]["turns"].append({"tokens": reply.tokens, "eos": reply.eos})
-    return {"first": first, "seconds": time.perf_counter() - t0, "turns_skipped_too_long": skipped,
-            "conversations": [{"index": first + i, "messages": s["messages"], "turns": s["turns"]}
-                              for i, s in enumerate(states)]}
+    return _shards(states, first, time.perf_counter() - t0)
+
+
+def _shards(states: list[dict[str, Any]], first: int, seconds: float) -> list[dict[str, Any]]:
+    def tokens(part: list[dict[str, Any]]) -> int:
+        return sum(t["tokens"] for s in part for t in s["turns"])
+
+    total = tokens(states)
+    out = []
+    for lo in range(0, len(states), SHARD_SIZE):
+        part = states[lo:lo + SHARD_SIZE]
+        share = tokens(part) / total if total else len(part) / len(states)
+        out.append({"first": first + lo, "seconds": seconds * share,
+                    "turns_skipped_too_long": sum(s["skipped"] for s in part),
+                    "conversations": [{"index": first + lo + i, "messages": s["messages"], "turns": s["turns"]}
+                                      for i, s in enumerate(part)]})
+    return out
+
+
+def waves(todo: list[int], shards_per_wave: int) -> list[list[int]]:
+    """The missing shards' starts grouped into runs of consecutive shards, at most ``shards_per_wave`` each."""
+    out: list[list[int]] = []
+    for j in todo:
+        if out and len(out[-1]) < shards_per_wave and out[-1][-1] + SHARD_SIZE == j:
+            out[-1].append(j)
+        else:
+            out.append([j])
+    return out
+
+
+def shards_per_wave(cfg: RegenConfig) -> int:
+    """Enough conversations answered together that every row (or request in flight) takes ~WAVE_PROMPTS_PER_ROW
+    prompts: a wave ends with its rows draining one by one, and that tail is a smaller share of a longer wave."""
+    rows = cfg.endpoint.concurrency if cfg.endpoint is not None else cfg.batch_size
+    return max(1, -(-WAVE_PROMPTS_PER_ROW * rows // SHARD_SIZE))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -328,10 +353,11 @@ def regenerate(recipe: Recipe, conversations: list[list[Message]], tokenizer: An
         turns = [len(prompt_turns(c, cfg.max_turns)[1]) for c in conversations]
         done_turns = sum(sum(turns[j:j + SHARD_SIZE]) for j in shards)
         with _bar(progress, sum(turns), done_turns) as advance:
-            for j in todo:
-                shard = answer_shard(conversations[j:j + SHARD_SIZE], j, answerer, tokenizer, recipe, advance)
-                write_text(paths[j // SHARD_SIZE], json.dumps(shard, ensure_ascii=False) + "\n")
-                shards[j] = shard
+            for wave in waves(todo, shards_per_wave(cfg)):
+                part = conversations[wave[0]:wave[-1] + SHARD_SIZE]
+                for shard in answer_wave(part, wave[0], answerer, tokenizer, recipe, advance):
+                    write_text(paths[shard["first"] // SHARD_SIZE], json.dumps(shard, ensure_ascii=False) + "\n")
+                    shards[shard["first"]] = shard
     ordered = [shards[j] for j in starts]
     out = [c["messages"] for sh in ordered for c in sh["conversations"]]
     report = {"cache_dir": str(folder), "cache_key": key, **identity["generator"], **identity["sampling"],

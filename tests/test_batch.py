@@ -1,4 +1,4 @@
-"""decode/batch.py: B left-padded prompts prefilled and decoded together equal each prompt's own batch-1 run."""
+"""decode/batch.py: prompts answered together, rows refilled as answers end, equal each prompt's own batch-1 run."""
 
 from __future__ import annotations
 
@@ -53,6 +53,25 @@ def test_rows_stop_at_their_own_eos_and_the_rest_go_on(chain):
         assert r.stopped_at_eos or len(r.token_ids) == 10
 
 
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+def test_refilled_rows_equal_each_prompts_ar_output(chain, batch_size):
+    """Fewer rows than prompts: each row takes the next prompt when its answer ends (at EOS or at the cap), so rows
+    hold prompts of different lengths at different slots; every answer still equals its own batch-1 run, and on_done
+    reports each prompt once with its token count."""
+    from polyspec.decode.batch import generate_batch
+
+    model, prompts = chain.models["target"], _prompts() * 2
+    free = generate_batch(model, prompts, max_new_tokens=9, eos_token_ids=set())
+    eos = {free[0].token_ids[2], free[3].token_ids[5]}  # some rows end early, so refills happen mid-batch
+    refs = [_ar(chain, p, 9, eos) for p in prompts]
+    done: dict[int, int] = {}
+    out = generate_batch(model, prompts, max_new_tokens=9, eos_token_ids=eos, batch_size=batch_size,
+                         on_done=lambda i, n: done.setdefault(i, n))
+    assert [r.token_ids for r in out] == refs
+    assert done == {i: len(r) for i, r in enumerate(refs)}
+    assert len({len(r) for r in refs}) > 1  # the answers really ended at different steps
+
+
 def test_sampling_rows_do_not_depend_on_their_batch(chain):
     from polyspec.decode.batch import generate_batch
 
@@ -66,6 +85,9 @@ def test_sampling_rows_do_not_depend_on_their_batch(chain):
     alone = generate_batch(model, prompts[3:4], max_new_tokens=8, eos_token_ids=set(), temperature=1.0,
                            generators=gens([3]))
     assert together[3].token_ids == alone[0].token_ids
+    refilled = generate_batch(model, prompts, max_new_tokens=8, eos_token_ids=set(), temperature=1.0,
+                              generators=gens(range(5)), batch_size=2)
+    assert [r.token_ids for r in refilled] == [r.token_ids for r in together]
     greedy = generate_batch(model, prompts, max_new_tokens=8, eos_token_ids=set())
     assert any(t.token_ids != g.token_ids for t, g in zip(together, greedy, strict=True))  # it did sample
 
@@ -80,6 +102,8 @@ def test_bad_input_is_one_clear_error(chain):
         generate_batch(model, [[1, 2]], max_new_tokens=2, eos_token_ids=set(), temperature=0.5)
     with pytest.raises(PolyspecError, match="polyspec's engine"):
         generate_batch(torch.nn.Linear(2, 2), [[1]], max_new_tokens=2, eos_token_ids=set())
+    with pytest.raises(PolyspecError, match="batch_size must be >= 1"):
+        generate_batch(model, [[1]], max_new_tokens=2, eos_token_ids=set(), batch_size=0)
 
 
 def test_batch_decode_bench_prints_one_row_per_batch_size(tmp_path, capsys):

@@ -145,7 +145,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_llama_dir
     whole, whole_rep = regen.regenerate(_recipe(tmp_path / "a", tiny_llama_dir, **sample), convs, tokenizer,
                                         target_id=target_id, target_dir=tiny_llama_dir)
 
-    real, calls, kill = regen.answer_shard, [], [True]
+    assert whole_rep["shards"] == 3  # one wave of all three shards (batch 3: 4 x 3 prompts per wave), split on write
+
+    real, calls, kill = regen.answer_wave, [], [True]
 
     def dies_on_the_second_shard(*args, **kw):
         calls.append(args[1])
@@ -153,7 +155,8 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_llama_dir
             raise Killed
         return real(*args, **kw)
 
-    monkeypatch.setattr(regen, "answer_shard", dies_on_the_second_shard)
+    monkeypatch.setattr(regen, "answer_wave", dies_on_the_second_shard)
+    monkeypatch.setattr(regen, "WAVE_PROMPTS_PER_ROW", 1)  # batch 2 -> waves of one shard
     recipe = _recipe(tmp_path / "b", tiny_llama_dir, batch_size=2, **sample)  # another batch size, same answers
     with pytest.raises(Killed):
         regen.regenerate(recipe, convs, tokenizer, target_id=target_id, target_dir=tiny_llama_dir)
@@ -169,6 +172,20 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_llama_dir
     greedy, _ = regen.regenerate(_recipe(tmp_path / "c", tiny_llama_dir), convs, tokenizer, target_id=target_id,
                                  target_dir=tiny_llama_dir)
     assert greedy != whole  # it did sample
+
+
+def test_waves_group_consecutive_missing_shards(monkeypatch):
+    from polyspec.config import RegenConfig
+    from polyspec.data import regen
+
+    monkeypatch.setattr(regen, "SHARD_SIZE", 10)
+    assert regen.waves([0, 10, 20, 40, 50, 60, 70], 3) == [[0, 10, 20], [40, 50, 60], [70]]
+    assert regen.waves([], 3) == []
+    monkeypatch.setattr(regen, "SHARD_SIZE", 64)
+    assert regen.shards_per_wave(RegenConfig(batch_size=16)) == 1  # 4 prompts per row: 64 conversations, one shard
+    assert regen.shards_per_wave(RegenConfig(batch_size=100)) == 7  # 400 conversations
+    assert regen.shards_per_wave(RegenConfig(batch_size=1)) == 1
+    assert regen.shards_per_wave(RegenConfig(batch_size=1, endpoint={"url": "http://h", "concurrency": 40})) == 3
 
 
 def test_damaged_shard_is_one_clear_error(tmp_path, tiny_llama_dir, tokenizer, target_id):

@@ -478,6 +478,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    "(default: the manifest's decode.tree, else 8)")
     p.add_argument("--tree-depth", type=int, default=None, help="*-tree modes: draft forwards per tree")
     p.add_argument("--tree-tokens", type=int, default=None, help="*-tree modes: most draft tokens per tree")
+    p.add_argument("--tree-lookup", type=int, default=None,
+                   help="*-tree modes, greedy: up to N prompt-lookup tokens added to each tree as one more path")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the dtype the chain's profile chose, else float32 on CPU)")
     p.add_argument("--recipe", type=Path, default=None,
@@ -514,12 +516,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def tree_shape(args: argparse.Namespace) -> dict[str, int] | None:
-    """The --tree-top-k / --tree-depth / --tree-tokens given (None if none), checked."""
+    """The --tree-top-k / --tree-depth / --tree-tokens / --tree-lookup given (None if none), checked."""
     shape = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
-                                ("total_tokens", args.tree_tokens)) if v is not None}
-    bad = [f"{k}={v}" for k, v in shape.items() if v < 1]
+                                ("total_tokens", args.tree_tokens),
+                                ("lookup", getattr(args, "tree_lookup", None))) if v is not None}
+    bad = [f"{k}={v}" for k, v in shape.items() if v < (0 if k == "lookup" else 1)]
     if bad:
-        raise PolyspecError(f"tree shape values must be integers >= 1, got {', '.join(bad)}")
+        raise PolyspecError(f"tree shape values must be integers >= 1 (--tree-lookup >= 0), got {', '.join(bad)}")
     return shape or None
 
 

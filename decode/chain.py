@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from polyspec.decode.levels import Level
+from polyspec.decode.ngram import lookup_run
 from polyspec.decode.sampling import (
     accept_prefix,
     argmax_rows,
@@ -84,13 +85,19 @@ class TreeParams:
     """EAGLE-2 dynamic draft tree at the bottom level (see :meth:`_Run._draft_tree`).
 
     top_k: children per expanded node, and nodes expanded per depth; depth: draft forwards per tree (the longest
-    path); total_tokens: most draft tokens in one tree (the root, the last committed token, not counted)."""
+    path); total_tokens: most draft tokens in one tree (the root, the last committed token, not counted); lookup:
+    at T = 0, up to this many prompt-lookup tokens grafted onto the tree as one more path from the root (0: none;
+    :meth:`_Run._graft_lookup`). At T > 0 the tree is the draft's alone: exact verification of a node's children
+    needs them drawn from one draft distribution, which a lookup token is not."""
 
     top_k: int = 8
     depth: int = 5
     total_tokens: int = 32
+    lookup: int = 0
 
     def check(self) -> None:
+        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or self.lookup < 0:
+            raise PolyspecError(f"tree.lookup must be an integer >= 0, got {self.lookup!r}")
         for name, lo in (("top_k", 1), ("depth", 1), ("total_tokens", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -119,6 +126,26 @@ def _ancestor_rows(mask: torch.Tensor, first_row: int, nodes: list[int], parents
             cols.append(col[node])
             node = parents[node]
     mask[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = True
+
+
+def _graft_lookup(tree: _Tree, run: list[int], eos: set[int] | frozenset[int]) -> None:
+    """Add ``run`` (prompt-lookup tokens after the root) to ``tree`` as a path from the root, sharing the nodes the
+    draft already put there and appending the rest (up to an end-of-sequence token). Greedy verification accepts the
+    longest path the target agrees with, so the round emits whichever of the draft's paths and this one goes further."""
+    node, depth = -1, 0
+    for x in run:
+        depth += 1
+        same = [c for c in tree.children.get(node, []) if tree.tokens[c] == x]
+        if same:
+            node = same[0]
+        else:
+            tree.tokens.append(x)
+            tree.parents.append(node)
+            tree.depths.append(depth)
+            tree.children.setdefault(node, []).append(len(tree.tokens) - 1)
+            node = len(tree.tokens) - 1
+        if x in eos:
+            break
 
 
 @dataclass
@@ -212,7 +239,7 @@ class ChainDecoder:
         self.max_seq_len = max_seq_len
         self.mode = mode_of(len(levels))
         # A tree sits in the draft's and its verifier's caches beyond the committed context before it is pruned.
-        slack = max(tree.total_tokens, tree.top_k * tree.depth) + 1 if tree is not None else 0
+        slack = max(tree.total_tokens, tree.top_k * tree.depth) + tree.lookup + 1 if tree is not None else 0
         for lv in levels:
             lv.setup(max_seq_len + slack)
 
@@ -508,6 +535,8 @@ class _Run:
         tree = _Tree(tokens=[tokens[o] for o in keep], parents=[new_id[parents[o]] for o in keep],
                      depths=[depths[o] for o in keep], children=children,
                      proposals={new_id[o]: q for o, q in proposals.items() if o in new_id})
+        if greedy and tp.lookup:
+            _graft_lookup(tree, lookup_run(ctx, min(tp.lookup, room)), self.eos)
         self.stats[i].tokens_emitted += len(tree.tokens)
         return tree
 

@@ -21,6 +21,29 @@ from polyspec.decode.levels import TokenCache
 from polyspec.errors import PolyspecError
 
 
+def lookup_next(context: list[int], max_n: int = 3, min_n: int = 1) -> int | None:
+    """The token after the most recent earlier occurrence of the longest suffix of ``context`` of ``max_n`` down to
+    ``min_n`` tokens; None where no such suffix occurs earlier."""
+    for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
+        suffix = context[-n:]
+        for end in range(len(context) - 1, n - 1, -1):  # occurrences ending before the last token, newest first
+            if context[end - n:end] == suffix:
+                return int(context[end])
+    return None
+
+
+def lookup_run(context: list[int], n_tokens: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Up to ``n_tokens`` tokens of prompt lookup continuing ``context``, each looked up after the ones before it
+    (the draft tree's lookup branch, :class:`polyspec.decode.chain.TreeParams`)."""
+    run: list[int] = []
+    while len(run) < n_tokens:
+        x = lookup_next(context + run, max_n, min_n)
+        if x is None:
+            break
+        run.append(x)
+    return run
+
+
 class NgramLevel(TokenCache):
     """Prompt-lookup drafting as a chain level (see the module docstring); ``vocab_size``: the target's logits width."""
 
@@ -45,12 +68,7 @@ class NgramLevel(TokenCache):
         return found
 
     def _search(self, context: list[int]) -> int | None:
-        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
-            suffix = context[-n:]
-            for end in range(len(context) - 1, n - 1, -1):  # occurrences ending before the last token, newest first
-                if context[end - n:end] == suffix:
-                    return int(context[end])
-        return None
+        return lookup_next(context, self.max_n, self.min_n)
 
     def has_proposal(self, context: list[int]) -> bool:
         """Whether :meth:`proposal` finds one: the decoder's draft loop stops where it does not."""

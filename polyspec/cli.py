@@ -217,6 +217,8 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-top-k", type=int, default=None, help="children per expanded node (implies --tree)")
     p.add_argument("--tree-depth", type=int, default=None, help="draft forwards per tree (implies --tree)")
     p.add_argument("--tree-tokens", type=int, default=None, help="most draft tokens per tree (implies --tree)")
+    p.add_argument("--tree-lookup", type=int, default=None,
+                   help="greedy: up to N prompt-lookup tokens added to each tree as one more path (implies --tree)")
 
 
 def tree_choice(args: argparse.Namespace) -> bool | dict[str, int] | None:
@@ -227,7 +229,8 @@ def tree_choice(args: argparse.Namespace) -> bool | dict[str, int] | None:
     shape = tree_shape(args) or {}
     if args.tree is False:
         if shape:
-            raise PolyspecError("--no-tree cannot be combined with --tree-top-k / --tree-depth / --tree-tokens")
+            raise PolyspecError("--no-tree cannot be combined with --tree-top-k / --tree-depth / --tree-tokens / "
+                                "--tree-lookup")
         return False
     return shape or args.tree
 

@@ -251,6 +251,8 @@ class TreeConfig(Section):
     top_k: int = Field(8, ge=1, description="children per expanded node, and nodes expanded per depth")
     depth: int = Field(5, ge=1, description="draft forwards per tree (the longest path)")
     total_tokens: int = Field(32, ge=1, description="most draft tokens in one tree (the root not counted)")
+    lookup: int = Field(0, ge=0, description="greedy decoding: up to this many prompt-lookup tokens added to the "
+                        "tree as one more path (0: none; docs/DECODE.md)")
 
 
 class DecodeConfig(Section):

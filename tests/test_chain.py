@@ -364,10 +364,11 @@ def test_a_draft_with_zero_probability_tokens_keeps_the_distribution(n_levels, m
 # -- the EAGLE-2 draft tree ----------------------------------------------------------------------------------------
 
 TREES = [TreeParams(top_k=3, depth=4, total_tokens=10), TreeParams(top_k=1, depth=1, total_tokens=1),
-         TreeParams(top_k=4, depth=6, total_tokens=8), TreeParams(top_k=2, depth=3, total_tokens=40)]
+         TreeParams(top_k=4, depth=6, total_tokens=8), TreeParams(top_k=2, depth=3, total_tokens=40),
+         TreeParams(top_k=3, depth=4, total_tokens=10, lookup=6), TreeParams(top_k=1, depth=1, total_tokens=1, lookup=4)]
 
 
-@pytest.mark.parametrize("tp", TREES, ids=lambda t: f"k{t.top_k}-d{t.depth}-n{t.total_tokens}")
+@pytest.mark.parametrize("tp", TREES, ids=lambda t: f"k{t.top_k}-d{t.depth}-n{t.total_tokens}-l{t.lookup}")
 @pytest.mark.parametrize("v, prompt, n", [(16, [3, 1, 4], 40), (5, [2], 25)])
 def test_tree_greedy_equals_ar_and_caches_hold_the_sequence(tp, v, prompt, n):
     target, mid, draft = tables(v, seed=v)
@@ -378,10 +379,41 @@ def test_tree_greedy_equals_ar_and_caches_hold_the_sequence(tp, v, prompt, n):
         assert r.token_ids == ar, (tp, r.stats)
         for lv in levels:  # tree entries are pruned: every cache holds a prefix of the committed sequence
             assert lv.tokens == (prompt + ar)[:lv.cache_len], lv.name
-        assert r.stats["tree"] == {"top_k": tp.top_k, "depth": tp.depth, "total_tokens": tp.total_tokens}
+        assert r.stats["tree"] == {"top_k": tp.top_k, "depth": tp.depth, "total_tokens": tp.total_tokens,
+                                   "lookup": tp.lookup}
         verifier = r.level_stats[-2]
         assert verifier.forward_passes >= len(verifier.accept_lengths)
-        assert max(verifier.accept_lengths) <= tp.depth + 1
+        assert max(verifier.accept_lengths) <= max(tp.depth, tp.lookup) + 1
+
+
+def test_lookup_branch_accepts_what_the_draft_misses_when_the_text_repeats():
+    """A greedy trigram target falls into a cycle; a draft that is mostly wrong then gains the lookup path, which
+    repeats the cycle: tokens per verification rise, the output stays ar's."""
+    v = 12
+    target, _, _ = tables(v, seed=5)
+    g = torch.Generator().manual_seed(6)
+    draft = torch.randn(v, v, generator=g) * 3.0  # unrelated to the target
+    prompt, n = [3, 1, 4], 80
+    ar = _greedy_ar(target, prompt, n, v)
+    assert len(set(ar[-20:])) < 20  # the target's own text repeats
+
+    def run(tp):
+        dec = ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], max_seq_len=160, tree=tp)
+        r = dec.generate(prompt, n)
+        assert r.token_ids == ar
+        return r.level_stats[0].mean_accepted
+
+    plain = run(TreeParams(top_k=2, depth=3, total_tokens=6))
+    assert run(TreeParams(top_k=2, depth=3, total_tokens=6, lookup=8)) > plain + 1.0
+
+
+def test_graft_shares_the_drafts_nodes_and_stops_at_eos():
+    from polyspec.decode.chain import _graft_lookup, _Tree
+
+    tree = _Tree(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2], children={-1: [0, 1], 0: [2]}, proposals={})
+    _graft_lookup(tree, [5, 8, 2, 9], eos={2})
+    assert tree.tokens == [5, 6, 7, 8, 2] and tree.parents == [-1, -1, 0, 0, 3] and tree.depths == [1, 1, 2, 2, 3]
+    assert tree.children == {-1: [0, 1], 0: [2, 3], 3: [4]}
 
 
 def test_tree_accepts_more_than_a_linear_draft_of_the_same_depth():
@@ -404,6 +436,7 @@ def test_tree_accepts_more_than_a_linear_draft_of_the_same_depth():
     (2, SamplingParams(temperature=0.7, top_k=3), None, TreeParams(top_k=3, depth=2, total_tokens=12)),
     (3, SamplingParams(temperature=1.0), [2], TreeParams(top_k=3, depth=3, total_tokens=8)),
     (3, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [3], TreeParams(top_k=3, depth=2, total_tokens=5)),
+    (2, SamplingParams(temperature=1.0), None, TreeParams(top_k=2, depth=3, total_tokens=6, lookup=4)),  # no graft
 ])
 def test_tree_output_distribution_is_the_warped_target(n_levels, sp, mu, tp):
     t, levels = dist_levels(n_levels)
@@ -515,7 +548,8 @@ def test_verify_candidates_draws_what_the_one_by_one_loop_draws():
 def test_tree_bad_input():
     v = 8
     target, _, draft = tables(v)
-    for bad in (TreeParams(top_k=0), TreeParams(depth=0), TreeParams(total_tokens=0), TreeParams(top_k=True)):
+    for bad in (TreeParams(top_k=0), TreeParams(depth=0), TreeParams(total_tokens=0), TreeParams(top_k=True),
+                TreeParams(lookup=-1)):
         with pytest.raises(PolyspecError, match="tree"):
             ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], tree=bad)
     with pytest.raises(PolyspecError, match="draft"):
@@ -751,8 +785,9 @@ def test_engine_chain_with_int4_and_eagle_head_equals_ar(tiny_models):
 @needs_int4
 @needs_head
 @pytest.mark.parametrize("tp", [TreeParams(top_k=3, depth=4, total_tokens=10), TreeParams(top_k=4, depth=3,
-                                                                                         total_tokens=40)],
-                         ids=["budget-10", "budget-40"])
+                                                                                         total_tokens=40),
+                                TreeParams(top_k=3, depth=4, total_tokens=10, lookup=6)],
+                         ids=["budget-10", "budget-40", "lookup-6"])
 def test_engine_tree_with_eagle_head_equals_ar(tiny_models, tp):
     """The tree through the engine: EagleHead expands depth by depth over its own tree-masked cache, the target (dual)
     or the int4 copy (chain) verifies the tree in one forward and compacts the accepted path into place."""

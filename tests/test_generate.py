@@ -89,11 +89,11 @@ def test_tree_flags_keep_greedy_output_and_report_the_tree(tiny_chain, capsys):
     ar = json.loads(cap.out)["token_ids"]
     for mode in ("dual", "chain"):
         code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--tree", "--tree-top-k", "3", "--tree-depth", "4",
-                         "--tree-tokens", "12")
+                         "--tree-tokens", "12", "--tree-lookup", "5")
         assert code == 0, cap.err
         out = json.loads(cap.out)
         assert out["token_ids"] == ar
-        assert out["stats"]["tree"] == {"top_k": 3, "depth": 4, "total_tokens": 12}
+        assert out["stats"]["tree"] == {"top_k": 3, "depth": 4, "total_tokens": 12, "lookup": 5}
     code, cap = _gen(capsys, tiny_chain, "--mode", "dual", "--no-tree")
     assert code == 0 and json.loads(cap.out)["stats"]["tree"] is None
 
@@ -101,6 +101,7 @@ def test_tree_flags_keep_greedy_output_and_report_the_tree(tiny_chain, capsys):
 @pytest.mark.parametrize("args, needle", [
     (["--no-tree", "--tree-depth", "3"], "--no-tree"),
     (["--tree-top-k", "0"], "top_k=0"),
+    (["--tree-lookup", "-1"], "lookup=-1"),
 ])
 def test_bad_tree_flags_are_one_clear_error(tiny_chain, capsys, args, needle):
     code, cap = _gen(capsys, tiny_chain, *args)
@@ -116,13 +117,13 @@ def test_manifest_tree_is_the_default(tiny_chain, tmp_path, capsys):
     (chain / "manifest.json").write_text(json.dumps(manifest))
     code, cap = _gen(capsys, chain, "--mode", "dual")
     assert code == 0, cap.err
-    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}
+    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0}
     code, cap = _gen(capsys, chain, "--mode", "dual", "--tree-tokens", "9")
-    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 9}
+    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 9, "lookup": 0}
     # a manifest whose tree is off still gives --tree its shape (the profile's candidate)
     manifest["decode"]["tree"]["enabled"] = False
     (chain / "manifest.json").write_text(json.dumps(manifest))
     code, cap = _gen(capsys, chain, "--mode", "dual")
     assert json.loads(cap.out)["stats"]["tree"] is None
     code, cap = _gen(capsys, chain, "--mode", "dual", "--tree")
-    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}
+    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0}

@@ -3,8 +3,9 @@ once the prompts are in the cache.
 
 ``python -m polyspec.bench.batch_decode MODEL_DIR [--batches 16,64,128] [--prompt-tokens 8] [--new-tokens 64]
 [--dtype bfloat16]`` runs :func:`polyspec.decode.batch.generate_batch` on equal prompts of ``--prompt-tokens``
-tokens (short, so the prefill hardly counts), one warm-up of 4 tokens and then ``--new-tokens`` tokens per row with
-no end-of-sequence token, and prints one JSON line per batch size: ms per decode step and generated tokens/s.
+tokens (short, so their prefills, one per row and inside the timing, cost little), one warm-up of 4 tokens and then
+``--new-tokens`` tokens per row with no end-of-sequence token, and prints one JSON line per batch size: ms per decode
+step and generated tokens/s.
 docs/DATA.md ("Where the time goes") has this machine's numbers.
 """
 

@@ -519,7 +519,7 @@ def tree_shape(args: argparse.Namespace) -> dict[str, int] | None:
     """The --tree-top-k / --tree-depth / --tree-tokens / --tree-lookup given (None if none), checked."""
     shape = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
                                 ("total_tokens", args.tree_tokens),
-                                ("lookup", getattr(args, "tree_lookup", None))) if v is not None}
+                                ("lookup", args.tree_lookup)) if v is not None}
     bad = [f"{k}={v}" for k, v in shape.items() if v < (0 if k == "lookup" else 1)]
     if bad:
         raise PolyspecError(f"tree shape values must be integers >= 1 (--tree-lookup >= 0), got {', '.join(bad)}")

@@ -12,8 +12,8 @@ Cache and resume: ``<workdir>/cache/regen/<key>/`` where the key hashes the targ
 and model), every prompt (system and user turns) and the sampling settings. Conversations are stored in shards of
 :data:`SHARD_SIZE` and answered a wave of shards at a time (:func:`shards_per_wave`); each shard of a finished wave is
 written atomically as ``shard-NNNNNN.json``, so a killed run loses at most the wave in progress and a rerun skips the
-shards already there. Sampling is seeded per conversation and turn, so a
-resumed run equals an uninterrupted one (also at temperature > 0, and whatever the batch size).
+shards already there. Sampling is seeded per conversation and turn, so a resumed run equals an uninterrupted one (also
+at temperature > 0, and whatever the batch size or wave).
 """
 
 from __future__ import annotations

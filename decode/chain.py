@@ -87,7 +87,7 @@ class TreeParams:
     top_k: children per expanded node, and nodes expanded per depth; depth: draft forwards per tree (the longest
     path); total_tokens: most draft tokens in one tree (the root, the last committed token, not counted); lookup:
     at T = 0, up to this many prompt-lookup tokens grafted onto the tree as one more path from the root (0: none;
-    :meth:`_Run._graft_lookup`). At T > 0 the tree is the draft's alone: exact verification of a node's children
+    :func:`_graft_lookup`). At T > 0 the tree is the draft's alone: exact verification of a node's children
     needs them drawn from one draft distribution, which a lookup token is not."""
 
     top_k: int = 8
@@ -96,9 +96,7 @@ class TreeParams:
     lookup: int = 0
 
     def check(self) -> None:
-        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or self.lookup < 0:
-            raise PolyspecError(f"tree.lookup must be an integer >= 0, got {self.lookup!r}")
-        for name, lo in (("top_k", 1), ("depth", 1), ("total_tokens", 1)):
+        for name, lo in (("top_k", 1), ("depth", 1), ("total_tokens", 1), ("lookup", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise PolyspecError(f"tree.{name} must be an integer >= {lo}, got {v!r}")

@@ -127,7 +127,7 @@ def tree_params(cfg: Any = None, **overrides: int | None) -> TreeParams:
     """TreeParams from a recipe/manifest ``decode.tree`` section or a TreeParams (None: the defaults), with the
     given top_k / depth / total_tokens / lookup overrides."""
     tp = TreeParams() if cfg is None else TreeParams(top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens,
-                                                     lookup=getattr(cfg, "lookup", 0))
+                                                     lookup=cfg.lookup)
     tp = replace(tp, **{k: v for k, v in overrides.items() if v is not None})
     tp.check()
     return tp

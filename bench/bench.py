@@ -67,7 +67,7 @@ class EngineRunner:
     """ar / dual / chain through polyspec's ChainDecoder; the loaded models are shared by all engine modes."""
 
     def __init__(self, chain: Any, mode: str, *, draft_k: int | None = None, mu: list[int] | None = None,
-                 tree: Any = False):
+                 tree: Any = False, draft_stop: float | None = None):
         """mode: ar, dual, chain, or dual-tree / chain-tree with ``tree`` (TreeParams, or True for the manifest's
         shape), dual-ngram, or default (the manifest's choice: its tree and prompt-lookup settings too)."""
         base = chain.mode if mode == DEFAULT else mode.removesuffix("-tree").removesuffix("-ngram")
@@ -76,6 +76,7 @@ class EngineRunner:
         except PolyspecError as exc:
             raise NotApplicable(str(exc)) from None
         self.chain, self.mode, self.draft_k, self.mu = chain, base, draft_k, mu
+        self.draft_stop = None if mode == DEFAULT else draft_stop
         self.tree = None if mode == DEFAULT else tree  # None / ngram None: as the manifest says
         self.ngram = None if mode == DEFAULT else mode == DUAL_NGRAM
 
@@ -86,7 +87,7 @@ class EngineRunner:
 
         size = cache_size(self.chain, len(prompt_ids), max_new_tokens)
         dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu,
-                            tree=self.tree, ngram=self.ngram)
+                            tree=self.tree, ngram=self.ngram, draft_stop=self.draft_stop)
         device = next(self.chain.models[self.chain.order[0]].parameters()).device
         res, seconds = timed(lambda: dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos),
                              device)
@@ -252,6 +253,7 @@ class BenchSettings:
     seed: int = 0
     warmup: int = 1
     draft_k: int | None = None
+    draft_stop: float | None = None
     mu: list[int] | None = None
     tree: dict[str, int] | None = None  # shape overrides for the *-tree modes (on the manifest's tree or defaults)
     device: str = "auto"
@@ -280,7 +282,8 @@ def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[d
                 from polyspec.decode.generate import resolve_tree
 
                 tree = resolve_tree(s.tree or True, chain.tree_shape) if mode.endswith("-tree") else False
-                runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu, tree=tree)
+                runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu, tree=tree,
+                                             draft_stop=s.draft_stop)
                 continue
             if hf_model is None:
                 from polyspec.device import resolve_device, resolve_dtype
@@ -471,6 +474,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--categories", nargs="+", default=None, help="only these categories (space or comma separated)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode (default 1)")
     p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
+    p.add_argument("--draft-stop", type=float, default=None,
+                   help="end a linear draft once its probability falls below this (0 = never; default: the manifest's)")
     p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft head's logits over the N most frequent training tokens (0 = full; default: manifest's)")
@@ -511,6 +516,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PolyspecError(f"--warmup must be >= 0, got {args.warmup}")
     if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
         raise PolyspecError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
+    if args.draft_stop is not None and not 0 <= args.draft_stop < 1:
+        raise PolyspecError(f"--draft-stop must be in [0, 1) (0 = always --draft-k tokens), got {args.draft_stop}")
     if args.prompts is None and not args.forward_times:
         raise PolyspecError("give --prompts FILE|builtin (or --forward-times alone for level timings)")
 
@@ -553,9 +560,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = BenchSettings(modes=modes, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, repeats=args.repeats, seed=args.seed,
-                             warmup=args.warmup, draft_k=args.draft_k, mu=args.mu, tree=tree_shape(args),
-                             device=args.device,
-                             dtype=args.dtype, chat=not args.raw)
+                             warmup=args.warmup, draft_k=args.draft_k, draft_stop=args.draft_stop, mu=args.mu,
+                             tree=tree_shape(args), device=args.device, dtype=args.dtype, chat=not args.raw)
     if args.threads is not None:
         import torch
 

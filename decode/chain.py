@@ -184,14 +184,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class ChainDecoder:
     """Lossless speculative decoding over ``levels`` (top = target first, bottom = draft last).
 
-    draft_k: tokens the draft proposes per verification of the level above it.
+    draft_k: tokens the draft proposes per verification of the level above it (at most, with draft_stop).
+    draft_stop: a linear draft's block ends early once the product of the draft's probabilities of the tokens it
+        drew falls below this (0 = never; the first token is always drawn); see :meth:`_Run._draft`.
     mu: one entry per verifier below the target, top first (n - 2 entries; none for ar/dual): level i asks the level
         below for blocks of >= mu[i] tokens, so mu[0] is the size of the blocks the target verifies. Default 8 each.
     max_seq_len: the longest prompt + max_new_tokens; every level's cache is set up for it here.
     """
 
     def __init__(self, levels: list[Level], *, draft_k: int = 4, mu: list[int] | None = None,
-                 max_seq_len: int = 2048, tree: TreeParams | None = None):
+                 max_seq_len: int = 2048, tree: TreeParams | None = None, draft_stop: float = 0.0):
         levels = list(levels)
         if not levels:
             raise PolyspecError("ChainDecoder needs at least one level (the target)")
@@ -210,6 +212,8 @@ class ChainDecoder:
                                 "chain with at least two levels may")
         if isinstance(draft_k, bool) or not isinstance(draft_k, int) or draft_k < 1:
             raise PolyspecError(f"draft_k must be an integer >= 1, got {draft_k!r}")
+        if isinstance(draft_stop, bool) or not isinstance(draft_stop, int | float) or not 0 <= draft_stop < 1:
+            raise PolyspecError(f"draft_stop must be a number in [0, 1), got {draft_stop!r}")
         n_mu = max(len(levels) - 2, 0)
         if mu is None:
             mu = [8] * n_mu
@@ -232,6 +236,7 @@ class ChainDecoder:
         _feed_aux(levels)
         self.levels = levels
         self.draft_k = draft_k
+        self.draft_stop = float(draft_stop)
         self.mu = mu
         self.tree = tree
         self.max_seq_len = max_seq_len
@@ -284,6 +289,7 @@ class ChainDecoder:
                        for s in level_stats],
             "beta": run.beta(),
             "draft_k": self.draft_k,
+            "draft_stop": self.draft_stop,
             "mu": list(self.mu),
             "tree": asdict(self.tree) if self.tree is not None else None,
             "sampling": asdict(sampling),
@@ -313,6 +319,7 @@ class _Run:
         self.levels = dec.levels
         self.n = len(dec.levels)
         self.draft_k = dec.draft_k
+        self.draft_stop = dec.draft_stop
         self.mu = dec.mu
         self.tree = dec.tree
         self.sampling = sampling
@@ -390,7 +397,10 @@ class _Run:
         return out, p[:len(out)]
 
     def _draft(self, ctx: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        """The bottom level samples up to k tokens autoregressively (k forwards; stops after an EOS)."""
+        """The bottom level samples up to k tokens autoregressively (k forwards; stops after an EOS, and with
+        draft_stop once the draft's probability of the block so far drops below it: an EAGLE-2-style confidence cut,
+        since a block the draft itself doubts is mostly rejected and each verified position costs the level above).
+        Where the block ends depends only on tokens already drawn, so it stays a stopping time (lossless)."""
         i = self.n - 1
         if k < 1 or (self.levels[i].needs_features and len(ctx) < 2):
             return [], None
@@ -399,6 +409,7 @@ class _Run:
         probs: list[torch.Tensor] = []
         greedy = self.sampling.temperature == 0
         proposes = getattr(self.levels[i], "has_proposal", None)  # a level that may have nothing to propose (n-gram)
+        path = 1.0  # the draft's probability of the block so far
         for _ in range(k):
             if proposes is not None and not proposes(full):
                 break
@@ -415,8 +426,19 @@ class _Run:
             if x in self.eos:
                 break
             full.append(x)
+            if self.draft_stop > 0 and len(tokens) < k:
+                path *= self._draft_prob(logits[-1], q, x)
+                if path < self.draft_stop:
+                    break
         self.stats[i].tokens_emitted += len(tokens)
         return tokens, (torch.stack(probs) if probs else None)
+
+    def _draft_prob(self, logits: torch.Tensor, q: torch.Tensor, x: int) -> float:
+        """The draft's probability of the token x it drew: under the warped distribution it was drawn from, or at
+        T = 0 (where q is a one-hot index) under the plain softmax, as the tree ranks its nodes."""
+        if self.sampling.temperature == 0:
+            return float(torch.softmax(logits.float(), dim=-1)[x])
+        return float(q[x])
 
     # -- the EAGLE-2 draft tree ------------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ class LoadedChain:
     tokenizer: Any
     context: int  # the target's max_position_embeddings
     draft_k: int = 4
+    draft_stop: float = 0.0  # the manifest's confidence cut of linear drafts (ChainDecoder's draft_stop)
     mu: tuple[int, ...] = (8,)
     mode: str = "ar"  # the manifest's chosen decode mode
     tree: TreeParams | None = None  # the manifest's EAGLE-2 tree when it is on (None: linear drafts)
@@ -117,7 +118,7 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
     return LoadedChain(
         models=models, order=[lv.name for lv in manifest.levels], kinds={lv.name: lv.kind for lv in manifest.levels},
         tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
-        draft_k=manifest.decode.draft_k, mu=tuple(manifest.decode.mu), mode=manifest.decode.mode,
+        draft_k=manifest.decode.draft_k, draft_stop=manifest.decode.draft_stop, mu=tuple(manifest.decode.mu), mode=manifest.decode.mode,
         tree=tree_params(manifest.decode.tree) if manifest.decode.tree.enabled else None,
         tree_shape=tree_params(manifest.decode.tree), ngram=manifest.decode.ngram,
     )
@@ -191,9 +192,9 @@ def resolve_tree(choice: bool | dict[str, int] | None, base: TreeParams | None) 
 
 def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: int | None = None,
                   mu: list[int] | None = None, tree: TreeParams | bool | None = None,
-                  ngram: bool | None = None) -> ChainDecoder:
+                  ngram: bool | None = None, draft_stop: float | None = None) -> ChainDecoder:
     """tree: None = the manifest's choice, False = linear drafts, True = a tree (the manifest's shape, else the
-    defaults), or explicit TreeParams. ar mode never uses one. ngram: prompt lookup (decode/ngram.py) replaces the
+    defaults), or explicit TreeParams. ar mode never uses one. draft_stop: None = the manifest's. ngram: prompt lookup (decode/ngram.py) replaces the
     bottom level (linear drafts only); None = the manifest's choice for dual mode."""
     from polyspec.decode.ngram import NgramLevel
 
@@ -219,13 +220,14 @@ def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: i
     elif tree is False:
         tree = None
     return ChainDecoder(levels, draft_k=draft_k or chain.draft_k, mu=mu, max_seq_len=max_seq_len,
+                        draft_stop=chain.draft_stop if draft_stop is None else draft_stop,
                         tree=tree if len(levels) > 1 else None)
 
 
 def generate_text(chain: LoadedChain, prompt: str | None, *, mode: str | None = None, max_new_tokens: int = 128,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = True,
                   draft_k: int | None = None, mu: list[int] | None = None,
-                  tree: TreeParams | bool | None = None,
+                  tree: TreeParams | bool | None = None, draft_stop: float | None = None,
                   messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """One generation: {"text", "token_ids" (new tokens), "stats"} — stats as :class:`ChainDecoder` reports them.
     ``mode`` None = the manifest's chosen mode. ``messages`` (a chat, instead of ``prompt``): the conversation
@@ -244,7 +246,7 @@ def generate_text(chain: LoadedChain, prompt: str | None, *, mode: str | None = 
                             f"the target's context of {chain.context} tokens: shorten the prompt or lower "
                             "--max-new-tokens")
     dec = build_decoder(chain, mode, max_seq_len=cache_size(chain, len(ids), max_new_tokens),
-                        draft_k=draft_k, mu=mu, tree=tree)
+                        draft_k=draft_k, mu=mu, tree=tree, draft_stop=draft_stop)
     res = dec.generate(ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos_ids(chain.tokenizer))
     text = chain.tokenizer.decode(res.token_ids, skip_special_tokens=True)
     return {"text": text, "token_ids": list(res.token_ids), "stats": res.stats}

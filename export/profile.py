@@ -49,7 +49,7 @@ class ProfileSettings:
     kv_length: int
     warmup: int = 2
     repeats: int = 10
-    draft_ks: tuple[int, ...] = (2, 3, 4, 5)
+    draft_ks: tuple[int, ...] = (1, 2, 3, 4, 5)
     mus: tuple[int, ...] = (4, 6, 8, 12)
     grid_prompts: int | None = None  # prompts per grid point (None: all)
     tree: Any = None  # a decode.chain.TreeParams to weigh against linear drafts

@@ -260,6 +260,9 @@ class DecodeConfig(Section):
 
     mode: Literal[MODES] = CHAIN
     draft_k: int = Field(4, ge=1, description="tokens the draft proposes per step")
+    draft_stop: float = Field(
+        0.0, ge=0, lt=1, description="a linear draft's block ends once the draft's probability of it falls below "
+        "this (0 = always draft_k tokens; docs/DECODE.md, \"Confidence-cut drafts\")")
     mu: list[int] = Field(
         default_factory=lambda: [8],
         description="per verifier above the draft, top first: the target verifies once the level below holds >= mu",
@@ -291,7 +294,8 @@ class ProfileConfig(Section):
     warmup: int = Field(2, ge=0)
     repeats: int = Field(10, ge=1)
     kv_length: int = Field(512, ge=1, description="KV length at which per-level forward time is measured")
-    draft_k_grid: list[int] = Field(default_factory=lambda: [2, 3, 4, 5], description="draft_k values tried")
+    draft_k_grid: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="draft_k values tried "
+                                     "(1 pays where verifying 2 positions costs about one decode step: CPUs)")
     mu_grid: list[int] = Field(default_factory=lambda: [4, 6, 8, 12], description="mu values tried for chains")
     grid_prompts: int | None = Field(None, ge=1, description="prompts per grid point (default: prompts // 4)")
     threads: int | None = Field(None, ge=1, description="torch threads while profiling (default: unchanged)")

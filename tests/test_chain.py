@@ -145,6 +145,20 @@ def test_dual_none_accepted():
     assert r.stats["levels"][0]["mean_accepted"] == 1.0
 
 
+def test_draft_stop_ends_the_block_where_the_drafts_own_probability_falls_below_it():
+    # the draft's softmax gives its token e^5 / (e^5 + 7) = 0.955 over 8 tokens: the block's probability is 0.955,
+    # 0.912, 0.871 after 1, 2, 3 tokens, so a cut at 0.9 ends every block after its third token
+    t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "d")
+    r = ChainDecoder([t, d], draft_k=6, draft_stop=0.9, max_seq_len=32).generate([0], 12)
+    assert r.token_ids == [i % 8 for i in range(1, 13)]
+    assert stats_of(r, 0).accept_lengths == [4, 4, 4]  # 3 drafted and accepted + the bonus token, each round
+    assert stats_of(r, 1).tokens_emitted == 9 and r.stats["draft_stop"] == 0.9
+    r = ChainDecoder([t, d], draft_k=6, draft_stop=0.96, max_seq_len=32).generate([0], 12)
+    assert stats_of(r, 0).accept_lengths == [2] * 6  # the first token is always drafted
+    r = ChainDecoder([t, d], draft_k=6, max_seq_len=32).generate([0], 12)
+    assert stats_of(r, 0).accept_lengths == [7, 5]  # no cut: draft_k tokens, then what the budget leaves
+
+
 def test_dual_some_accepted_and_rollback_state():
     t = ScriptLevel(shift_fn(1), "t")
     d = ScriptLevel(shift_fn(1, wrong_at=frozenset({3})), "d")  # proposes 4 instead of 3 after [0, 1, 2]
@@ -210,8 +224,11 @@ def test_greedy_every_mode_equals_ar(v, prompt, n):
     configs = [
         ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 4}),
         ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 1}),
+        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 5, "draft_stop": 0.4}),
         ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft_k": 3, "mu": [5]}),
         ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft_k": 5, "mu": [1]}),
+        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")],
+         {"draft_k": 4, "mu": [3], "draft_stop": 0.5}),
         ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(mid2, "m2", 2), TableLevel(draft, "d")],
          {"draft_k": 2, "mu": [6, 3]}),
     ]
@@ -335,6 +352,21 @@ def test_output_distribution_is_the_warped_target(n_levels, sp, mu):
     dec = ChainDecoder(levels, draft_k=2, mu=mu, max_seq_len=16)
     stat, crit = chi2_against(dec, t, [1], sp, n=1000)
     assert stat < crit, (stat, crit)
+
+
+@pytest.mark.parametrize("n_levels, sp, mu", [
+    (2, SamplingParams(temperature=1.0), None),
+    (3, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [2]),
+])
+def test_confidence_cut_drafts_keep_the_distribution(n_levels, sp, mu):
+    t, levels = dist_levels(n_levels)
+    dec = ChainDecoder(levels, draft_k=3, mu=mu, max_seq_len=16, draft_stop=0.3)
+    stat, crit = chi2_against(dec, t, [1], sp, n=1000)
+    assert stat < crit, (stat, crit)
+    r = dec.generate([1], 12, sp, seed=3)
+    drafts = r.level_stats[-1]
+    rounds = len(r.level_stats[-2].accept_lengths)
+    assert drafts.tokens_emitted < 3 * rounds  # some blocks were cut short
 
 
 @pytest.mark.parametrize("n_levels, mu", [(2, None), (3, [2])])
@@ -653,6 +685,9 @@ def test_bad_input_raises():
         ChainDecoder([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], mu=[0])
     with pytest.raises(PolyspecError, match="draft_k"):
         ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_k=0)
+    for bad in (1.0, -0.1, True, "0.5"):
+        with pytest.raises(PolyspecError, match="draft_stop"):
+            ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_stop=bad)
     with pytest.raises(PolyspecError, match="bottom"):
         ChainDecoder([TableLevel(target, "t", 2), FeatureLevel(draft, torch.zeros(v, v)), TableLevel(draft, "d")])
     with pytest.raises(PolyspecError, match="at least one"):

@@ -67,7 +67,7 @@ class EngineRunner:
     """ar / dual / chain through polyspec's ChainDecoder; the loaded models are shared by all engine modes."""
 
     def __init__(self, chain: Any, mode: str, *, draft_k: int | None = None, mu: list[int] | None = None,
-                 tree: Any = False, draft_stop: float | None = None):
+                 tree: Any = False, draft_stop: float | None = None, draft_lookup: int | None = None):
         """mode: ar, dual, chain, or dual-tree / chain-tree with ``tree`` (TreeParams, or True for the manifest's
         shape), dual-ngram, or default (the manifest's choice: its tree and prompt-lookup settings too)."""
         base = chain.mode if mode == DEFAULT else mode.removesuffix("-tree").removesuffix("-ngram")
@@ -77,6 +77,7 @@ class EngineRunner:
             raise NotApplicable(str(exc)) from None
         self.chain, self.mode, self.draft_k, self.mu = chain, base, draft_k, mu
         self.draft_stop = None if mode == DEFAULT else draft_stop
+        self.draft_lookup = None if mode == DEFAULT else draft_lookup
         self.tree = None if mode == DEFAULT else tree  # None / ngram None: as the manifest says
         self.ngram = None if mode == DEFAULT else mode == DUAL_NGRAM
 
@@ -87,7 +88,8 @@ class EngineRunner:
 
         size = cache_size(self.chain, len(prompt_ids), max_new_tokens)
         dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu,
-                            tree=self.tree, ngram=self.ngram, draft_stop=self.draft_stop)
+                            tree=self.tree, ngram=self.ngram, draft_stop=self.draft_stop,
+                            draft_lookup=self.draft_lookup)
         device = next(self.chain.models[self.chain.order[0]].parameters()).device
         res, seconds = timed(lambda: dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos),
                              device)
@@ -254,6 +256,7 @@ class BenchSettings:
     warmup: int = 1
     draft_k: int | None = None
     draft_stop: float | None = None
+    draft_lookup: int | None = None
     mu: list[int] | None = None
     tree: dict[str, int] | None = None  # shape overrides for the *-tree modes (on the manifest's tree or defaults)
     device: str = "auto"
@@ -283,7 +286,7 @@ def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[d
 
                 tree = resolve_tree(s.tree or True, chain.tree_shape) if mode.endswith("-tree") else False
                 runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu, tree=tree,
-                                             draft_stop=s.draft_stop)
+                                             draft_stop=s.draft_stop, draft_lookup=s.draft_lookup)
                 continue
             if hf_model is None:
                 from polyspec.device import resolve_device, resolve_dtype
@@ -476,6 +479,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
     p.add_argument("--draft-stop", type=float, default=None,
                    help="end a linear draft once its probability falls below this (0 = never; default: the manifest's)")
+    p.add_argument("--draft-lookup", type=int, default=None,
+                   help="up to N prompt-lookup tokens as a round's block where a 2-3 token suffix repeats, instead of "
+                        "the draft's (0 = off; default: the manifest's)")
     p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft head's logits over the N most frequent training tokens (0 = full; default: manifest's)")
@@ -518,6 +524,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PolyspecError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
     if args.draft_stop is not None and not 0 <= args.draft_stop < 1:
         raise PolyspecError(f"--draft-stop must be in [0, 1) (0 = always --draft-k tokens), got {args.draft_stop}")
+    if args.draft_lookup is not None and args.draft_lookup < 0:
+        raise PolyspecError(f"--draft-lookup must be >= 0 (0 = off), got {args.draft_lookup}")
     if args.prompts is None and not args.forward_times:
         raise PolyspecError("give --prompts FILE|builtin (or --forward-times alone for level timings)")
 
@@ -560,7 +568,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = BenchSettings(modes=modes, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, repeats=args.repeats, seed=args.seed,
-                             warmup=args.warmup, draft_k=args.draft_k, draft_stop=args.draft_stop, mu=args.mu,
+                             warmup=args.warmup, draft_k=args.draft_k, draft_stop=args.draft_stop,
+                             draft_lookup=args.draft_lookup, mu=args.mu,
                              tree=tree_shape(args), device=args.device, dtype=args.dtype, chat=not args.raw)
     if args.threads is not None:
         import torch

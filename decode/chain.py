@@ -157,6 +157,7 @@ class LevelStats:
     mean_accepted: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
     catch_up_passes: int = 0  # forwards run only to give the draft features
+    lookup_tokens: int = 0  # the draft: tokens of its rounds that prompt lookup proposed instead (draft_lookup)
 
 
 @dataclass
@@ -187,13 +188,17 @@ class ChainDecoder:
     draft_k: tokens the draft proposes per verification of the level above it (at most, with draft_stop).
     draft_stop: a linear draft's block ends early once the product of the draft's probabilities of the tokens it
         drew falls below this (0 = never; the first token is always drawn); see :meth:`_Run._draft`.
+    draft_lookup: where prompt lookup continues the context from a suffix of >= 2 tokens seen before, up to this
+        many of its tokens are the round's block instead of the draft's (0 = never; linear drafts only); see
+        :meth:`_Run._lookup_block`.
     mu: one entry per verifier below the target, top first (n - 2 entries; none for ar/dual): level i asks the level
         below for blocks of >= mu[i] tokens, so mu[0] is the size of the blocks the target verifies. Default 8 each.
     max_seq_len: the longest prompt + max_new_tokens; every level's cache is set up for it here.
     """
 
     def __init__(self, levels: list[Level], *, draft_k: int = 4, mu: list[int] | None = None,
-                 max_seq_len: int = 2048, tree: TreeParams | None = None, draft_stop: float = 0.0):
+                 max_seq_len: int = 2048, tree: TreeParams | None = None, draft_stop: float = 0.0,
+                 draft_lookup: int = 0):
         levels = list(levels)
         if not levels:
             raise PolyspecError("ChainDecoder needs at least one level (the target)")
@@ -214,6 +219,8 @@ class ChainDecoder:
             raise PolyspecError(f"draft_k must be an integer >= 1, got {draft_k!r}")
         if isinstance(draft_stop, bool) or not isinstance(draft_stop, int | float) or not 0 <= draft_stop < 1:
             raise PolyspecError(f"draft_stop must be a number in [0, 1), got {draft_stop!r}")
+        if isinstance(draft_lookup, bool) or not isinstance(draft_lookup, int) or draft_lookup < 0:
+            raise PolyspecError(f"draft_lookup must be an integer >= 0, got {draft_lookup!r}")
         n_mu = max(len(levels) - 2, 0)
         if mu is None:
             mu = [8] * n_mu
@@ -237,6 +244,7 @@ class ChainDecoder:
         self.levels = levels
         self.draft_k = draft_k
         self.draft_stop = float(draft_stop)
+        self.draft_lookup = draft_lookup
         self.mu = mu
         self.tree = tree
         self.max_seq_len = max_seq_len
@@ -285,11 +293,13 @@ class ChainDecoder:
             "seconds": seconds,
             "tokens_per_second": len(new) / seconds if seconds > 0 else float("inf"),
             "levels": [{"name": s.name, "forward_passes": s.forward_passes, "mean_accepted": s.mean_accepted,
-                        "tokens_emitted": s.tokens_emitted, "catch_up_passes": s.catch_up_passes}
+                        "tokens_emitted": s.tokens_emitted, "catch_up_passes": s.catch_up_passes,
+                        "lookup_tokens": s.lookup_tokens}
                        for s in level_stats],
             "beta": run.beta(),
             "draft_k": self.draft_k,
             "draft_stop": self.draft_stop,
+            "draft_lookup": self.draft_lookup,
             "mu": list(self.mu),
             "tree": asdict(self.tree) if self.tree is not None else None,
             "sampling": asdict(sampling),
@@ -320,6 +330,7 @@ class _Run:
         self.n = len(dec.levels)
         self.draft_k = dec.draft_k
         self.draft_stop = dec.draft_stop
+        self.draft_lookup = dec.draft_lookup if dec.tree is None else 0
         self.mu = dec.mu
         self.tree = dec.tree
         self.sampling = sampling
@@ -347,8 +358,9 @@ class _Run:
         with width-invariant kernels (polyspec.decode.cpu_kernels) its logits are then bitwise those of ``ar``."""
         if len(prompt) > 1:
             for i, lv in enumerate(self.levels):
-                if not lv.needs_features:
-                    self._forward(i, prompt[:-1], first_row=len(prompt) - 2, prefill=True)
+                if not lv.needs_features:  # (the vocabulary is known from here on: _lookup_block's rows need it)
+                    self._check_vocab(self._forward(i, prompt[:-1], first_row=len(prompt) - 2, prefill=True)
+                                      .shape[-1], i)
         seq = list(prompt)
         while len(seq) < self.limit and not (len(seq) > len(prompt) and seq[-1] in self.eos):
             out, _ = self._verify_round(0, seq)
@@ -404,6 +416,9 @@ class _Run:
         i = self.n - 1
         if k < 1 or (self.levels[i].needs_features and len(ctx) < 2):
             return [], None
+        looked = self._lookup_block(ctx)
+        if looked is not None:
+            return looked
         full = list(ctx)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -432,6 +447,25 @@ class _Run:
                     break
         self.stats[i].tokens_emitted += len(tokens)
         return tokens, (torch.stack(probs) if probs else None)
+
+    def _lookup_block(self, ctx: list[int]) -> tuple[list[int], torch.Tensor] | None:
+        """With draft_lookup: prompt lookup's continuation of ctx (a suffix of 2-3 tokens seen before; up to
+        draft_lookup tokens, cut after an EOS) as the block, with one-hot draft rows (at T = 0 their hot indices);
+        None where there is none (the draft proposes as usual). Which source proposes depends on ctx alone, so the
+        block is still drawn from one well-defined distribution per position: exact at T = 0 and T > 0 (a one-hot
+        row is kept with probability p(x), as for the n-gram level). The draft's cache skips these positions and
+        catches up with true features in its next forward."""
+        if not self.draft_lookup or self.vocab is None:  # vocab: known after the first verification
+            return None
+        run = lookup_run(ctx, min(self.draft_lookup, self.limit - len(ctx)), min_n=2)
+        run = self._cut(run, len(run))
+        if not run:
+            return None
+        self.stats[self.n - 1].lookup_tokens += len(run)
+        hot = torch.tensor(run)
+        if self.sampling.temperature == 0:
+            return run, hot
+        return run, torch.zeros(len(run), self.vocab).index_put_((torch.arange(len(run)), hot), torch.tensor(1.0))
 
     def _draft_prob(self, logits: torch.Tensor, q: torch.Tensor, x: int) -> float:
         """The draft's probability of the token x it drew: under the warped distribution it was drawn from, or at

@@ -41,6 +41,7 @@ class LoadedChain:
     context: int  # the target's max_position_embeddings
     draft_k: int = 4
     draft_stop: float = 0.0  # the manifest's confidence cut of linear drafts (ChainDecoder's draft_stop)
+    draft_lookup: int = 0  # the manifest's prompt-lookup blocks in place of the draft's (ChainDecoder's draft_lookup)
     mu: tuple[int, ...] = (8,)
     mode: str = "ar"  # the manifest's chosen decode mode
     tree: TreeParams | None = None  # the manifest's EAGLE-2 tree when it is on (None: linear drafts)
@@ -118,7 +119,8 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
     return LoadedChain(
         models=models, order=[lv.name for lv in manifest.levels], kinds={lv.name: lv.kind for lv in manifest.levels},
         tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
-        draft_k=manifest.decode.draft_k, draft_stop=manifest.decode.draft_stop, mu=tuple(manifest.decode.mu), mode=manifest.decode.mode,
+        draft_k=manifest.decode.draft_k, draft_stop=manifest.decode.draft_stop,
+        draft_lookup=manifest.decode.draft_lookup, mu=tuple(manifest.decode.mu), mode=manifest.decode.mode,
         tree=tree_params(manifest.decode.tree) if manifest.decode.tree.enabled else None,
         tree_shape=tree_params(manifest.decode.tree), ngram=manifest.decode.ngram,
     )
@@ -192,9 +194,10 @@ def resolve_tree(choice: bool | dict[str, int] | None, base: TreeParams | None) 
 
 def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: int | None = None,
                   mu: list[int] | None = None, tree: TreeParams | bool | None = None,
-                  ngram: bool | None = None, draft_stop: float | None = None) -> ChainDecoder:
+                  ngram: bool | None = None, draft_stop: float | None = None,
+                  draft_lookup: int | None = None) -> ChainDecoder:
     """tree: None = the manifest's choice, False = linear drafts, True = a tree (the manifest's shape, else the
-    defaults), or explicit TreeParams. ar mode never uses one. draft_stop: None = the manifest's. ngram: prompt lookup (decode/ngram.py) replaces the
+    defaults), or explicit TreeParams. ar mode never uses one. draft_stop, draft_lookup: None = the manifest's. ngram: prompt lookup (decode/ngram.py) replaces the
     bottom level (linear drafts only); None = the manifest's choice for dual mode."""
     from polyspec.decode.ngram import NgramLevel
 
@@ -221,6 +224,7 @@ def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: i
         tree = None
     return ChainDecoder(levels, draft_k=draft_k or chain.draft_k, mu=mu, max_seq_len=max_seq_len,
                         draft_stop=chain.draft_stop if draft_stop is None else draft_stop,
+                        draft_lookup=chain.draft_lookup if draft_lookup is None else draft_lookup,
                         tree=tree if len(levels) > 1 else None)
 
 
@@ -228,7 +232,7 @@ def generate_text(chain: LoadedChain, prompt: str | None, *, mode: str | None = 
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = True,
                   draft_k: int | None = None, mu: list[int] | None = None,
                   tree: TreeParams | bool | None = None, draft_stop: float | None = None,
-                  messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
+                  draft_lookup: int | None = None, messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """One generation: {"text", "token_ids" (new tokens), "stats"} — stats as :class:`ChainDecoder` reports them.
     ``mode`` None = the manifest's chosen mode. ``messages`` (a chat, instead of ``prompt``): the conversation
     so far, answered as the assistant's next turn."""
@@ -246,7 +250,7 @@ def generate_text(chain: LoadedChain, prompt: str | None, *, mode: str | None = 
                             f"the target's context of {chain.context} tokens: shorten the prompt or lower "
                             "--max-new-tokens")
     dec = build_decoder(chain, mode, max_seq_len=cache_size(chain, len(ids), max_new_tokens),
-                        draft_k=draft_k, mu=mu, tree=tree, draft_stop=draft_stop)
+                        draft_k=draft_k, mu=mu, tree=tree, draft_stop=draft_stop, draft_lookup=draft_lookup)
     res = dec.generate(ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos_ids(chain.tokenizer))
     text = chain.tokenizer.decode(res.token_ids, skip_special_tokens=True)
     return {"text": text, "token_ids": list(res.token_ids), "stats": res.stats}

@@ -249,10 +249,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise PolyspecError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
     if args.draft_stop is not None and not 0 <= args.draft_stop < 1:
         raise PolyspecError(f"--draft-stop must be in [0, 1) (0 = always --draft-k tokens), got {args.draft_stop}")
+    if args.draft_lookup is not None and args.draft_lookup < 0:
+        raise PolyspecError(f"--draft-lookup must be >= 0 (0 = off), got {args.draft_lookup}")
     chain = load_chain(args.chain, device=args.device, draft_vocab=args.draft_vocab)
     out = generate_text(chain, args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                         chat=not args.raw, draft_k=args.draft_k, mu=args.mu, draft_stop=args.draft_stop,
+                        draft_lookup=args.draft_lookup,
                         tree=resolve_tree(tree_choice(args), chain.tree_shape))
     if args.json:
         print(json.dumps(out))
@@ -385,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
     p.add_argument("--draft-stop", type=float, default=None,
                    help="end a linear draft once its probability falls below this (0 = never; default: manifest's)")
+    p.add_argument("--draft-lookup", type=int, default=None,
+                   help="up to N prompt-lookup tokens as a round's block where a 2-3 token suffix repeats (0 = off)")
     p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
     add_tree_arguments(p)
     p.add_argument("--draft-vocab", type=int, default=None,

@@ -263,6 +263,9 @@ class DecodeConfig(Section):
     draft_stop: float = Field(
         0.0, ge=0, lt=1, description="a linear draft's block ends once the draft's probability of it falls below "
         "this (0 = always draft_k tokens; docs/DECODE.md, \"Confidence-cut drafts\")")
+    draft_lookup: int = Field(
+        0, ge=0, description="where prompt lookup continues the text from a repeated 2-3 token suffix, up to this "
+        "many of its tokens are the round's block instead of the draft's (0 = off; linear drafts)")
     mu: list[int] = Field(
         default_factory=lambda: [8],
         description="per verifier above the draft, top first: the target verifies once the level below holds >= mu",

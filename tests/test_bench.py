@@ -196,15 +196,18 @@ def test_prompt_lookup_mode_runs_beside_ar_and_agrees_with_it(tiny_chain, prompt
     assert rep["mismatches"] == [] and list(rep["overall"]["dual-ngram"]["mean_accepted"]) == ["target", "ngram"]
 
 
-def test_confidence_cut_drafts_agree_with_ar_and_are_recorded(tiny_chain, prompts_file, tmp_path, capsys):
+def test_confidence_cut_and_lookup_drafts_agree_with_ar_and_are_recorded(tiny_chain, prompts_file, tmp_path,
+                                                                          capsys):
     out = tmp_path / "r.json"
     code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,dual,chain", "--draft-k", "5",
-                       "--draft-stop", "0.5", "--max-new-tokens", "12", "--device", "cpu", "--json", out)
+                       "--draft-stop", "0.5", "--draft-lookup", "3", "--max-new-tokens", "12", "--device", "cpu",
+                       "--json", out)
     assert code == 0, cap.err
     rep = json.loads(out.read_text())
-    assert rep["mismatches"] == [] and rep["settings"]["draft_stop"] == 0.5
-    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "dual", "--draft-stop", "1")
-    assert code == 2 and "--draft-stop" in cap.err
+    assert rep["mismatches"] == [] and rep["settings"]["draft_stop"] == 0.5 and rep["settings"]["draft_lookup"] == 3
+    for flag, value in (("--draft-stop", "1"), ("--draft-lookup", "-1")):
+        code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "dual", flag, value)
+        assert code == 2 and flag in cap.err
 
 
 def test_bad_modes_and_arguments(tiny_chain, prompts_file, capsys):

@@ -145,6 +145,19 @@ def test_dual_none_accepted():
     assert r.stats["levels"][0]["mean_accepted"] == 1.0
 
 
+def test_draft_lookup_proposes_the_repeated_text_the_draft_misses():
+    # the target counts 0..7 over and over; the draft is always wrong; once the text repeats, prompt lookup's
+    # blocks (a 2-3 token suffix seen before) are the target's own continuation
+    t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(2), "d")
+    r = ChainDecoder([t, d], draft_k=1, draft_lookup=4, max_seq_len=64).generate([0], 40)
+    assert r.token_ids == [i % 8 for i in range(1, 41)]
+    lens = stats_of(r, 0).accept_lengths
+    assert lens[:7] == [1] * 7 and max(lens) == 5 and len(lens) < 20  # 4 looked-up tokens + the bonus per round
+    assert stats_of(r, 1).lookup_tokens > 0 and r.stats["levels"][1]["lookup_tokens"] == stats_of(r, 1).lookup_tokens
+    r = ChainDecoder([t, d], draft_k=1, max_seq_len=64).generate([0], 40)
+    assert stats_of(r, 0).accept_lengths == [1] * 40 and stats_of(r, 1).lookup_tokens == 0
+
+
 def test_draft_stop_ends_the_block_where_the_drafts_own_probability_falls_below_it():
     # the draft's softmax gives its token e^5 / (e^5 + 7) = 0.955 over 8 tokens: the block's probability is 0.955,
     # 0.912, 0.871 after 1, 2, 3 tokens, so a cut at 0.9 ends every block after its third token
@@ -225,10 +238,13 @@ def test_greedy_every_mode_equals_ar(v, prompt, n):
         ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 4}),
         ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 1}),
         ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 5, "draft_stop": 0.4}),
+        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 1, "draft_lookup": 4}),
         ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft_k": 3, "mu": [5]}),
         ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft_k": 5, "mu": [1]}),
         ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")],
          {"draft_k": 4, "mu": [3], "draft_stop": 0.5}),
+        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")],
+         {"draft_k": 2, "mu": [3], "draft_lookup": 3}),
         ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(mid2, "m2", 2), TableLevel(draft, "d")],
          {"draft_k": 2, "mu": [6, 3]}),
     ]
@@ -367,6 +383,19 @@ def test_confidence_cut_drafts_keep_the_distribution(n_levels, sp, mu):
     drafts = r.level_stats[-1]
     rounds = len(r.level_stats[-2].accept_lengths)
     assert drafts.tokens_emitted < 3 * rounds  # some blocks were cut short
+
+
+@pytest.mark.parametrize("n_levels, sp, mu", [
+    (2, SamplingParams(temperature=1.0), None),
+    (3, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [2]),
+])
+def test_lookup_blocks_keep_the_distribution(n_levels, sp, mu):
+    t, levels = dist_levels(n_levels)
+    prompt = [1, 2, 1, 2, 1]  # its suffix repeats: the first round's block is prompt lookup's
+    dec = ChainDecoder(levels, draft_k=2, mu=mu, max_seq_len=24, draft_lookup=2)
+    stat, crit = chi2_against(dec, t, prompt, sp, n=1000)
+    assert stat < crit, (stat, crit)
+    assert dec.generate(prompt, 6, sp, seed=3).level_stats[-1].lookup_tokens > 0
 
 
 @pytest.mark.parametrize("n_levels, mu", [(2, None), (3, [2])])
@@ -685,6 +714,9 @@ def test_bad_input_raises():
         ChainDecoder([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], mu=[0])
     with pytest.raises(PolyspecError, match="draft_k"):
         ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_k=0)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(PolyspecError, match="draft_lookup"):
+            ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_lookup=bad)
     for bad in (1.0, -0.1, True, "0.5"):
         with pytest.raises(PolyspecError, match="draft_stop"):
             ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_stop=bad)

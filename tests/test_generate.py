@@ -51,18 +51,20 @@ def test_a_draft_vocabulary_keeps_greedy_output(tiny_chain, capsys):
         assert json.loads(cap.out)["token_ids"] == ar
 
 
-def test_confidence_cut_drafts_keep_greedy_output(tiny_chain, capsys):
+def test_confidence_cut_and_lookup_drafts_keep_greedy_output(tiny_chain, capsys):
     ar = json.loads(_gen(capsys, tiny_chain, "--mode", "ar")[1].out)["token_ids"]
     for mode in ("dual", "chain"):
-        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--draft-k", "6", "--draft-stop", "0.3")
+        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--draft-k", "6", "--draft-stop", "0.3",
+                         "--draft-lookup", "4")
         assert code == 0, cap.err
         out = json.loads(cap.out)
-        assert out["token_ids"] == ar and out["stats"]["draft_stop"] == 0.3
+        assert out["token_ids"] == ar and out["stats"]["draft_stop"] == 0.3 and out["stats"]["draft_lookup"] == 4
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--draft-vocab", "-1"], "--draft-vocab"),
     (["--draft-stop", "1.5"], "--draft-stop"),
+    (["--draft-lookup", "-2"], "--draft-lookup"),
     (["--draft-vocab", "100000"], "draft vocabulary size"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),

@@ -130,8 +130,8 @@ def mode_of(n_levels: int) -> str:
     return {1: "ar", 2: "dual"}.get(n_levels, "chain")
 
 
-def _seq_len(prompts: list[list[int]], max_new_tokens: int, draft_k: int, mu: list[int]) -> int:
-    return max(len(p) for p in prompts) + max_new_tokens + max(draft_k, max(mu or [0])) + 8
+def _seq_len(prompts: list[list[int]], max_new_tokens: int, draft_k: int, mu: list[int], lookup: int = 0) -> int:
+    return max(len(p) for p in prompts) + max_new_tokens + max(draft_k, max(mu or [0]), lookup) + 8
 
 
 class ConfigRun:
@@ -142,14 +142,16 @@ class ConfigRun:
 
     def __init__(self, levels: list[Any], max_new_tokens: int, *, draft_k: int, max_seq_len: int,
                  mu: list[int] | None = None, eos_ids: set[int] | frozenset[int] = frozenset(), label: str = "",
-                 tree: Any = None):
+                 tree: Any = None, draft_lookup: int = 0):
         from polyspec.decode.chain import ChainDecoder
 
         self.levels, self.max_new_tokens, self.eos_ids, self.label, self.tree = levels, max_new_tokens, eos_ids, label, tree
         self.wrapped = [RecordingLevel(lv) for lv in levels]
         mu = list(mu or []) if len(levels) > 2 else []
-        self.dec = ChainDecoder(self.wrapped, draft_k=draft_k, mu=mu, tree=tree if len(levels) > 1 else None,
-                                max_seq_len=max_seq_len)
+        spec = len(levels) > 1
+        self.draft_lookup = draft_lookup if spec and tree is None else 0
+        self.dec = ChainDecoder(self.wrapped, draft_k=draft_k, mu=mu, tree=tree if spec else None,
+                                max_seq_len=max_seq_len, draft_lookup=self.draft_lookup)
         self.draft_k = draft_k
         self.tallies = [_Tally() for _ in self.wrapped]
         self.outputs: list[list[int]] = []
@@ -187,7 +189,8 @@ class ConfigRun:
                    tokens_per_second=n / seconds if seconds > 0 else 0.0,
                    forward_seconds=sum(t.forward_seconds for t in self.tallies), prefill_seconds=prefill,
                    tokens_per_second_steady=n / (seconds - prefill) if seconds > prefill else 0.0,
-                   betas=[a / b if b else None for a, b in self.pairs], per_level=per_level, outputs=self.outputs)
+                   betas=[a / b if b else None for a, b in self.pairs], per_level=per_level, outputs=self.outputs,
+                   draft_lookup=self.draft_lookup)
 
 
 def run_config(levels: list[Any], prompts: list[list[int]], max_new_tokens: int, *, draft_k: int,
@@ -210,7 +213,8 @@ def run_interleaved(configs: list[dict[str, Any]], prompts: list[list[int]], max
     slows them all alike; one Run each, in order."""
     if not prompts:
         raise PolyspecError("run_config needs at least one calibration prompt")
-    size = max(_seq_len(prompts, max_new_tokens, c["draft_k"], list(c.get("mu") or [])) for c in configs)
+    size = max(_seq_len(prompts, max_new_tokens, c["draft_k"], list(c.get("mu") or []), c.get("draft_lookup", 0))
+               for c in configs)
     runs = [ConfigRun(max_new_tokens=max_new_tokens, max_seq_len=size, eos_ids=eos_ids, **c) for c in configs]
     for ids in prompts:
         for r in runs:

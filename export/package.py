@@ -71,7 +71,8 @@ def _decode_config(p: Profile, decode: Any) -> Any:
     tree_cfg = decode.tree.model_copy(update={"enabled": bool(dec.tree)})
     ngram = dec.speculative_mode == DUAL_NGRAM  # dual drafts by prompt lookup, whether or not ar is the default
     return decode.model_copy(update={"mode": DUAL if dec.mode == DUAL_NGRAM else dec.mode, "ngram": ngram,
-                                     "draft_k": int(dec.draft_k), "mu": [int(m) for m in dec.mu], "tree": tree_cfg})
+                                     "draft_k": int(dec.draft_k), "mu": [int(m) for m in dec.mu], "tree": tree_cfg,
+                                     "draft_lookup": int(dec.draft_lookup)})
 
 
 def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True,

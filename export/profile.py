@@ -55,6 +55,7 @@ class ProfileSettings:
     tree: Any = None  # a decode.chain.TreeParams to weigh against linear drafts
     eos_ids: frozenset[int] = frozenset()
     ngram: bool = False  # also weigh prompt lookup (decode.ngram.NgramLevel) as the target's draft
+    draft_lookups: tuple[int, ...] = ()  # dual with prompt-lookup blocks of up to N tokens (decode.draft_lookup)
 
 
 @dataclass
@@ -74,23 +75,25 @@ class _Chain:
 
 
 class Runner:
-    """Runs each configuration once (keyed by levels, draft_k, mu, prompt count, tree) and reports it."""
+    """Runs each configuration once (keyed by levels, draft_k, mu, prompt count, tree, lookup) and reports it. A
+    spec is (levels, draft_k, mu, tag, tree) or, with prompt-lookup blocks (decode.draft_lookup), (..., lookup)."""
 
     def __init__(self, s: ProfileSettings, say: Callable[[str], None]):
         self.s, self.say, self.done = s, say, {}
 
     def __call__(self, levels: list[Any], k: int, mu: int | None, prompts: list[list[int]], tag: str,
-                 tree: Any = None) -> Run:
-        return self.many([(levels, k, mu, tag, tree)], prompts)[0]
+                 tree: Any = None, lookup: int = 0) -> Run:
+        return self.many([(levels, k, mu, tag, tree, lookup)], prompts)[0]
 
-    def many(self, specs: list[tuple[list[Any], int, int | None, str, Any]], prompts: list[list[int]]) -> list[Run]:
-        """Each (levels, draft_k, mu, tag, tree) over ``prompts``; the ones not run yet take turns prompt by prompt
-        (acceptance.run_interleaved), so the comparisons the decision rests on see the same machine."""
-        keys = [self._key(levels, k, mu, len(prompts), tree) for levels, k, mu, _, tree in specs]
+    def many(self, specs: list[tuple], prompts: list[list[int]]) -> list[Run]:
+        """Each spec over ``prompts``; the ones not run yet take turns prompt by prompt (acceptance.run_interleaved),
+        so the comparisons the decision rests on see the same machine."""
+        specs = [(*s, 0) if len(s) == 5 else tuple(s) for s in specs]
+        keys = [self._key(levels, k, mu, len(prompts), tree, lk) for levels, k, mu, _, tree, lk in specs]
         todo = {key: spec for key, spec in zip(keys, specs, strict=True) if key not in self.done}
         t0 = time.perf_counter()
         configs = [dict(levels=levels, draft_k=k, mu=[mu] * (len(levels) - 2) if len(levels) > 2 else None,
-                        label=tag, tree=tree) for levels, k, mu, tag, tree in todo.values()]
+                        label=tag, tree=tree, draft_lookup=lk) for levels, k, mu, tag, tree, lk in todo.values()]
         runs = run_interleaved(configs, prompts, self.s.max_new_tokens, eos_ids=self.s.eos_ids) if todo else []
         for key, (levels, *_rest), run in zip(todo, todo.values(), runs, strict=True):
             if getattr(levels[-1], "kind", None) == "ngram":
@@ -103,10 +106,10 @@ class Runner:
         return [self.done[key] for key in keys]
 
     @staticmethod
-    def _key(levels: list[Any], k: int, mu: int | None, n_prompts: int, tree: Any) -> tuple:
+    def _key(levels: list[Any], k: int, mu: int | None, n_prompts: int, tree: Any, lookup: int = 0) -> tuple:
         n = len(levels)
         return (tuple(lv.name for lv in levels), k if n > 1 else None, mu if n > 2 else None, n_prompts,
-                tuple(tree_dict(tree).values()) if tree is not None else None)
+                tuple(tree_dict(tree).values()) if tree is not None else None, lookup if n > 1 else 0)
 
 
 def _shape(tree: Any) -> str:
@@ -114,11 +117,13 @@ def _shape(tree: Any) -> str:
 
 
 def _grid_runs(run: Runner, ch: _Chain, prompts: list[list[int]], s: ProfileSettings) -> list[Run]:
-    """Dual per draft_k, the whole chain per (draft_k, mu), the tree variants, ar (in this order)."""
+    """Dual per draft_k (and per prompt-lookup block size), the whole chain per (draft_k, mu), the tree variants,
+    ar (in this order)."""
     dual, full = [ch.levels[0], ch.levels[-1]], ch.levels
     out: list[Run] = []
     for k in s.draft_ks:
         out.append(run(dual, k, None, prompts, f"grid dual k={k}"))
+        out += [run(dual, k, None, prompts, f"grid dual k={k} lookup={lk}", None, lk) for lk in s.draft_lookups if lk]
         out += [run(full, k, mu, prompts, f"grid chain k={k} mu={mu}") for mu in s.mus]
     if s.tree is not None:
         shape, depth = _shape(s.tree), s.tree.depth
@@ -205,10 +210,11 @@ def _run_keys(ch: _Chain, j: int) -> tuple[str, str]:
 def _final_runs(run: Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) -> dict[str, Run]:
     """The final runs on all prompts (see the module docstring), interleaved prompt by prompt."""
     n, top, bottom = len(ch.levels), ch.levels[0], ch.levels[-1]
-    tag_dual = _shape(c.tree_dual) or f"k={c.best_dual.draft_k}"
+    lookup = c.best_dual.draft_lookup
+    tag_dual = _shape(c.tree_dual) or f"k={c.best_dual.draft_k}" + (f" lookup={lookup}" if lookup else "")
     tag_chain = _shape(c.tree_chain) or f"k={c.k_chain}"
     specs = {"ar": ([top], 1, None, "ar", None),
-             "dual": ([top, bottom], c.best_dual.draft_k, None, f"dual {tag_dual}", c.tree_dual),
+             "dual": ([top, bottom], c.best_dual.draft_k, None, f"dual {tag_dual}", c.tree_dual, lookup),
              "chain": (ch.levels, c.k_chain, c.mu, f"chain {tag_chain} mu={c.mu}", c.tree_chain),
              "dual_at_chain_k": ([top, bottom], c.k_chain, None, f"dual {tag_chain}", c.tree_chain)}
     if c.best_ngram is not None:
@@ -336,7 +342,8 @@ def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettin
     insertions = [_insertion(ch, j, final, costs, c) for j in range(1, len(levels) - 1)]
     for j, v in enumerate(insertions, 1):
         v.candidates = _candidates(ch, j, grid, costs)
-    grid_info = {"draft_k": list(s.draft_ks), "mu": list(s.mus), "prompts": len(grid_set), "tree": tree_dict(s.tree)}
+    grid_info = {"draft_k": list(s.draft_ks), "mu": list(s.mus), "prompts": len(grid_set), "tree": tree_dict(s.tree),
+                 "draft_lookup": list(s.draft_lookups)}
     ref = final["ar"].outputs
     p = Profile(levels=[LevelInfo(name=nm, tag=tg) for nm, tg in zip(ch.names, ch.tags, strict=True)],
                 prompts=PromptInfo(count=len(prompts), grid_count=len(grid_set), max_new_tokens=s.max_new_tokens,

@@ -91,6 +91,8 @@ def _chosen_row(p: Profile) -> str:
     why = f" ({_why_ar(p)}); best speculative: {dec.speculative_mode}" if dec.mode == "ar" else ""
     tree = dec.tree
     how = f"tree {tree['top_k']}x{tree['depth']}/{tree['total_tokens']}" if tree else f"draft_k={dec.draft_k}"
+    if dec.draft_lookup:
+        how += f", prompt-lookup blocks of up to {dec.draft_lookup}"
     return f"| chosen | {dec.mode}{why}, {how}, mu={dec.mu} |"
 
 

@@ -85,6 +85,7 @@ class Run:
     per_level: dict[str, LevelRun]
     outputs: list[list[int]] = field(default_factory=list)  # token ids per prompt (not persisted)
     predicted: Prediction | None = None
+    draft_lookup: int = 0  # prompt-lookup blocks in place of the draft's (decode.draft_lookup); 0 = none
 
     @property
     def beta(self) -> float | None:
@@ -109,6 +110,7 @@ class GridRow:
     measured_tokens_per_second: float
     measured_tokens_per_second_steady: float
     new_tokens: int
+    draft_lookup: int = 0
 
 
 @dataclass
@@ -205,6 +207,7 @@ class Decision:
     ar_predicted_faster: bool
     ar_measured_faster: bool
     rule: str
+    draft_lookup: int = 0  # the chosen configuration's prompt-lookup blocks (decode.draft_lookup)
 
 
 @dataclass

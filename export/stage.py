@@ -346,7 +346,7 @@ def _settings(recipe: Any, threads: int | None) -> tuple[ProfileSettings, dict[s
     grid_prompts = p.grid_prompts or max(1, p.prompts // 4)
     s = ProfileSettings(max_new_tokens=p.max_new_tokens, kv_length=p.kv_length, warmup=p.warmup, repeats=p.repeats,
                         draft_ks=tuple(p.draft_k_grid), mus=tuple(p.mu_grid), grid_prompts=grid_prompts, tree=tree,
-                        ngram=p.ngram)
+                        ngram=p.ngram, draft_lookups=tuple(p.draft_lookup_grid))
     # the search settings key nothing the profile measures (and profiles made before them keep their keys)
     keyed = {"profile": p.model_dump(mode="json", exclude=SEARCH_KEYS), "device": _device(recipe), "dtype": recipe.target.dtype,
              "draft_ks": list(s.draft_ks), "mus": list(s.mus), "grid_prompts": grid_prompts,

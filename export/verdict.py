@@ -67,7 +67,8 @@ def grid_row(run: Run) -> GridRow:
                    beta=run.beta, T_s=dict(zip(run.levels, run.predicted.T, strict=True)),
                    predicted_time_per_token_s=run.predicted.time_per_token_s,
                    measured_tokens_per_second=run.tokens_per_second,
-                   measured_tokens_per_second_steady=run.tokens_per_second_steady, new_tokens=run.new_tokens)
+                   measured_tokens_per_second_steady=run.tokens_per_second_steady, new_tokens=run.new_tokens,
+                   draft_lookup=run.draft_lookup)
 
 
 def insertion_verdict(inputs: InsertionInputs, *, level: str, above: str, below: str, label: str,
@@ -142,7 +143,8 @@ def decide(chosen: GridRow, final: dict[str, Run], *, mu: int, n_levels: int, gr
     return Decision(mode="ar" if ar_faster or ar_measured else chosen.mode, speculative_mode=chosen.mode,
                     draft_k=int(chosen.draft_k), mu=[mu] * (n_levels - 2), tree=chosen.tree,
                     predicted_time_per_token_s=chosen.predicted_time_per_token_s, grid=grid,
-                    ar_predicted_faster=ar_faster, ar_measured_faster=ar_measured, rule=DECISION_RULE)
+                    ar_predicted_faster=ar_faster, ar_measured_faster=ar_measured, rule=DECISION_RULE,
+                    draft_lookup=int(chosen.draft_lookup))
 
 
 def speedup_summary(predicted_s: dict[str, float], measured_tps: dict[str, float], baseline: str,

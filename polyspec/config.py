@@ -303,6 +303,8 @@ class ProfileConfig(Section):
     grid_prompts: int | None = Field(None, ge=1, description="prompts per grid point (default: prompts // 4)")
     threads: int | None = Field(None, ge=1, description="torch threads while profiling (default: unchanged)")
     ngram: bool = Field(True, description="also weigh prompt lookup (n-gram drafts, no model) under the target")
+    draft_lookup_grid: list[int] = Field(default_factory=lambda: [4], description="prompt-lookup block sizes "
+                                         "(decode.draft_lookup) also tried with dual at every draft_k; [] = none")
     search: bool = Field(False, description="polyspec profile runs the chain search (docs/PROFILE.md) instead")
     search_max_levels: int = Field(4, ge=2, description="chain search: the longest chain, target included")
     search_mu: list[int] | None = Field(None, description="chain search: mu per insertion (default: mu_grid)")
@@ -318,7 +320,7 @@ class ProfileConfig(Section):
             raise ValueError("must be a non-empty list of integers >= 1")
         return v
 
-    @field_validator("search_mu", "search_group_sizes")
+    @field_validator("draft_lookup_grid", "search_mu", "search_group_sizes")
     @classmethod
     def _search_lists(cls, v: list[int] | None) -> list[int] | None:
         if v is not None and any(x < 1 for x in v):

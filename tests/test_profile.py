@@ -388,6 +388,36 @@ def test_prompt_lookup_joins_the_grid_and_a_chain_that_chose_it_decodes_with_it(
     assert default.token_ids == ar.token_ids and default.levels[-1]["name"] == "ngram"
 
 
+def test_lookup_blocks_join_the_grid_and_a_chain_that_chose_them_decodes_with_them(tiny_parts, tmp_path):
+    """With draft_lookups the grid also holds dual with prompt-lookup blocks at every draft_k, the decision is the
+    minimum over every speculative row, and a chain exported with them chosen records decode.draft_lookup and decodes
+    with it (greedy output equal to ar)."""
+    from polyspec.config import DecodeConfig
+    from polyspec.decode.generate import build_decoder, load_chain
+    from polyspec.export.package import export_chain
+    from polyspec.export.stage import profile_folders
+    from polyspec.manifest import read_manifest
+
+    s = ProfileSettings(max_new_tokens=12, kv_length=32, warmup=1, repeats=2, draft_ks=(1, 2), mus=(4,),
+                        draft_lookups=(3,))
+    prof = profile_folders(tiny_parts, tmp_path / "p", s, device="cpu", prompt_ids=_prompts(), threads=1,
+                           say=lambda _m: None)
+    looked = [r for r in prof.grid if r.draft_lookup]
+    assert [(r.mode, r.draft_k, r.draft_lookup) for r in looked] == [("dual", 1, 3), ("dual", 2, 3)]
+    best = min((r for r in prof.grid if r.mode != "ar"), key=lambda r: r.predicted_time_per_token_s)
+    assert (prof.decision.speculative_mode, prof.decision.draft_lookup) == (best.mode, best.draft_lookup)
+    assert prof.decision.grid["draft_lookup"] == [3] and prof.lossless_greedy
+    prof.decision.mode = prof.decision.speculative_mode = "dual"  # as when the lookup blocks win
+    prof.decision.tree, prof.decision.draft_k, prof.decision.draft_lookup = None, 1, 3
+    out = export_chain(tmp_path / "chain", tiny_parts, prof, DecodeConfig(), onnx=False)
+    assert read_manifest(out).decode.draft_lookup == 3
+    chain = load_chain(out, device="cpu")
+    prompt = _prompts()[1]
+    ar = build_decoder(chain, "ar", max_seq_len=64).generate(prompt, 16)
+    dual = build_decoder(chain, "dual", max_seq_len=64)
+    assert dual.draft_lookup == 3 and dual.generate(prompt, 16).token_ids == ar.token_ids
+
+
 def test_interleaved_runs_take_turns_and_measure_what_separate_runs_measure(tiny_parts, monkeypatch):
     """Final runs take turns prompt by prompt (so a machine slowing down for a while slows every configuration
     alike); each configuration's counts are those of running it alone."""

@@ -26,6 +26,7 @@ from typing import Any
 from polyspec.errors import PolyspecError
 from polyspec.export.package import Parts, ordered_parts
 from polyspec.export.profile import ProfileSettings
+from polyspec.export.prompts import CALIBRATION_FORMAT
 from polyspec.export.results import PROFILE_FORMAT, Profile
 
 Say = Callable[[str], None]
@@ -184,16 +185,27 @@ def profile_key(folders: list[Path], settings: dict[str, Any]) -> str:
 
 
 def _prompts(lv: LoadedLevels, count: int, data: Mapping[str, Any] | None,
-             prompt_ids: list[list[int]] | None) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    """Calibration prompts as token ids and where each came from (``prompt_ids`` given: used as they are)."""
+             prompt_ids: list[list[int]] | None, answer_tokens: int) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Calibration prompts as token ids and where each came from (``prompt_ids`` given: used as they are); an MT-bench
+    second turn follows the target's own greedy answer of up to ``answer_tokens`` tokens to the first."""
     if prompt_ids is not None:
         return prompt_ids, [{"source": "given", "id": i, "tokens": len(x)} for i, x in enumerate(prompt_ids)]
+    import torch
+
+    from polyspec.decode.chain import ChainDecoder
+    from polyspec.decode.generate import eos_ids
     from polyspec.export.prompts import calibration_prompts
+
+    def answer(ids: list[int]) -> str:
+        dec = ChainDecoder(lv.levels[:1], max_seq_len=len(ids) + answer_tokens + 8)
+        with torch.inference_mode():
+            new = dec.generate(ids, answer_tokens, eos_token_ids=eos_ids(lv.tokenizer)).token_ids
+        return lv.tokenizer.decode(new, skip_special_tokens=True)
 
     d = data or {}
     cal = calibration_prompts(lv.tokenizer, count, data_source=d.get("source"),
                               max_conversations=d.get("max_conversations"),
-                              heldout_fraction=d.get("heldout_fraction", 0.02), seed=d.get("seed", 0))
+                              heldout_fraction=d.get("heldout_fraction", 0.02), seed=d.get("seed", 0), answer=answer)
     return [c["input_ids"] for c in cal], [{"source": c["source"], "id": c["id"], "tokens": len(c["input_ids"])}
                                            for c in cal]
 
@@ -257,7 +269,7 @@ def profile_folders(parts: Parts, out_dir: Path, settings: ProfileSettings, *, p
             notes = {**(notes or {}), "dtype_probe": {n: {str(w): t for w, t in row.items()}
                                                       for n, row in probe.items()}}
         lv = load_levels(folders, device=device, dtype=dtype, draft_vocab=draft_vocab)
-        ids, sources = _prompts(lv, prompts, data, prompt_ids)
+        ids, sources = _prompts(lv, prompts, data, prompt_ids, settings.max_new_tokens)
         say(f"profile: {len(ids)} calibration prompts, {settings.max_new_tokens} new tokens each, device {lv.device} "
             f"({lv.dtype}), torch threads {torch.get_num_threads()}")
         s = replace(settings, eos_ids=frozenset(eos_ids(lv.tokenizer)))
@@ -299,7 +311,7 @@ def search_folders(parts: Parts, out_dir: Path, settings: Any, cand: Any, *, pro
         if dtype == "auto":
             dtype, _ = pick_dtype(folders[0], device, settings.profile, say)
         lv = load_levels(folders, device=device, dtype=dtype, draft_vocab=draft_vocab)
-        ids, _ = _prompts(lv, prompts, data, prompt_ids)
+        ids, _ = _prompts(lv, prompts, data, prompt_ids, settings.profile.max_new_tokens)
         cands = make_candidates(lv.levels[0], list(zip(lv.tags[1:], lv.levels[1:], strict=True)), cand)
         say(f"search: {len(ids)} prompts, candidates " + ", ".join(c.name for c in cands))
         s = replace(settings, profile=replace(settings.profile, eos_ids=frozenset(eos_ids(lv.tokenizer))))
@@ -351,7 +363,8 @@ def _settings(recipe: Any, threads: int | None) -> tuple[ProfileSettings, dict[s
     keyed = {"profile": p.model_dump(mode="json", exclude=SEARCH_KEYS), "device": _device(recipe), "dtype": recipe.target.dtype,
              "draft_ks": list(s.draft_ks), "mus": list(s.mus), "grid_prompts": grid_prompts,
              "tree": recipe.decode.tree.model_dump(mode="json") if tree is not None else None,
-             "data": recipe.data.model_dump(mode="json"), "threads": threads or p.threads}
+             "data": recipe.data.model_dump(mode="json"), "threads": threads or p.threads,
+             "calibration": CALIBRATION_FORMAT}
     if recipe.decode.draft_vocab:  # (absent when 0, so profiles made before the setting keep their keys)
         keyed["draft_vocab"] = recipe.decode.draft_vocab
     return s, keyed

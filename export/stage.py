@@ -220,7 +220,7 @@ def pick_dtype(target: Path, device: str, settings: ProfileSettings, say: Say = 
     from polyspec.decode.generate import load_model
     from polyspec.decode.levels import ModelLevel
     from polyspec.device import decode_dtype_candidates, resolve_device
-    from polyspec.export.timing import time_forward
+    from polyspec.export.timing import time_forwards
 
     dev = resolve_device(device)
     widths = sorted({1, max(settings.draft_ks, default=4) + 1})
@@ -230,9 +230,9 @@ def pick_dtype(target: Path, device: str, settings: ProfileSettings, say: Say = 
         cpu_kernels.pack_weights(model)
         level = ModelLevel(model, "target")
         with torch.inference_mode():
-            table[name] = {w: time_forward(level, w, settings.kv_length, warmup=settings.warmup,
-                                           repeats=settings.repeats, vocab_size=model.args.vocab_size).median_s
-                           for w in widths}
+            rows = time_forwards(level, widths, settings.kv_length, warmup=settings.warmup, repeats=settings.repeats,
+                                 vocab_size=model.args.vocab_size)
+            table[name] = {r.width: r.median_s for r in rows}
         del model, level
     best = min(table, key=lambda n: sum(table[n].values()))
     say("profile: target dtype auto -> " + best + " (" + "; ".join(

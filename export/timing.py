@@ -1,7 +1,7 @@
 """Forward costs T_i: the wall time of ONE forward of a level with ``width`` new tokens on top of a KV cache holding
 ``kv_length`` positions (the decoder's real shapes: width 1 for the draft, about draft_k + 1 for the level verifying
 it, a block of >= mu tokens plus one for a level verifying blocks). Warm-up forwards first, then ``repeats`` timed
-ones; median, p10, p90, mean and min are kept. :func:`cost_at` / :func:`mean_cost` read a measured table back.
+ones, the widths of a level taking turns; median, p10, p90, mean and min are kept. :func:`cost_at` / :func:`mean_cost` read a measured table back.
 """
 
 from __future__ import annotations
@@ -48,44 +48,56 @@ def _fill_cache(level: Any, prefix: list[int], kv_length: int, feats: Any) -> No
 
 def time_forward(level: Any, width: int, kv_length: int, *, warmup: int = 2, repeats: int = 10,
                  hidden_size: int | None = None, vocab_size: int | None = None, seed: int = 0) -> CostRow:
-    """Time one forward of ``level`` (a ModelLevel / HeadLevel) adding ``width`` tokens at position ``kv_length``.
+    """Time one forward of ``level`` (a ModelLevel / HeadLevel) adding ``width`` tokens at position ``kv_length``
+    (:func:`time_forwards` for one width)."""
+    return time_forwards(level, [width], kv_length, warmup=warmup, repeats=repeats, hidden_size=hidden_size,
+                         vocab_size=vocab_size, seed=seed)[0]
+
+
+def time_forwards(level: Any, widths: list[int], kv_length: int, *, warmup: int = 2, repeats: int = 10,
+                  hidden_size: int | None = None, vocab_size: int | None = None, seed: int = 0) -> list[CostRow]:
+    """One :class:`CostRow` per width (in the order given): ``level``'s forward adding that many tokens at position
+    ``kv_length``.
 
     The cache is filled once with ``kv_length`` random tokens (and random features for a feature-reading level of
-    width ``hidden_size``), then each timed call rolls back to ``kv_length`` (O(1)) and runs the block again.
-    """
+    width ``hidden_size``); each timed call rolls back to ``kv_length`` (O(1)) and runs a block again. The widths take
+    turns (one forward of each, ``warmup + repeats`` times over), so a machine whose speed drifts over seconds slows
+    them alike: the decision compares T at different widths, and back-to-back repeats of one width at a time once
+    timed a width-2 forward below a width-1 one on a noisy 2-core VM."""
     import torch
 
-    if width < 1 or kv_length < 1:
-        raise PolyspecError(f"time_forward needs width >= 1 and kv_length >= 1, got {width}, {kv_length}")
+    if not widths or min(widths) < 1 or kv_length < 1:
+        raise PolyspecError(f"time_forwards needs widths >= 1 and kv_length >= 1, got {widths}, {kv_length}")
     device = getattr(level, "device", torch.device("cpu"))
     needs = bool(getattr(level, "needs_features", False))
     if needs and not hidden_size:
         raise PolyspecError(f"level {level.name!r} reads features: pass hidden_size")
     gen = torch.Generator().manual_seed(seed)
+    most = max(widths)
     prefix = torch.randint(0, int(vocab_size or 2), (kv_length,), generator=gen).tolist()
-    block = torch.randint(0, int(vocab_size or 2), (width,), generator=gen).tolist()
-    feats = torch.randn(kv_length + width, hidden_size, generator=gen) if needs else None  # [P, H]
-    level.setup(kv_length + width + 1)
+    block = torch.randint(0, int(vocab_size or 2), (most,), generator=gen).tolist()
+    feats = torch.randn(kv_length + most, hidden_size, generator=gen) if needs else None  # [P, H]
+    level.setup(kv_length + most + 1)
     _fill_cache(level, prefix, kv_length, feats)
-    block_feats = feats[kv_length:kv_length + width] if needs else None  # [width, H]
-    times: list[float] = []
+    times: list[list[float]] = [[] for _ in widths]
     for i in range(warmup + repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        logits, _ = level.forward(block, kv_length, block_feats)
-        float(logits[-1, 0])  # make sure the work is done (and on CUDA, synchronised)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        for j, w in enumerate(widths):
+            sync(device)
+            t0 = time.perf_counter()
+            logits, _ = level.forward(block[:w], kv_length, feats[kv_length:kv_length + w] if needs else None)
+            float(logits[-1, 0])  # make sure the work is done (and on CUDA, synchronised)
+            if i >= warmup:
+                times[j].append(time.perf_counter() - t0)
     level.reset()
-    return CostRow(width=width, kv_length=kv_length, **summarize_times(times))
+    return [CostRow(width=w, kv_length=kv_length, **summarize_times(ts)) for w, ts in zip(widths, times, strict=True)]
 
 
 def measure_costs(levels: dict[str, Any], widths: dict[str, list[int]], kv_length: int, *, warmup: int = 2,
                   repeats: int = 10, hidden_size: int | None = None, vocab_size: int | None = None
                   ) -> dict[str, list[CostRow]]:
-    """``{level name: [time_forward(...) for each width]}`` (widths sorted, deduplicated)."""
-    return {name: [time_forward(level, w, kv_length, warmup=warmup, repeats=repeats, hidden_size=hidden_size,
-                                vocab_size=vocab_size) for w in sorted(set(widths[name]))]
+    """``{level name: time_forwards(level, its widths, ...)}`` (widths sorted, deduplicated, taking turns)."""
+    return {name: time_forwards(level, sorted(set(widths[name])), kv_length, warmup=warmup, repeats=repeats,
+                                hidden_size=hidden_size, vocab_size=vocab_size)
             for name, level in levels.items()}
 
 

@@ -442,3 +442,36 @@ def test_interleaved_runs_take_turns_and_measure_what_separate_runs_measure(tiny
                                                                           a.betas)
         assert {n: x.L for n, x in t.per_level.items()} == {n: x.L for n, x in a.per_level.items()}
     assert together[0].outputs == together[1].outputs == together[2].outputs  # greedy: lossless
+
+
+def test_forward_widths_take_turns_and_each_gets_its_repeats():
+    """time_forwards runs one forward of each width in turn (a drifting machine slows them alike), each from the same
+    filled cache at kv_length, with features of the block's width for a feature-reading level."""
+    from polyspec.export.timing import time_forward, time_forwards
+
+    class Level:
+        name, needs_features = "fake", True
+
+        def __init__(self):
+            self.calls = []
+
+        def setup(self, n):
+            self.size = n
+
+        def reset(self):
+            pass
+
+        def forward(self, tokens, start, feats=None):
+            self.calls.append((len(tokens), start, None if feats is None else tuple(feats.shape)))
+            return torch.zeros(len(tokens), 4), None
+
+    lv = Level()
+    rows = time_forwards(lv, [3, 1, 2], 8, warmup=1, repeats=2, hidden_size=5, vocab_size=10)
+    assert [(r.width, r.kv_length, r.repeats) for r in rows] == [(3, 8, 2), (1, 8, 2), (2, 8, 2)]
+    assert lv.calls[0] == (7, 1, (7, 5))  # the cache fill: positions 1..7 (a feature reader starts at 1)
+    assert lv.calls[1:] == [(w, 8, (w, 5)) for _ in range(3) for w in (3, 1, 2)]
+    assert time_forward(Level(), 2, 8, warmup=0, repeats=3, hidden_size=5).repeats == 3
+    from polyspec.errors import PolyspecError
+
+    with pytest.raises(PolyspecError, match="widths"):
+        time_forwards(Level(), [], 8, hidden_size=5)

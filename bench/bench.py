@@ -75,7 +75,9 @@ class EngineRunner:
             chain.levels_for(base)
         except PolyspecError as exc:
             raise NotApplicable(str(exc)) from None
-        self.chain, self.mode, self.draft_k, self.mu = chain, base, draft_k, mu
+        self.chain, self.mode = chain, base
+        # default runs the manifest's choice whole: the command's draft settings are for the other modes
+        self.draft_k, self.mu = (None, None) if mode == DEFAULT else (draft_k, mu)
         self.draft_stop = None if mode == DEFAULT else draft_stop
         self.draft_lookup = None if mode == DEFAULT else draft_lookup
         self.tree = None if mode == DEFAULT else tree  # None / ngram None: as the manifest says

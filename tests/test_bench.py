@@ -210,6 +210,22 @@ def test_confidence_cut_and_lookup_drafts_agree_with_ar_and_are_recorded(tiny_ch
         assert code == 2 and flag in cap.err
 
 
+def test_default_mode_keeps_the_manifests_draft_settings(tiny_chain, prompts_file, tmp_path, capsys):
+    """--draft-k / --mu / --draft-lookup shape the named modes; default runs what the manifest chose."""
+    out = tmp_path / "r.json"
+    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,default,dual", "--draft-k", "2",
+                       "--draft-lookup", "3", "--max-new-tokens", "10", "--device", "cpu", "--json", out)
+    assert code == 0, cap.err
+    from polyspec.decode.generate import load_chain
+
+    chain = load_chain(tiny_chain, device="cpu")
+    default = bench.EngineRunner(chain, "default", draft_k=2, mu=[3], draft_lookup=3)
+    dual = bench.EngineRunner(chain, "dual", draft_k=2, mu=[3], draft_lookup=3)
+    assert (default.draft_k, default.mu, default.draft_lookup) == (None, None, None)
+    assert (dual.draft_k, dual.draft_lookup) == (2, 3)
+    assert json.loads(out.read_text())["mismatches"] == []
+
+
 def test_bad_modes_and_arguments(tiny_chain, prompts_file, capsys):
     with pytest.raises(PolyspecError, match="unknown mode"):
         bench.parse_modes("ar,fast")

@@ -163,6 +163,19 @@ def test_greedy_dual_and_chain_with_an_eagle3_head_equal_ar(target_dir, tree):
         ChainDecoder([TableLevel(torch.zeros(t.args.vocab_size, t.args.vocab_size), "tab"), HeadLevel(head, "h")])
 
 
+def test_lookup_blocks_above_an_eagle3_head_keep_greedy_output(target_dir):
+    """Rounds whose block prompt lookup proposed leave the head's cache behind; its next forward catches up with the
+    fused target states of those positions, and the output stays greedy ar."""
+    t = Transformer.from_pretrained(target_dir).eval()
+    head = make_head(t, 200)
+    prompt = [5, 17, 230, 9, 77, 3, 5, 17, 230, 9, 77, 3, 5, 17]  # repeats: lookup has blocks to propose
+    ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=96).generate(prompt, 30).token_ids
+    r = ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], max_seq_len=96, draft_k=2,
+                     draft_lookup=3).generate(prompt, 30)
+    assert r.token_ids == ar, r.stats
+    assert r.level_stats[-1].lookup_tokens > 0 and r.level_stats[-1].tokens_emitted > 0  # both sources proposed
+
+
 def _chi2_critical(df: int, alpha: float) -> float:
     z = NormalDist().inv_cdf(1 - alpha)
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

@@ -478,13 +478,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="at most N questions per category")
     p.add_argument("--categories", nargs="+", default=None, help="only these categories (space or comma separated)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode (default 1)")
-    p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
-    p.add_argument("--draft-stop", type=float, default=None,
-                   help="end a linear draft once its probability falls below this (0 = never; default: the manifest's)")
-    p.add_argument("--draft-lookup", type=int, default=None,
-                   help="up to N prompt-lookup tokens as a round's block where a 2-3 token suffix repeats, instead of "
-                        "the draft's (0 = off; default: the manifest's)")
-    p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
+    from polyspec.cli import add_draft_arguments  # the flags generate takes too
+
+    add_draft_arguments(p)
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft head's logits over the N most frequent training tokens (0 = full; default: manifest's)")
     p.add_argument("--tree-top-k", type=int, default=None, help="*-tree modes: children per expanded node "
@@ -524,10 +520,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PolyspecError(f"--warmup must be >= 0, got {args.warmup}")
     if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
         raise PolyspecError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
-    if args.draft_stop is not None and not 0 <= args.draft_stop < 1:
-        raise PolyspecError(f"--draft-stop must be in [0, 1) (0 = always --draft-k tokens), got {args.draft_stop}")
-    if args.draft_lookup is not None and args.draft_lookup < 0:
-        raise PolyspecError(f"--draft-lookup must be >= 0 (0 = off), got {args.draft_lookup}")
+    from polyspec.cli import check_draft_arguments
+
+    check_draft_arguments(args)
     if args.prompts is None and not args.forward_times:
         raise PolyspecError("give --prompts FILE|builtin (or --forward-times alone for level timings)")
 

@@ -221,6 +221,25 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
                    help="greedy: up to N prompt-lookup tokens added to each tree as one more path (implies --tree)")
 
 
+def add_draft_arguments(p: argparse.ArgumentParser) -> None:
+    """The linear draft's flags (generate and bench): --draft-k, --draft-stop, --draft-lookup, --mu."""
+    p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
+    p.add_argument("--draft-stop", type=float, default=None,
+                   help="end a linear draft once its probability falls below this (0 = never; default: the manifest's)")
+    p.add_argument("--draft-lookup", type=int, default=None,
+                   help="up to N prompt-lookup tokens as a round's block where a 2-3 token suffix repeats, instead of "
+                        "the draft's (0 = off; default: the manifest's)")
+    p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
+
+
+def check_draft_arguments(args: argparse.Namespace) -> None:
+    """One clear error for a --draft-stop or --draft-lookup out of range (before any weights load)."""
+    if args.draft_stop is not None and not 0 <= args.draft_stop < 1:
+        raise PolyspecError(f"--draft-stop must be in [0, 1) (0 = always --draft-k tokens), got {args.draft_stop}")
+    if args.draft_lookup is not None and args.draft_lookup < 0:
+        raise PolyspecError(f"--draft-lookup must be >= 0 (0 = off), got {args.draft_lookup}")
+
+
 def tree_choice(args: argparse.Namespace) -> bool | dict[str, int] | None:
     """From --tree / --no-tree and the shape flags: None (the manifest's choice), False (linear drafts), True (a
     tree of the manifest's or the default shape) or a dict of shape overrides (see generate.resolve_tree)."""
@@ -247,10 +266,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.draft_vocab is not None and args.draft_vocab < 0:
         raise PolyspecError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
-    if args.draft_stop is not None and not 0 <= args.draft_stop < 1:
-        raise PolyspecError(f"--draft-stop must be in [0, 1) (0 = always --draft-k tokens), got {args.draft_stop}")
-    if args.draft_lookup is not None and args.draft_lookup < 0:
-        raise PolyspecError(f"--draft-lookup must be >= 0 (0 = off), got {args.draft_lookup}")
+    check_draft_arguments(args)
     chain = load_chain(args.chain, device=args.device, draft_vocab=args.draft_vocab)
     out = generate_text(chain, args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -325,6 +341,52 @@ def _add_theory(p: argparse.ArgumentParser) -> None:
     tm.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    """The generate verb's arguments."""
+    p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
+    p.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="default: the mode the manifest chose when the chain was profiled")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    add_draft_arguments(p)
+    add_tree_arguments(p)
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft head's logits over the N most frequent training tokens (0 = full; default: manifest's)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object: text, token_ids, stats")
+
+
+def _add_chain(p: argparse.ArgumentParser) -> None:
+    """The chain verb's sub-verbs: assemble, export-head."""
+    csub = p.add_subparsers(dest="chain_verb", metavar="WHAT", required=True)
+    asm = csub.add_parser("assemble", help="make a chain folder from a target, intermediates and a draft head")
+    asm.add_argument("--target", type=Path, required=True, help="the target's Hugging Face folder (M1)")
+    asm.add_argument("--intermediate", type=Path, action="append",
+                     help="a verifier below the target (e.g. its int4 GPTQ folder); repeat for more, top first")
+    asm.add_argument("--draft", type=Path, help="the draft head folder (bottom level)")
+    asm.add_argument("--out", type=Path, required=True, help="the chain folder to write")
+    asm.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+    from polyspec.export.head_formats import FORMATS as HEAD_FORMATS  # no torch: the parser stays fast
+
+    exh = csub.add_parser("export-head", help="write the chain's draft head in an engine's format (vLLM, SGLang, EAGLE)")
+    exh.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
+    exh.add_argument("--format", required=True, choices=HEAD_FORMATS,
+                     help="speculators: vllm serve (EAGLE-3 heads); sglang: SGLang's EAGLE/EAGLE3 drafts; eagle: "
+                          "SafeAILab/EAGLE's folder")
+    exh.add_argument("--out", type=Path, required=True, help="the folder to write")
+    exh.add_argument("--verifier", help="the target as the engine loads it (default: the chain's target folder)")
+    exh.add_argument("--draft-vocab", type=int, default=None,
+                     help="sglang, EAGLE-1/2 heads: token map of the N most frequent training tokens (0 = none; "
+                          "default: the manifest's decode.draft_vocab)")
+    exh.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polyspec",
@@ -375,52 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     _gpu_probe.configure_parser(verb("gpu-probe", cmd_gpu_probe))
 
-    p = verb("generate", cmd_generate)
-    p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
-    p.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
-    p.add_argument("--mode", choices=MODES, default=None,
-                   help="default: the mode the manifest chose when the chain was profiled")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
-    p.add_argument("--draft-stop", type=float, default=None,
-                   help="end a linear draft once its probability falls below this (0 = never; default: manifest's)")
-    p.add_argument("--draft-lookup", type=int, default=None,
-                   help="up to N prompt-lookup tokens as a round's block where a 2-3 token suffix repeats (0 = off)")
-    p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
-    add_tree_arguments(p)
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft head's logits over the N most frequent training tokens (0 = full; default: manifest's)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--json", action="store_true", help="one JSON object: text, token_ids, stats")
-
-    p = verb("chain", cmd_chain)
-    csub = p.add_subparsers(dest="chain_verb", metavar="WHAT", required=True)
-    asm = csub.add_parser("assemble", help="make a chain folder from a target, intermediates and a draft head")
-    asm.add_argument("--target", type=Path, required=True, help="the target's Hugging Face folder (M1)")
-    asm.add_argument("--intermediate", type=Path, action="append",
-                     help="a verifier below the target (e.g. its int4 GPTQ folder); repeat for more, top first")
-    asm.add_argument("--draft", type=Path, help="the draft head folder (bottom level)")
-    asm.add_argument("--out", type=Path, required=True, help="the chain folder to write")
-    asm.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-
-    from polyspec.export.head_formats import FORMATS as HEAD_FORMATS  # no torch: the parser stays fast
-
-    exh = csub.add_parser("export-head", help="write the chain's draft head in an engine's format (vLLM, SGLang, EAGLE)")
-    exh.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
-    exh.add_argument("--format", required=True, choices=HEAD_FORMATS,
-                     help="speculators: vllm serve (EAGLE-3 heads); sglang: SGLang's EAGLE/EAGLE3 drafts; eagle: "
-                          "SafeAILab/EAGLE's folder")
-    exh.add_argument("--out", type=Path, required=True, help="the folder to write")
-    exh.add_argument("--verifier", help="the target as the engine loads it (default: the chain's target folder)")
-    exh.add_argument("--draft-vocab", type=int, default=None,
-                     help="sglang, EAGLE-1/2 heads: token map of the N most frequent training tokens (0 = none; "
-                          "default: the manifest's decode.draft_vocab)")
-    exh.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    _add_generate(verb("generate", cmd_generate))
+    _add_chain(verb("chain", cmd_chain))
 
     p = verb("validate-chain", cmd_validate_chain)
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")

@@ -24,10 +24,22 @@ from polyspec.errors import PolyspecError
 def lookup_next(context: list[int], max_n: int = 3, min_n: int = 1) -> int | None:
     """The token after the most recent earlier occurrence of the longest suffix of ``context`` of ``max_n`` down to
     ``min_n`` tokens; None where no such suffix occurs earlier."""
+    if len(context) < 2:
+        return None
+    # earlier positions of the last token, found by list.index (C speed): a decoding round calls this on every
+    # round, and most rounds find nothing
+    last, ends, i = context[-1], [], 0
+    try:
+        while True:
+            i = context.index(last, i, len(context) - 1)
+            ends.append(i + 1)  # an occurrence of the suffix ending here would be followed by context[i + 1]
+            i += 1
+    except ValueError:
+        pass
     for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
         suffix = context[-n:]
-        for end in range(len(context) - 1, n - 1, -1):  # occurrences ending before the last token, newest first
-            if context[end - n:end] == suffix:
+        for end in reversed(ends):  # occurrences ending before the last token, newest first
+            if end >= n and context[end - n:end] == suffix:
                 return int(context[end])
     return None
 

@@ -244,7 +244,7 @@ class ChainDecoder:
         self.levels = levels
         self.draft_k = draft_k
         self.draft_stop = float(draft_stop)
-        self.draft_lookup = draft_lookup
+        self.draft_lookup = draft_lookup if tree is None and len(levels) > 1 else 0  # linear drafts only
         self.mu = mu
         self.tree = tree
         self.max_seq_len = max_seq_len
@@ -330,7 +330,7 @@ class _Run:
         self.n = len(dec.levels)
         self.draft_k = dec.draft_k
         self.draft_stop = dec.draft_stop
-        self.draft_lookup = dec.draft_lookup if dec.tree is None else 0
+        self.draft_lookup = dec.draft_lookup
         self.mu = dec.mu
         self.tree = dec.tree
         self.sampling = sampling

@@ -148,10 +148,9 @@ class ConfigRun:
         self.levels, self.max_new_tokens, self.eos_ids, self.label, self.tree = levels, max_new_tokens, eos_ids, label, tree
         self.wrapped = [RecordingLevel(lv) for lv in levels]
         mu = list(mu or []) if len(levels) > 2 else []
-        spec = len(levels) > 1
-        self.draft_lookup = draft_lookup if spec and tree is None else 0
-        self.dec = ChainDecoder(self.wrapped, draft_k=draft_k, mu=mu, tree=tree if spec else None,
-                                max_seq_len=max_seq_len, draft_lookup=self.draft_lookup)
+        self.dec = ChainDecoder(self.wrapped, draft_k=draft_k, mu=mu, tree=tree if len(levels) > 1 else None,
+                                max_seq_len=max_seq_len, draft_lookup=draft_lookup)
+        self.draft_lookup = self.dec.draft_lookup  # 0 where it does not apply (ar, a tree)
         self.draft_k = draft_k
         self.tallies = [_Tally() for _ in self.wrapped]
         self.outputs: list[list[int]] = []

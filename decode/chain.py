@@ -719,7 +719,8 @@ class _Run:
             features, exact = self._features(i, full, start)
         self._truncate(i, start)
         last_only = first_row == len(full) - 1 and not self._feeds(i)
-        logits, hidden = level.forward(full[start:], start, features, last_only=last_only)
+        rows = len(full) - first_row  # the logits the caller reads; hidden states may be needed for every row
+        logits, hidden = level.forward(full[start:], start, features, last_only=last_only, logit_rows=rows)
         t = len(full) - start
         pad = start - len(self.seen[i])  # 1 only for a feature level's first forward: position 0 needs no entry
         self.seen[i] = list(full)
@@ -731,7 +732,6 @@ class _Run:
         if not prefill:  # a prompt prefill is not a decode or verification pass
             self.stats[i].forward_passes += 1
             self.stats[i].catch_up_passes += int(catch_up)
-        rows = len(full) - first_row
         if logits.shape[0] < rows:
             raise PolyspecError(f"level {level.name!r} returned {logits.shape[0]} logits rows, expected >= {rows}")
         return logits[logits.shape[0] - rows:]

@@ -59,10 +59,12 @@ class Level(Protocol):
         ...
 
     def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False, logit_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """truncate(start_pos), then append ``tokens`` [T]; returns (logits [T, V], hidden [T, H] or None).
 
         last_only: only the last row of logits and hidden is needed ([1, V], [1, H]); a level may still return all.
+        logit_rows: only the last ``logit_rows`` rows of logits are needed (hidden: every row); None: all. A level may
+        still return more.
         """
         ...
 
@@ -88,6 +90,7 @@ class ModelLevel:
         self.model = transformer
         self.name = name
         self._last_only = _accepts(transformer.forward, "last_only")
+        self._logits_from = _accepts(transformer.forward, "logits_from")
         self._aux: tuple[tuple[int, ...], object] | None = None  # feed_aux: (layer ids, fuse) for an EAGLE-3 draft
 
     def feed_aux(self, aux_layers: list[int] | None, fuse=None) -> None:
@@ -124,12 +127,15 @@ class ModelLevel:
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False, logit_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.model.truncate(start_pos)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+        kw = {}
+        if self._logits_from and logit_rows is not None and logit_rows < len(tokens):
+            kw["logits_from"] = len(tokens) - logit_rows
         if self._last_only:
-            return self._run(ids, last_only=last_only)
-        return self._run(ids)
+            return self._run(ids, last_only=last_only, **kw)
+        return self._run(ids, **kw)
 
     @torch.inference_mode()
     def forward_tree(self, tokens: list[int], positions: list[int], mask: torch.Tensor,
@@ -189,7 +195,7 @@ class HeadLevel:
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False, logit_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if start_pos < 1:
             raise PolyspecError(f"HeadLevel {self.name!r}: an EAGLE head cannot process position 0 (no feature "
                                 "precedes it); start at position 1")
@@ -303,7 +309,7 @@ class TableLevel(TokenCache):
         self.tokens = self.tokens[:dst_start] + kept
 
     def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False, logit_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.truncate(start_pos)
         self._check_room(len(tokens))
         self.forward_calls += 1

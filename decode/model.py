@@ -708,7 +708,7 @@ class Transformer(CachedDecoder):
 
     def forward(self, input_ids: torch.Tensor, *, tree_mask: torch.Tensor | None = None,
                 position_offsets: torch.Tensor | None = None, last_only: bool = False,
-                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                aux_layers: tuple[int, ...] = (), logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens; returns (logits [T, V] float32, hidden [T, H]) — hidden is the final-norm'd state,
         i.e. exactly lm_head's input (the feature an EAGLE head reads).
 
@@ -717,6 +717,9 @@ class Transformer(CachedDecoder):
             [T, K + T], whose first K columns say which of the last K cached positions token j sees.
         position_offsets: [T] RoPE positions relative to cache_len (default 0..T-1).
         last_only: return only the last row of each output ([1, V], [1, H]).
+        logits_from: logits only for rows logits_from .. T - 1 ([T - logits_from, V]; hidden stays [T, H]): a
+            prefill that feeds a draft head needs every row's hidden state but no logits before its last row, and
+            the lm_head over a whole prompt costs as much as a tenth of the model.
         aux_layers: hidden is instead the concatenated outputs of these layers (0-based: the residual stream after
             layer i, Hugging Face's ``hidden_states[i + 1]``), [T, len(aux_layers) * H]: an EAGLE-3 head's input.
         """
@@ -724,7 +727,7 @@ class Transformer(CachedDecoder):
         if aux_layers:
             x, aux = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets,
                                       capture=tuple(aux_layers))
-            logits, _ = self._out(x, last_only)
+            logits, _ = self._out(x, last_only, logits_from)
             hidden = torch.cat(aux, dim=-1)  # [B, T, A * H]
             out = logits, (hidden[:, -1:] if last_only else hidden)
         else:
@@ -732,7 +735,7 @@ class Transformer(CachedDecoder):
             out = runner.forward(ids, None, tree_mask, position_offsets, last_only) if runner is not None else None
         if out is None:
             x = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets)
-            out = self._out(x, last_only)
+            out = self._out(x, last_only, logits_from)
         logits, hidden = out
         return (logits[0], hidden[0]) if squeeze else (logits, hidden)
 
@@ -743,12 +746,15 @@ class Transformer(CachedDecoder):
         """ids [B, T] -> layer input [B, T, H] in the compute dtype."""
         return self.embed_tokens(ids.to(self.embed_tokens.weight.device)).to(self._compute_dtype())
 
-    def _out(self, x: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Last layer's output [B, T, H] -> (logits [B, T, V] float32, final-norm'd hidden [B, T, H])."""
+    def _out(self, x: torch.Tensor, last_only: bool,
+             logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last layer's output [B, T, H] -> (logits [B, T - logits_from, V] float32, final-norm'd hidden [B, T, H])
+        (last_only: the last row of each)."""
         hidden = self.norm(x)  # [B, T, H]
         if last_only:
             hidden = hidden[:, -1:]
-        return self.lm_head(hidden).float(), hidden
+        rows = hidden[:, min(logits_from, hidden.shape[1] - 1):] if logits_from > 0 else hidden
+        return self.lm_head(rows).float(), hidden
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,

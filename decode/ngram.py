@@ -97,7 +97,7 @@ class NgramLevel(TokenCache):
         return torch.full((self.vocab_size,), float("-inf")).index_fill_(0, torch.tensor([x]), 0.0)
 
     def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
-                last_only: bool = False) -> tuple[torch.Tensor, None]:
+                last_only: bool = False, logit_rows: int | None = None) -> tuple[torch.Tensor, None]:
         self.truncate(start_pos)
         self._check_room(len(tokens))
         first = len(self.tokens)

@@ -70,8 +70,10 @@ class RecordingLevel:
         self._fresh = False
         return out
 
-    def forward(self, tokens: list[int], start_pos: int, features: Any = None, *, last_only: bool = False) -> Any:
-        return self._timed(len(tokens), lambda: self.inner.forward(tokens, start_pos, features, last_only=last_only))
+    def forward(self, tokens: list[int], start_pos: int, features: Any = None, *, last_only: bool = False,
+                logit_rows: int | None = None) -> Any:
+        return self._timed(len(tokens), lambda: self.inner.forward(tokens, start_pos, features, last_only=last_only,
+                                                                    logit_rows=logit_rows))
 
     def __getattr__(self, name: str) -> Any:
         # The tree methods exist only when the wrapped level has them (ChainDecoder checks with hasattr).

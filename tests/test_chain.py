@@ -5,6 +5,7 @@ deliberately wrong residual failing the same check), features for EAGLE-style dr
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import itertools
 import math
@@ -52,7 +53,7 @@ class ScriptLevel:
         assert 0 <= n <= len(self.tokens)
         del self.tokens[n:]
 
-    def forward(self, tokens, start_pos, features=None, *, last_only=False):
+    def forward(self, tokens, start_pos, features=None, *, last_only=False, logit_rows=None):
         self.truncate(start_pos)
         rows = []
         for t in tokens:
@@ -89,7 +90,7 @@ class FeatureLevel:
     def truncate(self, n):
         del self.entries[max(n - 1, 0):]
 
-    def forward(self, tokens, start_pos, features=None, *, last_only=False):
+    def forward(self, tokens, start_pos, features=None, *, last_only=False, logit_rows=None):
         assert start_pos >= 1 and features is not None and features.shape[0] == len(tokens)
         assert start_pos - 1 <= len(self.entries)
         del self.entries[start_pos - 1:]
@@ -846,6 +847,30 @@ def test_engine_chain_with_int4_and_eagle_head_equals_ar(tiny_models):
     # the int4 copy mostly agrees with its target: blocks do get accepted
     r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4")], draft_k=4, max_seq_len=64).generate(prompt, 20)
     assert r.token_ids == ar and max(r.level_stats[0].accept_lengths) > 1
+
+
+@needs_model
+@needs_head
+def test_a_prefill_that_feeds_the_head_computes_its_last_logits_only(tiny_models, monkeypatch):
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t, h = tiny_models["target"], tiny_models["head"]
+    prompt = [5, 17, 230, 9, 77, 3, 41, 8]
+    ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 16).token_ids
+    rows: list[tuple[int, int]] = []  # (tokens in, logits rows out) of the target's forwards
+    forward = type(t).forward
+
+    @functools.wraps(forward)  # keeps the signature ModelLevel reads
+    def spy(self, ids, **kw):
+        out = forward(self, ids, **kw)
+        rows.append((ids.shape[-1], out[0].shape[0]))
+        return out
+
+    monkeypatch.setattr(type(t), "forward", spy)
+    r = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], draft_k=3, max_seq_len=64).generate(prompt, 16)
+    assert r.token_ids == ar
+    assert rows[0] == (len(prompt) - 1, 1)  # the prefill: every hidden state for the head, one row of logits
+    assert all(n == m for n, m in rows[1:])  # a verification reads every row's logits
 
 
 @needs_model

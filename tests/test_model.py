@@ -128,6 +128,19 @@ def test_last_only(llama):
     assert torch.allclose(logits, full_logits[-1:], atol=1e-6) and torch.allclose(hidden, full_hidden[-1:], atol=1e-6)
 
 
+def test_logits_from_keeps_every_hidden_row_and_the_last_logits(llama):
+    ids = _ids(9)
+    llama.setup_cache(32)
+    with torch.no_grad():
+        full_logits, full_hidden = llama(ids)
+        for start in (1, 6, 8, 20):  # past the last row: the last row's logits
+            llama.reset()
+            logits, hidden = llama(ids, logits_from=start)
+            assert logits.shape == (9 - min(start, 8), 512) and hidden.shape == (9, 128)
+            assert torch.allclose(logits, full_logits[min(start, 8):], atol=1e-6)
+            assert torch.allclose(hidden, full_hidden, atol=1e-6)
+
+
 def test_hidden_is_lm_head_input(llama):
     llama.setup_cache(16)
     with torch.no_grad():

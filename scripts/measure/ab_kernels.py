@@ -1,0 +1,97 @@
+"""Two builds of decode/cpu_kernels.cpp against each other, alternated in one process (this machine's speed drifts
+by more than most kernel changes between runs minutes apart).
+
+    g++ -O3 -march=native -fopenmp -shared -fPIC -std=c++17 cpu_kernels.cpp -o A.so     # each build
+    python scripts/measure/ab_kernels.py layers TARGET_DIR bfloat16 A.so B.so 20,300,700   # the layers' time
+    python scripts/measure/ab_kernels.py decode CHAIN_DIR A.so B.so [REPEATS]              # whole generations
+
+``layers``: the target's decoder layers at widths 1, 2, 3, 5 after each context length, 30 alternations per point,
+medians. ``decode``: ``ar`` and the chain's default mode on non-bench builtin prompts (the 3rd-5th of MT-bench,
+HumanEval and held-out ShareGPT), 96 new tokens, the builds alternated per generation. docs/BENCHMARKS.md, stop 20.
+"""
+
+import collections
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from polyspec.decode import cpu_kernels as ck
+
+ENTRY_POINTS = ("polyspec_layer_f32", "polyspec_layer_bf16", "polyspec_layer_i4", "polyspec_linear3_f32",
+                "polyspec_linear3_bf16w", "polyspec_linear_i4", "polyspec_dot_path")
+
+
+def load_builds(paths: list[str]) -> dict[str, ctypes.CDLL]:
+    """Each build with the argument types polyspec's own loader declares."""
+    ref = ck._load()
+    builds = {}
+    for tag, path in zip("AB", paths, strict=True):
+        lib = ctypes.CDLL(str(Path(path).resolve()))
+        for name in ENTRY_POINTS:
+            getattr(lib, name).argtypes = getattr(ref, name).argtypes
+            getattr(lib, name).restype = getattr(ref, name).restype
+        builds[tag] = lib
+    return builds
+
+
+def layers(target: str, dtype: str, a: str, b: str, contexts: str) -> None:
+    from polyspec.decode.generate import load_model
+
+    builds = load_builds([a, b])
+    model = load_model(Path(target), dtype=getattr(torch, dtype), device=torch.device("cpu"))
+    ck.pack_weights(model)
+    model.setup_cache(1024)
+    ids = torch.randint(100, 20000, (1000,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for ctx in (int(c) for c in contexts.split(",")):
+            model.truncate(0)
+            model(ids[:ctx])
+            for w in (1, 2, 3, 5):
+                times: dict[str, list[float]] = {"A": [], "B": []}
+                for rep in range(30):
+                    for tag in ("A", "B") if rep % 2 else ("B", "A"):
+                        ck._lib = builds[tag]
+                        t0 = time.perf_counter()
+                        model._run_layers(model._embed(ids[None, ctx:ctx + w], None), list(model.layers), None, None)
+                        times[tag].append(time.perf_counter() - t0)
+                        model.truncate(ctx)
+                ta, tb = (sorted(times[t])[15] * 1e3 for t in "AB")
+                print(f"ctx {ctx:4d} width {w}: A {ta:6.2f} ms  B {tb:6.2f} ms  B/A {tb / ta:.3f}", flush=True)
+
+
+def decode(chain_dir: str, a: str, b: str, repeats: str = "2") -> None:
+    from polyspec.bench.prompts import load_prompts
+    from polyspec.decode.generate import generate_text, load_chain
+
+    builds = load_builds([a, b])
+    chain = load_chain(Path(chain_dir), device="cpu")
+    seen: collections.Counter = collections.Counter()
+    prompts = []
+    for q in load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"], limit=5):
+        seen[q.category] += 1
+        if seen[q.category] > 2:  # the bench's --limit 2 prompts stay out
+            prompts.append(q.turns[0])
+    secs: dict[tuple[str, str], float] = collections.defaultdict(float)
+    toks: dict[tuple[str, str], int] = collections.defaultdict(int)
+    for rep in range(int(repeats)):
+        for prompt in prompts:
+            for mode in ("ar", "default"):
+                for tag in ("A", "B") if rep % 2 == 0 else ("B", "A"):
+                    ck._lib = builds[tag]
+                    t0 = time.perf_counter()
+                    r = generate_text(chain, prompt, mode=None if mode == "default" else mode, max_new_tokens=96)
+                    secs[tag, mode] += time.perf_counter() - t0
+                    toks[tag, mode] += len(r["token_ids"])
+    for tag in "AB":
+        ar, de = (toks[tag, m] / secs[tag, m] for m in ("ar", "default"))
+        print(f"{tag}: ar {ar:.1f} tok/s, default {de:.1f} tok/s, default/ar {de / ar:.3f}")
+    print(f"B/A speed: ar {secs['A', 'ar'] / secs['B', 'ar']:.3f}x, "
+          f"default {secs['A', 'default'] / secs['B', 'default']:.3f}x")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    {"layers": layers, "decode": decode}[sys.argv[1]](*sys.argv[2:])

@@ -492,7 +492,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the dtype the chain's profile chose, else float32 on CPU)")
     p.add_argument("--recipe", type=Path, default=None,
-                   help="recipe whose data section defines the held-out ShareGPT split (default: DataConfig defaults)")
+                   help="recipe whose data section defines the held-out ShareGPT split (default: the split the chain's "
+                   "draft head records in its training.json, else the DataConfig defaults)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", type=Path, default=None, help="write the full report as JSON here")
     p.add_argument("--plot", type=Path, default=None,
@@ -505,6 +506,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "(weight bytes / bandwidth) and the fraction of it ar reaches")
     p.add_argument("--forward-prefix", type=int, default=128, help="cached tokens before the timed forward")
     p.add_argument("--forward-repeats", type=int, default=20)
+
+
+def _heldout_split(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The data section that defines the held-out ShareGPT prompts: --recipe's, else the chain head's own split."""
+    if args.recipe is not None:
+        from polyspec.config import load_recipe
+
+        return load_recipe(args.recipe).data, None
+    if args.prompts != "builtin":
+        return None, None
+    from polyspec.bench.prompts import head_data_split
+
+    return head_data_split(args.chain)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -551,14 +565,12 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     questions: list[Any] = []
     if args.prompts is not None:
-        data_cfg = None
-        if args.recipe is not None:
-            from polyspec.config import load_recipe
-
-            data_cfg = load_recipe(args.recipe).data
         cats = [c for item in (args.categories or []) for c in item.split(",") if c]
+        data_cfg, split_note = _heldout_split(args)
         questions = load_prompts(args.prompts, categories=cats or None, limit=args.limit, data_cfg=data_cfg,
                                  notes=notes)
+        if split_note and any(q.category == "sharegpt" for q in questions):
+            notes.append(split_note)
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
     from polyspec.decode.generate import load_chain

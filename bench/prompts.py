@@ -157,6 +157,43 @@ def _pydoc(pydoc_info: Path) -> tuple[list[Question], list[Question]]:
     return faq, summ
 
 
+SPLIT_KEYS = ("source", "max_conversations", "heldout_fraction", "seed")  # what polyspec.data.prepare.load_split reads
+
+
+def head_data_split(chain_dir: Path) -> tuple[Any, str | None]:
+    """The data section whose held-out ShareGPT conversations a chain's bench asks, and a note for the report.
+
+    The split the chain's draft head trained against, when its training.json records one (``data_split``) over the
+    same source as the default: a recipe that trains on the first 900 conversations holds out other ones than the
+    default split of all of them. A head trained on another source never saw ShareGPT: the default split. A head that
+    records nothing (trained before the record existed): the default split, with a note that it may overlap.
+    """
+    import json
+
+    from polyspec.config import DataConfig
+    from polyspec.manifest import level_folders, read_manifest
+
+    default = DataConfig()
+    manifest = read_manifest(Path(chain_dir))
+    heads = [f for lv, f in zip(manifest.levels, level_folders(Path(chain_dir), manifest), strict=True)
+             if lv.kind == "head"]
+    if not heads:
+        return default, None
+    try:
+        split = json.loads((heads[-1] / "training.json").read_text(encoding="utf-8")).get("data_split")
+        cfg = DataConfig(**{k: split[k] for k in SPLIT_KEYS}) if isinstance(split, dict) else None
+    except (OSError, ValueError, KeyError, AttributeError):
+        cfg = None
+    if cfg is None:
+        return default, ("sharegpt: the chain's draft head does not record the split it trained on, so the default "
+                         "split's held-out conversations may be among its training data (pass --recipe with the "
+                         "recipe that trained it)")
+    if cfg.source != default.source:
+        return default, None
+    return cfg, (f"sharegpt: held out from the draft head's own split (max_conversations {cfg.max_conversations}, "
+                 f"heldout_fraction {cfg.heldout_fraction}, seed {cfg.seed})")
+
+
 def sharegpt_heldout_first_turns(data_cfg: Any = None) -> tuple[list[Question], int]:
     """First user turns of the held-out ShareGPT conversations (``data_cfg``: a recipe's data section, default
     :class:`polyspec.config.DataConfig`), and how many were skipped as longer than SHAREGPT_MAX_CHARS."""

@@ -293,6 +293,38 @@ numbers, booleans and None, following a conversion table documented below.
 """
 
 
+def test_builtin_sharegpt_prompts_are_held_out_from_the_heads_own_split(chain_parts, tmp_path):
+    """A recipe that trains on the first 900 conversations holds out other ones than the default split of all of
+    them: the bench takes the split the head records, says so, and says when a head records none."""
+    import shutil
+
+    from polyspec.bench.prompts import head_data_split
+    from polyspec.config import DataConfig
+    from polyspec.manifest import assemble_chain
+
+    target, _, head = chain_parts
+
+    def chain_with(record):
+        folder = tmp_path / f"head{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(head, folder)
+        if record is not None:
+            (folder / "training.json").write_text(json.dumps(record))
+        out = folder.with_name(folder.name + "_chain")
+        assemble_chain(out, target, [], folder)
+        return out
+
+    default = DataConfig()
+    split = {"source": default.source, "max_conversations": 900, "heldout_fraction": 0.05, "seed": 0}
+    cfg, note = head_data_split(chain_with({"data_split": split}))
+    assert (cfg.source, cfg.max_conversations, cfg.heldout_fraction, cfg.seed) == tuple(split.values())
+    assert "head's own split" in note and "900" in note
+    cfg, note = head_data_split(chain_with({"data_split": {**split, "source": "mine.json"}}))
+    assert cfg == default and note is None  # trained on other data: ShareGPT's default split is held out from it
+    for record in (None, {"steps": 3}, {"data_split": {"source": default.source}}):
+        cfg, note = head_data_split(chain_with(record))
+        assert cfg == default and "does not record the split" in note and "--recipe" in note
+
+
 def test_python_doc_parsing(tmp_path):
     from polyspec.bench.prompts import read_info_nodes
 

@@ -253,6 +253,9 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
         out = train_stage(recipe, tracker=tracker, progress=False, log_every=1)
     info = _info(out)
     assert info["steps"] == 24
+    # the split it trained against, for the bench's held-out prompts (bench.prompts.head_data_split)
+    assert info["data_split"] == {"source": str(SAMPLE), "max_conversations": None, "heldout_fraction": 0.25,
+                                  "seed": 0}
     evals = [e["heldout/loss"] for e in info["eval_history"]]
     assert len(evals) >= 2 and evals[-1] < evals[0]
     assert 0.0 <= info["heldout_top1_agreement"] <= 1.0

@@ -1,0 +1,87 @@
+"""How often a draft head's first guess is the target's own greedy token: exact for a one-token draft (the demo's
+default drafts one token per round), measured teacher-forced on the target's greedy answers, without decoding.
+
+    python scripts/measure/first_guess.py records CHAIN OUT.json [PER_CATEGORY [RECIPE]]
+    python scripts/measure/first_guess.py heads CHAIN RECORDS.json DRAFT_VOCAB HEAD_DIR [HEAD_DIR ...]
+
+``records``: the target's greedy answers (96 new tokens, both MT-bench turns) to builtin prompts that ``polyspec
+bench --limit 2`` does not ask (the 3rd to the (2 + PER_CATEGORY)th of each category, default 10); ShareGPT prompts
+held out from the split the chain's head records (bench.prompts.head_data_split), or RECIPE's. ``heads``: each head folder's hit
+rate per category on those records, the chain's target giving the features ('-' = the chain's own head). A head is
+swapped in for the chain's, so every head is read by the same target in the chain's dtype. docs/TRAIN.md, stop 21.
+"""
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from polyspec.bench.prompts import head_data_split, load_prompts
+from polyspec.decode.acceptance import kept_caches
+from polyspec.decode.generate import encode_messages, generate_text, load_chain
+from polyspec.decode.head import load_head
+
+SKIP = 2  # the bench's own --limit 2 prompts stay out
+
+
+def records(chain_dir: str, out: str, per_category: str = "10", recipe: str | None = None) -> None:
+    from polyspec.config import load_recipe
+
+    chain = load_chain(Path(chain_dir), device="cpu")
+    data_cfg, note = (load_recipe(Path(recipe)).data, None) if recipe else head_data_split(Path(chain_dir))
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    seen: collections.Counter = collections.Counter()
+    rows = []
+    for q in load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"],
+                          limit=SKIP + int(per_category), data_cfg=data_cfg):
+        seen[q.category] += 1
+        if seen[q.category] <= SKIP:
+            continue
+        messages: list[dict[str, str]] = []
+        for turn in q.turns[:2]:
+            messages.append({"role": "user", "content": turn})
+            ids = encode_messages(chain.tokenizer, messages)
+            r = generate_text(chain, None, messages=messages, mode="ar", max_new_tokens=96)
+            rows.append({"category": q.category, "question_id": q.question_id, "prompt": ids,
+                         "answer": r["token_ids"]})
+            messages.append({"role": "assistant", "content": r["text"]})
+    Path(out).write_text(json.dumps(rows))
+    print(f"{len(rows)} answers, {sum(len(r['answer']) for r in rows)} tokens -> {out}")
+
+
+def first_guesses(target, head, row: dict) -> list[int]:
+    """The head's argmax at each answer position, reading the target's own features (rows P-2 .. end-2 of the
+    head's pass over tokens 1.. with features 0..: the guess for answer token i is row P-2+i)."""
+    seq = torch.tensor(row["prompt"] + row["answer"])
+    p = len(row["prompt"])
+    with kept_caches(target, head), torch.no_grad():
+        target._cache = head._cache = None
+        _, hidden = target(seq)
+        logits, _ = head(seq[1:], hidden[:-1])
+    return logits[p - 2:len(seq) - 2].float().argmax(-1).tolist()
+
+
+def heads(chain_dir: str, records_file: str, draft_vocab: str, *head_dirs: str) -> None:
+    chain = load_chain(Path(chain_dir), device="cpu")
+    target = chain.models[chain.order[0]]
+    rows = json.loads(Path(records_file).read_text())
+    for folder in head_dirs:
+        head = chain.models[chain.order[-1]] if folder == "-" else load_head(Path(folder), target)
+        head.set_draft_vocab(int(draft_vocab))
+        hits: collections.Counter = collections.Counter()
+        counts: collections.Counter = collections.Counter()
+        for row in rows:
+            guesses = first_guesses(target, head, row)
+            hits[row["category"]] += sum(g == a for g, a in zip(guesses, row["answer"], strict=True))
+            counts[row["category"]] += len(row["answer"])
+        rates = {c: round(hits[c] / counts[c], 4) for c in sorted(counts)}
+        rates["all"] = round(sum(hits.values()) / sum(counts.values()), 4)
+        print(folder, json.dumps(rates), flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    {"records": records, "heads": heads}[sys.argv[1]](*sys.argv[2:])

@@ -1,14 +1,17 @@
 """How often a draft head's first guess is the target's own greedy token: exact for a one-token draft (the demo's
 default drafts one token per round), measured teacher-forced on the target's greedy answers, without decoding.
 
-    python scripts/measure/first_guess.py records CHAIN OUT.json [PER_CATEGORY [RECIPE]]
+    python scripts/measure/first_guess.py records CHAIN OUT.json [PER_CATEGORY [RECIPE [SKIP]]]
     python scripts/measure/first_guess.py heads CHAIN RECORDS.json DRAFT_VOCAB HEAD_DIR [HEAD_DIR ...]
 
 ``records``: the target's greedy answers (96 new tokens, both MT-bench turns) to builtin prompts that ``polyspec
-bench --limit 2`` does not ask (the 3rd to the (2 + PER_CATEGORY)th of each category, default 10); ShareGPT prompts
-held out from the split the chain's head records (bench.prompts.head_data_split), or RECIPE's. ``heads``: each head folder's hit
-rate per category on those records, the chain's target giving the features ('-' = the chain's own head). A head is
-swapped in for the chain's, so every head is read by the same target in the chain's dtype. docs/TRAIN.md, stop 21.
+bench --limit 2`` does not ask (the 3rd to the (2 + PER_CATEGORY)th of each category, default 10; SKIP 0 takes the
+bench's own); ShareGPT prompts held out from the split the chain's head records (bench.prompts.head_data_split), or
+RECIPE's ('-': the head's). ``heads``: per category, each head folder's hit rate on those records and the tokens per
+round of the default drafting policy replayed on them (prompt-lookup blocks of up to LOOKUP tokens where a 2-3 token
+suffix recurs, else the head's one token: docs/DECODE.md), the chain's target giving the features ('-' = the chain's
+own head). A head is swapped in for the chain's, so every head is read by the same target in the chain's dtype.
+docs/TRAIN.md, stop 21.
 """
 
 import collections
@@ -22,23 +25,25 @@ from polyspec.bench.prompts import head_data_split, load_prompts
 from polyspec.decode.acceptance import kept_caches
 from polyspec.decode.generate import encode_messages, generate_text, load_chain
 from polyspec.decode.head import load_head
+from polyspec.decode.ngram import lookup_run
 
 SKIP = 2  # the bench's own --limit 2 prompts stay out
+LOOKUP = 4  # the demo's decode.draft_lookup
 
 
-def records(chain_dir: str, out: str, per_category: str = "10", recipe: str | None = None) -> None:
+def records(chain_dir: str, out: str, per_category: str = "10", recipe: str = "-", skip: str = str(SKIP)) -> None:
     from polyspec.config import load_recipe
 
     chain = load_chain(Path(chain_dir), device="cpu")
-    data_cfg, note = (load_recipe(Path(recipe)).data, None) if recipe else head_data_split(Path(chain_dir))
+    data_cfg, note = (load_recipe(Path(recipe)).data, None) if recipe != "-" else head_data_split(Path(chain_dir))
     if note:
         print(f"note: {note}", file=sys.stderr)
     seen: collections.Counter = collections.Counter()
     rows = []
     for q in load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"],
-                          limit=SKIP + int(per_category), data_cfg=data_cfg):
+                          limit=int(skip) + int(per_category), data_cfg=data_cfg):
         seen[q.category] += 1
-        if seen[q.category] <= SKIP:
+        if seen[q.category] <= int(skip):
             continue
         messages: list[dict[str, str]] = []
         for turn in q.turns[:2]:
@@ -64,6 +69,21 @@ def first_guesses(target, head, row: dict) -> list[int]:
     return logits[p - 2:len(seq) - 2].float().argmax(-1).tolist()
 
 
+def default_rounds(row: dict, guesses: list[int]) -> int:
+    """Verification rounds the default policy takes over the answer: a lookup block where prompt lookup continues the
+    context, else the head's first guess; each round commits the accepted prefix plus the target's own token."""
+    ctx, answer, i, rounds = list(row["prompt"]), row["answer"], 0, 0
+    while i < len(answer):
+        block = lookup_run(ctx, min(LOOKUP, len(answer) - i), min_n=2) or [guesses[i]]
+        n = 0
+        while n < len(block) and i + n < len(answer) and block[n] == answer[i + n]:
+            n += 1
+        ctx += answer[i:i + n + 1]
+        i += n + 1
+        rounds += 1
+    return rounds
+
+
 def heads(chain_dir: str, records_file: str, draft_vocab: str, *head_dirs: str) -> None:
     chain = load_chain(Path(chain_dir), device="cpu")
     target = chain.models[chain.order[0]]
@@ -73,13 +93,17 @@ def heads(chain_dir: str, records_file: str, draft_vocab: str, *head_dirs: str) 
         head.set_draft_vocab(int(draft_vocab))
         hits: collections.Counter = collections.Counter()
         counts: collections.Counter = collections.Counter()
+        rounds: collections.Counter = collections.Counter()
         for row in rows:
             guesses = first_guesses(target, head, row)
             hits[row["category"]] += sum(g == a for g, a in zip(guesses, row["answer"], strict=True))
             counts[row["category"]] += len(row["answer"])
+            rounds[row["category"]] += default_rounds(row, guesses)
         rates = {c: round(hits[c] / counts[c], 4) for c in sorted(counts)}
         rates["all"] = round(sum(hits.values()) / sum(counts.values()), 4)
-        print(folder, json.dumps(rates), flush=True)
+        per_round = {c: round(counts[c] / rounds[c], 3) for c in sorted(counts)}
+        per_round["all"] = round(sum(counts.values()) / sum(rounds.values()), 3)
+        print(folder, "first guess", json.dumps(rates), "default tokens/round", json.dumps(per_round), flush=True)
 
 
 if __name__ == "__main__":

@@ -198,6 +198,7 @@ def test_offline_cache_round_trip_and_budget_refusal(tmp_path, tiny_model):
         build_feature_cache,
         bytes_per_token,
         load_teacher,
+        teacher_hidden,
         teacher_outputs,
     )
 
@@ -222,6 +223,7 @@ def test_offline_cache_round_trip_and_budget_refusal(tmp_path, tiny_model):
         assert row["input_ids"].tolist() == prepared.train[i]["input_ids"]
         assert row["loss_mask"].tolist() == prepared.train[i]["loss_mask"]
         _, hidden = teacher_outputs(teacher, row["input_ids"][None])
+        assert torch.equal(teacher_hidden(teacher, row["input_ids"][None]), hidden)  # extraction skips the logits
         assert row["hidden"].dtype == torch.bfloat16
         torch.testing.assert_close(row["hidden"].float(), hidden[0], atol=0.05, rtol=0.02)
 
@@ -377,6 +379,7 @@ def test_eagle3_offline_cache_holds_the_fused_layers_and_final_state_and_trains(
         build_feature_cache,
         bytes_per_token,
         load_teacher,
+        teacher_hidden,
         teacher_outputs,
     )
 
@@ -388,6 +391,7 @@ def test_eagle3_offline_cache_holds_the_fused_layers_and_final_state_and_trains(
     assert index["aux_layers"] == [0, 1, 1] and index["payload_bytes_per_token"] == bytes_per_token(h, 3) == 8 * h + 5
     row = CachedFeatureDataset(tmp_path / "c3", "train")[0]
     logits, aux = teacher_outputs(teacher, row["input_ids"][None], (0, 1, 1))
+    assert torch.equal(teacher_hidden(teacher, row["input_ids"][None], (0, 1, 1)), aux)
     assert row["hidden"].shape == (len(row["input_ids"]), 3 * h)
     torch.testing.assert_close(row["hidden"].float(), aux[0], atol=0.05, rtol=0.02)
     torch.testing.assert_close(teacher.lm_head(row["final"].float()), logits[0], atol=0.5, rtol=0.02)

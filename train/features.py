@@ -55,7 +55,7 @@ def teacher_aux_and_final(teacher: torch.nn.Module, input_ids: torch.Tensor,
     """input_ids [B, T] -> (the aux layers' outputs concatenated [B, T, A H], the final-norm'd hidden [B, T, H]: the
     lm_head input, so lm_head(final) are the teacher's logits) from one pass that also captures the last layer."""
     last = teacher.args.num_layers - 1
-    _, states = teacher_outputs(teacher, input_ids, (*aux_layers, last))  # [B, T, (A + 1) H]
+    states = teacher_hidden(teacher, input_ids, (*aux_layers, last))  # [B, T, (A + 1) H]
     h = teacher.args.hidden_size
     return states[..., :len(aux_layers) * h], teacher.norm(states[..., len(aux_layers) * h:])
 
@@ -69,6 +69,17 @@ def teacher_outputs(teacher: torch.nn.Module, input_ids: torch.Tensor,
     if logits.dim() == 2:  # the engine squeezes a batch of one
         logits, hidden = logits[None], hidden[None]
     return logits, hidden
+
+
+@torch.no_grad()
+def teacher_hidden(teacher: torch.nn.Module, input_ids: torch.Tensor,
+                   aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """teacher_outputs' hidden [B, T, H] (or [B, T, A H]) alone, bitwise the same: feature extraction has no use for
+    the logits, and the lm_head over every row (49,152 columns for SmolLM2) is a fifth of the pass."""
+    t = input_ids.shape[-1]
+    _, hidden = teacher(input_ids, aux_layers=aux_layers, logits_from=t - 1) if aux_layers else \
+        teacher(input_ids, logits_from=t - 1)
+    return hidden if hidden.dim() == 3 else hidden[None]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -291,7 +302,7 @@ def build_feature_cache(teacher: torch.nn.Module, splits: dict[str, Any], out_di
                     if aux_layers:  # [B, T, A H], [B, T, H]
                         hidden, final = (t.to("cpu") for t in teacher_aux_and_final(teacher, ids, aux_layers))
                     else:
-                        hidden, final = teacher_outputs(teacher, ids)[1].to("cpu"), None  # [B, T, H]
+                        hidden, final = teacher_hidden(teacher, ids).to("cpu"), None  # [B, T, H]
                     hidden_size = teacher.args.hidden_size
                     for r, n in enumerate(batch["lengths"].tolist()):
                         writer.add(batch["input_ids"][r, :n], batch["loss_mask"][r, :n], hidden[r, :n],

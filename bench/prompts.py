@@ -157,9 +157,6 @@ def _pydoc(pydoc_info: Path) -> tuple[list[Question], list[Question]]:
     return faq, summ
 
 
-SPLIT_KEYS = ("source", "max_conversations", "heldout_fraction", "seed")  # what polyspec.data.prepare.load_split reads
-
-
 def head_data_split(chain_dir: Path) -> tuple[Any, str | None]:
     """The data section whose held-out ShareGPT conversations a chain's bench asks, and a note for the report.
 
@@ -171,6 +168,7 @@ def head_data_split(chain_dir: Path) -> tuple[Any, str | None]:
     import json
 
     from polyspec.config import DataConfig
+    from polyspec.data.prepare import SPLIT_KEYS
     from polyspec.manifest import level_folders, read_manifest
 
     default = DataConfig()

@@ -132,6 +132,15 @@ def cache_key(recipe: Recipe, tokenizer: Any, tokenizer_id: str) -> tuple[str, d
 # Split and tokenise
 
 
+SPLIT_KEYS = ("source", "max_conversations", "heldout_fraction", "seed")  # all that load_split reads
+
+
+def split_record(data: Any) -> dict[str, Any]:
+    """A data section's train / held-out split as the head's training.json records it (SPLIT_KEYS), so that what a
+    head trained on stays out of every later held-out set (the bench's: bench.prompts.head_data_split)."""
+    return {k: getattr(data, k) for k in SPLIT_KEYS}
+
+
 def split_indices(n: int, heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Shuffle ``range(n)`` with ``seed`` and cut off ``round(fraction * n)`` (at least 1 when the fraction is
     positive, always leaving one for training) held-out indices. Returns sorted (train, heldout)."""

@@ -76,10 +76,8 @@ def teacher_hidden(teacher: torch.nn.Module, input_ids: torch.Tensor,
                    aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
     """teacher_outputs' hidden [B, T, H] (or [B, T, A H]) alone, bitwise the same: feature extraction has no use for
     the logits, and the lm_head over every row (49,152 columns for SmolLM2) is a fifth of the pass."""
-    t = input_ids.shape[-1]
-    _, hidden = teacher(input_ids, aux_layers=aux_layers, logits_from=t - 1) if aux_layers else \
-        teacher(input_ids, logits_from=t - 1)
-    return hidden if hidden.dim() == 3 else hidden[None]
+    _, hidden = teacher(input_ids, aux_layers=aux_layers, logits_from=input_ids.shape[-1] - 1)
+    return hidden if hidden.dim() == 3 else hidden[None]  # the engine squeezes a batch of one
 
 
 # ---------------------------------------------------------------------------------------------------------------------

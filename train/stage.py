@@ -189,7 +189,7 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     interrupt a run). ``log_every``: optimizer steps between logs of loss components, lr and tokens/s.
     """
 
-    from polyspec.data.prepare import cache_key, prepare_dataset
+    from polyspec.data.prepare import cache_key, prepare_dataset, split_record
     from polyspec.sources import load_tokenizer, model_id, target_stage
     from polyspec.tracking import Tracker
 
@@ -251,7 +251,7 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
         "format": TRAIN_FORMAT,
         "key": key,
         "data_key": data_key,
-        "data_split": data_split_record(recipe.data),
+        "data_split": split_record(recipe.data),
         "train": cfg.model_dump(mode="json"),
         "runtime": {k: str(v) for k, v in runtime.items()},
         "draft_k": recipe.decode.draft_k,
@@ -268,13 +268,6 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     tracker.log_artifact(out_dir, "head")
     _say(progress, f"train: head written to {out_dir}")
     return out_dir
-
-
-def data_split_record(data: Any) -> dict[str, Any]:
-    """What defines the train / held-out split of a recipe's data section (polyspec.data.prepare.load_split), for
-    training.json: the bench draws its held-out ShareGPT prompts from the same split (bench.prompts.head_data_split)."""
-    return {"source": data.source, "max_conversations": data.max_conversations,
-            "heldout_fraction": data.heldout_fraction, "seed": data.seed}
 
 
 def _teacher_dtype(precision: str, target_dtype: str | None) -> Any:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from polyspec.errors import PolyspecError
 from polyspec.export.acceptance import run_interleaved, steady_widths
@@ -74,21 +74,31 @@ class _Chain:
         return [self.levels[i] for i in idx]
 
 
+class Spec(NamedTuple):
+    """One configuration for :meth:`Runner.many` (a plain tuple of its first five fields works too)."""
+
+    levels: list[Any]
+    draft_k: int
+    mu: int | None
+    tag: str
+    tree: Any = None
+    lookup: int = 0  # prompt-lookup blocks of up to this many tokens (decode.draft_lookup); 0 = none
+
+
 class Runner:
-    """Runs each configuration once (keyed by levels, draft_k, mu, prompt count, tree, lookup) and reports it. A
-    spec is (levels, draft_k, mu, tag, tree) or, with prompt-lookup blocks (decode.draft_lookup), (..., lookup)."""
+    """Runs each configuration once (keyed by levels, draft_k, mu, prompt count, tree, lookup) and reports it."""
 
     def __init__(self, s: ProfileSettings, say: Callable[[str], None]):
         self.s, self.say, self.done = s, say, {}
 
     def __call__(self, levels: list[Any], k: int, mu: int | None, prompts: list[list[int]], tag: str,
                  tree: Any = None, lookup: int = 0) -> Run:
-        return self.many([(levels, k, mu, tag, tree, lookup)], prompts)[0]
+        return self.many([Spec(levels, k, mu, tag, tree, lookup)], prompts)[0]
 
     def many(self, specs: list[tuple], prompts: list[list[int]]) -> list[Run]:
-        """Each spec over ``prompts``; the ones not run yet take turns prompt by prompt (acceptance.run_interleaved),
-        so the comparisons the decision rests on see the same machine."""
-        specs = [(*s, 0) if len(s) == 5 else tuple(s) for s in specs]
+        """Each :class:`Spec` over ``prompts``; the ones not run yet take turns prompt by prompt
+        (acceptance.run_interleaved), so the comparisons the decision rests on see the same machine."""
+        specs = [Spec(*s) for s in specs]
         keys = [self._key(levels, k, mu, len(prompts), tree, lk) for levels, k, mu, _, tree, lk in specs]
         todo = {key: spec for key, spec in zip(keys, specs, strict=True) if key not in self.done}
         t0 = time.perf_counter()

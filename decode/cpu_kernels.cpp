@@ -91,7 +91,7 @@ static inline void by_pass(int64_t g, F&& f) {
 // reads them), and the hardware prefetcher alone leaves a verification of 2-5 rows waiting on memory: each 128-byte
 // step also asks for the lines PREFETCH_BYTES ahead, as non-temporal (prefetchnta), so a model's weights streaming
 // through do not evict what is read again soon (the draft head's weights between two target steps, the KV cache).
-// Measured on the 2-core Zen 4 (docs/DECODE.md): bf16 SmolLM2 generations 1.03x (ar) and 1.07x (dual) faster than
+// Measured on the 2-core AMD EPYC VM (docs/DECODE.md): bf16 SmolLM2 generations 1.03x (ar) and 1.07x (dual) faster than
 // without it, 1.02x / 1.04x faster than with temporal prefetches. A prefetch never faults: running past the end of
 // a weight is harmless.
 static constexpr int64_t PREFETCH_BYTES = 9216;
@@ -139,7 +139,7 @@ static void rows(const float* x, const W* w, const float* bias, int64_t M, int64
         for (int64_t m0 = 0; m0 < M;) {
             const float* xm = x + m0 * K;
             const int64_t left = M - m0;
-            // Passes over the row (the first from memory, later ones from L1): measured on Zen 4 (DECODE.md), fp32
+            // Passes over the row (the first from memory, later ones from L1): measured on the EPYC VM (DECODE.md), fp32
             // rows with up to 5 inputs run fastest as passes of 3 and of 1 (a 2-, 4- or 5-input pass is slower), 6
             // and more as passes of 8. bf16 rows widen every weight once per pass, so for them one pass of up to 8
             // is faster at every width (0.82-0.93x the time at 2, 4 and 5 inputs on a 49,152 x 576 lm_head).

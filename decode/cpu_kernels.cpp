@@ -139,7 +139,7 @@ static void rows(const float* x, const W* w, const float* bias, int64_t M, int64
         for (int64_t m0 = 0; m0 < M;) {
             const float* xm = x + m0 * K;
             const int64_t left = M - m0;
-            // Passes over the row (the first from memory, later ones from L1): measured on the EPYC VM (DECODE.md), fp32
+            // Passes over the row (the first from memory, later ones from L1): measured on our VM (DECODE.md), fp32
             // rows with up to 5 inputs run fastest as passes of 3 and of 1 (a 2-, 4- or 5-input pass is slower), 6
             // and more as passes of 8. bf16 rows widen every weight once per pass, so for them one pass of up to 8
             // is faster at every width (0.82-0.93x the time at 2, 4 and 5 inputs on a 49,152 x 576 lm_head).

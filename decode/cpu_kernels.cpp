@@ -571,6 +571,205 @@ static void rope(float* v, int64_t ld, const float* cos_, const float* sin_, int
         }
 }
 
+// Attention: softmax(q k^T / sqrt(D)) v over the visible keys of one row, for the G query heads that share one K/V
+// head, so each K and V row is read once for all of them. A head's arithmetic is the same whatever G is and wherever
+// its keys' blocks start, and the sums over keys (the softmax's denominator, P V) run in key order over the visible
+// keys only (masked keys add nothing), so a row's output is bitwise the same from a decode step, a wider
+// verification, or a draft tree whose ancestors sit at other cache positions.
+
+// 16 keys' per-lane partial dot products -> one vector whose lane i is p[i]'s lane sum, each key's lanes added in
+// lane_sum's order (halves, quarters, ...): 30 two-source shuffles and 15 adds for 16 keys, not 16 lane sums.
+static inline v16f reduce16(const v16f* p) {
+    v16f a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                       27) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                       29) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Scores of G heads against keys [j0, j0 + 16) (lanes past L or masked: -inf), into sc[g * ld + j0 ...].
+template <int G, int ND, typename C>
+static inline void score_block(const v16f (&q)[G][ND], const C* kc, int64_t j0, int64_t L, const uint8_t* mr,
+                               float scale, float* sc, int64_t ld, v16f (&mx)[G]) {
+    constexpr int64_t D = ND * 16;
+    v16f part[G][16];
+    v16f valid;
+    for (int i = 0; i < 16; i++) {
+        const int64_t j = j0 + i;
+        const bool on = j < L && (!mr || mr[j]);
+        valid[i] = on ? 1.0f : 0.0f;
+        if (j >= L) {
+            for (int g = 0; g < G; g++) part[g][i] = (v16f){0};
+            continue;
+        }
+        v16f k[ND];
+        for (int c = 0; c < ND; c++) k[c] = load_w<C>(kc + j * D + 16 * c);
+        for (int g = 0; g < G; g++) {
+            v16f acc = q[g][0] * k[0];
+            for (int c = 1; c < ND; c++) acc += q[g][c] * k[c];
+            part[g][i] = acc;
+        }
+    }
+    const v16f ninf = (v16f){0} - INFINITY;
+    for (int g = 0; g < G; g++) {
+        v16f s = reduce16(part[g]) * scale;
+        s = valid > 0.5f ? s : ninf;
+        mx[g] = mx[g] > s ? mx[g] : s;
+        memcpy(sc + g * ld + j0, &s, sizeof(s));
+    }
+}
+
+template <int G, int ND, typename C>
+static void attend(const float* q0, const C* kc, const C* vc, int64_t L, const uint8_t* mr, float scale, float* sc,
+                   float* out) {
+    constexpr int64_t D = ND * 16;
+    const int64_t ld = L + 16;
+    v16f q[G][ND], mxv[G];
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < ND; c++) q[g][c] = load_f32(q0 + g * D + 16 * c);
+        mxv[g] = (v16f){0} - INFINITY;
+    }
+    for (int64_t j0 = 0; j0 < L; j0 += 16) score_block<G, ND, C>(q, kc, j0, L, mr, scale, sc, ld, mxv);
+    float den[G];
+    for (int g = 0; g < G; g++) {
+        float mx = -INFINITY;
+        for (int i = 0; i < 16; i++) mx = mxv[g][i] > mx ? mxv[g][i] : mx;
+        float* s = sc + g * ld;
+        for (int64_t j0 = 0; j0 < L; j0 += 16) {  // masked keys (-inf) become exactly 0
+            const v16f x = load_f32(s + j0);
+            v16f e = exp16(x - mx);
+            e = x == -INFINITY ? (v16f){0} : e;
+            memcpy(s + j0, &e, sizeof(e));
+        }
+        den[g] = 0.0f;
+        for (int64_t j = 0; j < L; j++) den[g] += s[j];  // in key order, as a decode step sums them
+    }
+    v16f acc[G][ND];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < ND; c++) acc[g][c] = (v16f){0};
+    for (int64_t j = 0; j < L; j++) {
+        if (mr && !mr[j]) continue;
+        v16f v[ND];
+        for (int c = 0; c < ND; c++) v[c] = load_w<C>(vc + j * D + 16 * c);
+        for (int g = 0; g < G; g++) {
+            const float p = sc[g * ld + j];
+            for (int c = 0; c < ND; c++) acc[g][c] += p * v[c];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float r = 1.0f / den[g];
+        for (int c = 0; c < ND; c++) {
+            const v16f y = acc[g][c] * r;
+            memcpy(out + g * D + 16 * c, &y, sizeof(y));
+        }
+    }
+}
+
+template <int ND, typename C>
+static void attend_g(int64_t G, const float* q, const C* kc, const C* vc, int64_t L, const uint8_t* mr, float scale,
+                     float* sc, float* out) {
+    switch (G) {
+        case 1: attend<1, ND, C>(q, kc, vc, L, mr, scale, sc, out); break;
+        case 2: attend<2, ND, C>(q, kc, vc, L, mr, scale, sc, out); break;
+        case 3: attend<3, ND, C>(q, kc, vc, L, mr, scale, sc, out); break;
+        case 4: attend<4, ND, C>(q, kc, vc, L, mr, scale, sc, out); break;
+        case 5: attend<5, ND, C>(q, kc, vc, L, mr, scale, sc, out); break;
+        case 6: attend<6, ND, C>(q, kc, vc, L, mr, scale, sc, out); break;
+        case 7: attend<7, ND, C>(q, kc, vc, L, mr, scale, sc, out); break;
+        default: attend<8, ND, C>(q, kc, vc, L, mr, scale, sc, out); break;
+    }
+}
+
+// G (1..8) heads of one row that share a K/V head; false when the head size has no vector path (then the caller's
+// per-(head, row) loop runs).
+template <typename C>
+static bool attend_heads(int64_t D, int64_t G, const float* q, const C* kc, const C* vc, int64_t L,
+                         const uint8_t* mr, float scale, float* sc, float* out) {
+    switch (D) {
+        case 32: attend_g<2, C>(G, q, kc, vc, L, mr, scale, sc, out); return true;
+        case 64: attend_g<4, C>(G, q, kc, vc, L, mr, scale, sc, out); return true;
+        case 128: attend_g<8, C>(G, q, kc, vc, L, mr, scale, sc, out); return true;
+        default: return false;
+    }
+}
+
+// One head of one row, for head sizes without a vector path: the dot products one by one, then the softmax and P V
+// in key order.
+template <typename C>
+static void attend_scalar(const float* q, const C* kc, const C* vc, int64_t L, int64_t D, const uint8_t* mr,
+                          float scale, float* sc, float* out) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < L; j++) {
+        if (mr && !mr[j]) {
+            sc[j] = 0.0f;
+            continue;
+        }
+        sc[j] = dot(q, kc + j * D, D) * scale;
+        mx = sc[j] > mx ? sc[j] : mx;
+    }
+    const int64_t L16 = L - L % 16;
+    for (int64_t j = 0; j < L16; j += 16) {  // exponentials 16 at a time; masked keys set to exactly 0 after
+        const v16f e = exp16(load_f32(sc + j) - mx);
+        memcpy(sc + j, &e, sizeof(e));
+    }
+    if (L16 < L) {  // the tail through the same lane arithmetic (zero-padded)
+        float tail[16] = {0};
+        memcpy(tail, sc + L16, (L - L16) * sizeof(float));
+        const v16f e = exp16(load_f32(tail) - mx);
+        memcpy(sc + L16, &e, (L - L16) * sizeof(float));
+    }
+    float den = 0.0f;
+    for (int64_t j = 0; j < L; j++) {  // in key order, as a decode step sums them (masked keys add 0)
+        if (mr && !mr[j]) sc[j] = 0.0f;
+        den += sc[j];
+    }
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t j = 0; j < L; j++) {
+        if (mr && !mr[j]) continue;
+        const float pj = sc[j] / den;
+        const C* vr = vc + j * D;
+        for (int64_t d = 0; d < D; d++) out[d] += pj * w_scalar(vr + d);
+    }
+}
+
+template <typename C>
+static void attention(const float* qkv, int64_t nqkv, const C* kcache, const C* vcache, int64_t S, int64_t L,
+                      int64_t T, int64_t nh, int64_t nkv, int64_t D, const uint8_t* mask, int threads, float* att) {
+    const float scale = 1.0f / sqrtf((float)D);
+    const int64_t group = nh / nkv, nq = nh * D;
+    const bool vec = (D == 32 || D == 64 || D == 128);
+    const int64_t per = vec && group <= 8 ? group : 1;
+    const int64_t items = nh / per * T;
+    const int at = items >= 2 && threads > 1 ? threads : 1;
+#pragma omp parallel num_threads(at) if (at > 1)
+    {
+        std::vector<float> sc(per * (L + 16));
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t h = it / T * per, t = it % T, g = h / group;
+            const float* q = qkv + t * nqkv + h * D;
+            const C* kc = kcache + g * S * D;
+            const C* vc = vcache + g * S * D;
+            const uint8_t* mr = mask ? mask + t * L : nullptr;
+            float* out = att + t * nq + h * D;
+            if (!vec || !attend_heads<C>(D, per, q, kc, vc, L, mr, scale, sc.data(), out))
+                attend_scalar(q, kc, vc, L, D, mr, scale, sc.data(), out);
+        }
+    }
+}
+
 template <typename WT>
 struct LayerWeights {  // q, k, v, o, gate, up, down; their biases (NULL = none); the two norm weights
     WT w[7];
@@ -598,56 +797,7 @@ static int layer(float* x, const LayerWeights<WT>& w, float eps, int64_t T, int6
             store_row(kcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + g * D, D);
             store_row(vcache + (g * S + start + t) * D, qkv.data() + t * nqkv + nq + nk + g * D, D);
         }
-    // Attention: softmax(q k^T / sqrt(D)) v over the visible keys (mask [T, L] bool, NULL = all), per (head, row).
-    const float scale = 1.0f / sqrtf((float)D);
-    const int64_t group = nh / nkv, items = nh * T;
-    const int at = items >= 2 && threads > 1 ? threads : 1;
-#pragma omp parallel num_threads(at) if (at > 1)
-    {
-        std::vector<float> sc(L + 16);
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t h = it / T, t = it % T, g = h / group;
-            const float* q = qkv.data() + t * nqkv + h * D;
-            const C* kc = kcache + g * S * D;
-            const C* vc = vcache + g * S * D;
-            const uint8_t* mr = mask ? mask + t * L : nullptr;
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < L; j++) {
-                if (mr && !mr[j]) {
-                    sc[j] = 0.0f;
-                    continue;
-                }
-                sc[j] = dot(q, kc + j * D, D) * scale;
-                mx = sc[j] > mx ? sc[j] : mx;
-            }
-            const int64_t L16 = L - L % 16;
-            for (int64_t j = 0; j < L16; j += 16) {  // exponentials 16 at a time; masked keys set to exactly 0 after
-                const v16f e = exp16(load_f32(sc.data() + j) - mx);
-                memcpy(sc.data() + j, &e, sizeof(e));
-            }
-            if (L16 < L) {  // the tail through the same lane arithmetic (zero-padded)
-                float tail[16] = {0};
-                memcpy(tail, sc.data() + L16, (L - L16) * sizeof(float));
-                const v16f e = exp16(load_f32(tail) - mx);
-                memcpy(sc.data() + L16, &e, (L - L16) * sizeof(float));
-            }
-            float den = 0.0f;
-            for (int64_t j = 0; j < L; j++) {  // in key order, as a decode step sums them (masked keys add 0)
-                if (mr && !mr[j]) sc[j] = 0.0f;
-                den += sc[j];
-            }
-            float* out = att.data() + t * nq + h * D;
-            for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
-            for (int64_t j = 0; j < L; j++) {
-                if (mr && !mr[j]) continue;
-                const float pj = sc[j] / den;
-                const C* vr = vc + j * D;
-                for (int64_t d = 0; d < D; d++) out[d] += pj * w_scalar(vr + d);
-            }
-        }
-    }
-
+    attention(qkv.data(), nqkv, kcache, vcache, S, L, T, nh, nkv, D, mask, threads, att.data());
     run1(att.data(), w.w[3], w.b[3], H, T, nq, o.data(), threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
     rmsnorm(x, w.post_norm, eps, T, H, xn.data());

@@ -445,3 +445,35 @@ def test_bf16_greedy_speculation_equals_ar(models):
         assert r.token_ids == ar
     r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], draft_k=4, max_seq_len=64).generate(prompt, 24)
     assert max(r.level_stats[0].accept_lengths) == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hidden,heads,kv_heads", [(128, 4, 2), (192, 3, 1), (192, 4, 2)],
+                         ids=["head32-group2", "head64-group3", "head48-scalar"])
+def test_a_tree_node_equals_its_branch_decoded_token_by_token(tmp_path, dtype, hidden, heads, kv_heads):
+    """A key's score does not depend on where the key sits in the cache, and the softmax's sums run over the visible
+    keys in key order: a draft-tree node whose ancestors sit at other cache positions than when the same tokens are
+    decoded one by one gets bitwise the same logits (greedy tree speculation equals ar). Head sizes 32 and 64 take
+    the vector path (K/V rows shared by a group's heads), 48 the per-(head, row) loop."""
+    d = make_tiny_llama(tmp_path, tokenizer=None, seed=21, hidden=hidden, heads=heads, kv_heads=kv_heads)
+    model = Transformer.from_pretrained(d).eval().to(dtype)
+    assert all(ck.layer_plan(layer) is not None for layer in model.layers)
+    prefix = torch.randint(0, 512, (37,), generator=_gen(22))  # the tree's keys straddle 16-key blocks
+    parents = [-1, -1, 0, 0, 1, 2, 3, 5, 7, 4]  # -1: a child of the prefix's last token
+    tokens = torch.randint(0, 512, (len(parents),), generator=_gen(23))
+    paths = []
+    for i, p in enumerate(parents):
+        paths.append((paths[p] if p >= 0 else []) + [i])
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for i, path in enumerate(paths):
+        mask[i, path] = True
+    offsets = torch.tensor([len(path) - 1 for path in paths])
+    with torch.inference_mode():
+        model.setup_cache(96)
+        model(prefix)
+        tree = model(tokens, tree_mask=mask, position_offsets=offsets)[0]
+        for i, path in enumerate(paths):
+            model.truncate(len(prefix))
+            for j in path:
+                step = model(tokens[j:j + 1])[0]
+            assert torch.equal(tree[i], step[0]), (i, path)

@@ -35,6 +35,7 @@ from typing import Any
 
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.fsutil import swap_into_place, temp_folder
+from polyspec.isolate import in_fresh_process
 from polyspec.quantize.loaders import make_portable
 
 FORMAT_VERSION = 2  # 2: stored with a group size dividing every K (quantize/loaders.py)
@@ -278,8 +279,8 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
 
     tmp = temp_folder(out_dir)  # (removes the temporary folders of killed runs beside it)
     try:
-        if method == "gptq":
-            run = _run_gptqmodel(model_dir, tmp, calibration, settings, device)
+        if method == "gptq":  # in a child: GPTQModel's threads would slow this process's kernels (polyspec/isolate.py)
+            run = in_fresh_process("GPTQ quantisation", _run_gptqmodel, model_dir, tmp, calibration, settings, device)
         else:
             from polyspec.decode.int4 import save_int4_checkpoint
 

@@ -63,3 +63,16 @@ def test_atomic_file_writes_whole_files_or_nothing(tmp_path):
 def test_timed_returns_the_result_and_the_wall_time():
     out, seconds = timed(lambda: time.sleep(0.02) or 7, "cpu")
     assert out == 7 and 0.02 <= seconds < 1.0
+
+
+def test_in_fresh_process_returns_raises_and_reports_a_dead_child(tmp_path):
+    from polyspec.config import load_recipe
+    from polyspec.isolate import in_fresh_process
+
+    assert in_fresh_process("pid", os.getpid) not in (os.getpid(), None)  # it ran, and not here
+    with pytest.raises(PolyspecError) as e:  # the child's error, its exit code kept
+        in_fresh_process("recipe", load_recipe, tmp_path / "missing.yaml")
+    assert e.value.exit_code == 2 and "missing.yaml" in str(e.value)
+    with pytest.raises(PolyspecError, match="exit: its worker process died") as e:
+        in_fresh_process("exit", os._exit, 3)
+    assert e.value.exit_code == 1

@@ -359,3 +359,22 @@ def test_quantize_stage_on_a_tiny_recipe(tmp_path):
     assert redone.params["quantize.cached"] is False
     assert weights.stat().st_size == len(whole)
     assert quantize_stage(recipe, tracker=_Tracker()) == out
+
+
+@needs_gptqmodel
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")
+def test_gptq_runs_in_a_child_and_leaves_no_threads_here(tmp_path):
+    """GPTQModel quantises from worker threads, each with an OpenMP team of its own; in the caller's process they made
+    every later parallel region ~2x slower (polyspec/isolate.py). The quantisation runs in a spawned child, so this
+    process has as many threads after it as before."""
+    from polyspec.quantize.calibration import calibration_samples
+    from polyspec.quantize.gptq import import_gptqmodel, quantize_model
+
+    import_gptqmodel()  # its import starts threads of its own, before the count
+    torch.ones(256, 256) @ torch.ones(256, 256)  # and torch's own OpenMP pool
+    src = make_tiny_llama(tmp_path / "src", seed=2)
+    cal = calibration_samples(_tokenizer(src), _conversations(), 4, 32, seed=0)
+    before = len(list(Path("/proc/self/task").iterdir()))
+    out = quantize_model(src, tmp_path / "gptq", method="gptq", calibration=cal, device="cpu")
+    assert (out / "config.json").is_file()
+    assert len(list(Path("/proc/self/task").iterdir())) == before

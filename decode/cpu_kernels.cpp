@@ -101,6 +101,14 @@ static inline void prefetch_ahead(const void* p) {
     __builtin_prefetch(c + 64, 0, 0);
 }
 
+// Pins two loaded weight vectors in registers for the loop body. Without it GCC folds the load into every input
+// row's multiply (one weight load per input row instead of one per row: 2G loads per step where 2 do), and at
+// widths 2-5 the loads, not the multiplies, fill the load ports (docs/DECODE.md, "One weight load per step").
+template <typename V>
+static inline void in_register(V& a, V& b) {
+    asm("" : "+v"(a), "+v"(b));
+}
+
 // One weight row against G input rows: two accumulators per input row (k = 0, 32, ... and k = 16, 48, ...), an odd
 // 16-wide step into the first, their sum, a fixed-order lane sum, then the K % 16 tail. out[g] for g < G.
 template <typename W, int G>
@@ -110,7 +118,8 @@ static inline void row_dots(const float* x, const W* row, int64_t K, float* out)
     const int64_t k32 = K - K % 32, k16 = K - K % 16;
     for (int64_t k = 0; k < k32; k += 32) {
         prefetch_ahead(row + k);
-        const v16f w0 = load_w<W>(row + k), w1 = load_w<W>(row + k + 16);
+        v16f w0 = load_w<W>(row + k), w1 = load_w<W>(row + k + 16);
+        in_register(w0, w1);
         for (int g = 0; g < G; g++) {
             a0[g] += w0 * load_f32(x + g * K + k);
             a1[g] += w1 * load_f32(x + g * K + k + 16);
@@ -312,7 +321,8 @@ static inline void row_dots_bf16(const uint16_t* xb, int64_t xrow, const uint16_
     const int64_t k64 = K - K % 64;
     for (int64_t k = 0; k < k64; k += 64) {
         prefetch_ahead(row + k);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k), w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k), w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
+        in_register(w0, w1);
         for (int g = 0; g < G; g++) {
             a0[g] = _mm512_dpbf16_ps(a0[g], w0, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k));
             a1[g] = _mm512_dpbf16_ps(a1[g], w1, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k + 32));
@@ -653,9 +663,8 @@ static void attend(const float* q0, const C* kc, const C* vc, int64_t L, const u
             e = x == -INFINITY ? (v16f){0} : e;
             memcpy(s + j0, &e, sizeof(e));
         }
-        den[g] = 0.0f;
-        for (int64_t j = 0; j < L; j++) den[g] += s[j];  // in key order, as a decode step sums them
-    }
+        den[g] = 0.0f;  // summed in the P V loop below, in key order over the visible keys as a decode step sums
+    }                   // them (a masked key's 0 added nothing): its add chain then overlaps P V's work
     v16f acc[G][ND];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < ND; c++) acc[g][c] = (v16f){0};
@@ -665,6 +674,7 @@ static void attend(const float* q0, const C* kc, const C* vc, int64_t L, const u
         for (int c = 0; c < ND; c++) v[c] = load_w<C>(vc + j * D + 16 * c);
         for (int g = 0; g < G; g++) {
             const float p = sc[g * ld + j];
+            den[g] += p;
             for (int c = 0; c < ND; c++) acc[g][c] += p * v[c];
         }
     }

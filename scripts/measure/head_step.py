@@ -8,6 +8,7 @@ weights; then the process's huge pages. Run it under OMP_WAIT_POLICY=active or G
 wait policies. docs/BENCHMARKS.md, "CPU, stop 22".
 """
 
+import os
 import re
 import sys
 import time
@@ -34,8 +35,14 @@ def busy_wait() -> None:
         pass
 
 
+def vector_wait(small: torch.Tensor) -> None:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.006:
+        small.sum()
+
+
 def main(chain_dir: str) -> None:
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     chain = load_chain(Path(chain_dir), device="cpu")
     target, head = chain.models[chain.order[0]], chain.models[chain.order[-1]]
     ids = torch.randint(100, 20000, (400,), generator=torch.Generator().manual_seed(0))
@@ -45,7 +52,8 @@ def main(chain_dir: str) -> None:
         _, hidden = target(ids[:300])
         head(ids[1:300], hidden[:299])
         feature = hidden[299:300]
-        big = torch.empty(64 * 2**20 // 4)
+        big = torch.rand(64 * 2**20 // 4)  # written: torch.empty's untouched pages all read the one zero page
+        small = torch.rand(32 * 2**10 // 4)
         weights = [*head.parameters(), head._draft_lm_weight()]
 
         def step():
@@ -59,6 +67,7 @@ def main(chain_dir: str) -> None:
         cases = {"back to back": lambda: None, "after sleeping 6 ms": lambda: time.sleep(0.006),
                  "after a target forward": target_step, "after reading 64 MB": big.sum,
                  "after busy-waiting 6 ms": busy_wait,
+                 "after 6 ms of vector sums over 32 KB in L1": lambda: vector_wait(small),
                  "after a target forward, then touching the head's weights":
                      lambda: (target_step(), [w.sum() for w in weights]),
                  "after touching the head's weights": lambda: [w.sum() for w in weights]}

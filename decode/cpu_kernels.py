@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_ABI = 6
+_ABI = 7
 MAX_ROWS = 16  # wider inputs (prefill) go to torch's GEMM, which is faster there
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -164,6 +164,12 @@ def _load() -> ctypes.CDLL | None:
                                                + [ctypes.c_void_p, ctypes.c_int])
             lib.polyspec_linear_i4.restype = ctypes.c_int
             lib.polyspec_dot_path.argtypes, lib.polyspec_dot_path.restype = [], ctypes.c_int
+            lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                                                    + [ctypes.c_void_p] * 3 + [ctypes.c_float]
+                                                    + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
+                                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+                                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+            lib.polyspec_head_step_bf16.restype = ctypes.c_int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _failure = str(e)
@@ -512,6 +518,42 @@ def run_layers(plans: list[LayerPlan], x: torch.Tensor, cos: torch.Tensor, sin: 
         if rc != 0:
             raise ValueError(f"run_layers: the kernel refused the shapes of layer {i} (code {rc})")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class HeadStep:
+    """The bf16 tensors of an EAGLE head's decode step that :func:`head_step` reads (decode/head.py builds it):
+    the target's embedding [V, H], fc [H, 2H] and its bias as fp32, the layer's plan, the lm rows [Vd, H], and the
+    RoPE table [2, S, D] (cos, sin per position, fp32 of the bf16 values the module path computes)."""
+
+    embed: torch.Tensor
+    fc_weight: torch.Tensor
+    fc_bias: torch.Tensor
+    plan: LayerPlan
+    lm_weight: torch.Tensor
+    rope: torch.Tensor
+
+
+def head_step(step: HeadStep, ids: torch.Tensor, features: torch.Tensor, cache, start: int,
+              out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE head's step in one kernel call (cpu_kernels.cpp's head_step_bf16): token ids [T] (int64), features
+    [T, H] bf16, the head's bf16 cache (positions start .. start + T - 1 written) -> (hidden [T, H] bf16, logits of
+    the last ``out_rows`` rows over the lm rows [out_rows, Vd] fp32), bitwise what the module path gives. The caller
+    checked :func:`available`, the shapes and dtypes (decode/head.py, ``EagleHead._kernel_step``)."""
+    t, h = features.shape
+    plan = step.plan
+    hidden = torch.empty((t, h), dtype=torch.bfloat16)
+    logits = torch.empty((out_rows, step.lm_weight.shape[0]), dtype=torch.float32)
+    k, v = cache.k[0], cache.v[0]
+    cos, sin = step.rope[0, start], step.rope[1, start]
+    rc = _lib.polyspec_head_step_bf16(
+        ids.data_ptr(), step.embed.data_ptr(), features.data_ptr(), t, h, step.fc_weight.data_ptr(),
+        step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,
+        cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start, step.lm_weight.data_ptr(),
+        step.lm_weight.shape[0], out_rows, hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"head_step: the kernel refused the shapes (code {rc})")
+    return hidden, logits
 
 
 # ---------------------------------------------------------------------------------------------------------------

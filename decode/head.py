@@ -152,6 +152,7 @@ class EagleHead(CachedDecoder):
 
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_draft_weight", None)
+        self.__dict__.pop("_kernel_step_cache", None)
         return super()._apply(fn, recurse)
 
     def _compute_dtype(self) -> torch.dtype:
@@ -180,6 +181,8 @@ class EagleHead(CachedDecoder):
                                 f"match, got {list(input_ids.shape)} and {list(features.shape)}")
         runner = self.__dict__.get("_static_runner")  # polyspec.decode.cuda_graphs: static steps / CUDA graphs
         out = runner.forward(ids, features, tree_mask, position_offsets, last_only) if runner is not None else None
+        if out is None and tree_mask is None and position_offsets is None and vocab_ids is None:
+            out = self._kernel_step(ids, features, last_only)
         if out is None:
             x = self._run_layers(self._embed(ids, features), [self.layer], tree_mask, position_offsets)
             out = self._out(x, last_only) if vocab_ids is None else (subset_logits(self.lm_head, x, vocab_ids), x)
@@ -212,9 +215,58 @@ class EagleHead(CachedDecoder):
             x = x[:, -1:]
         if self.draft_ids is None or torch.is_grad_enabled():
             return self.lm_head(x).float(), x
-        sub = cpu_kernels.linear(x, self._draft_lm_weight(), None).float()  # [B, T, Vd]
+        return self._full_logits(cpu_kernels.linear(x, self._draft_lm_weight(), None).float()), x
+
+    def _full_logits(self, sub: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] from the draft vocabulary's [..., Vd] (every other token -inf); without a draft
+        vocabulary, ``sub`` is already all of them."""
+        if self.draft_ids is None:
+            return sub
         logits = torch.full((*sub.shape[:-1], self.args.vocab_size), float("-inf"), device=sub.device)
-        return logits.index_copy_(-1, self.draft_ids, sub), x
+        return logits.index_copy_(-1, self.draft_ids, sub)
+
+    def _kernel_step(self, ids: torch.Tensor, features: torch.Tensor,
+                     last_only: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step of a bf16 head on the CPU in one kernel call (cpu_kernels.head_step: fc, the layer and
+        the lm rows, bitwise the module path's result, which it replaces only for speed: ~25 torch ops and four
+        kernel calls cost more than the head's arithmetic), or None where it does not apply (then the module path
+        runs): ids [1, T] with T up to cpu_kernels.MAX_ROWS, a cache with room, no autograd."""
+        cache, t = self._cache, ids.shape[1]
+        if cache is None or ids.shape[0] != 1 or not 0 < t <= cpu_kernels.MAX_ROWS or torch.is_grad_enabled():
+            return None
+        step, start = self._head_step(cache), cache.length
+        if step is None or start + t > step.rope.shape[1]:
+            return None
+        feats = features[0].to(torch.bfloat16).contiguous()
+        hidden, sub = cpu_kernels.head_step(step, ids[0].contiguous(), feats, cache, start, 1 if last_only else t)
+        cache.length = start + t
+        return self._full_logits(sub[None]), (hidden[-1:] if last_only else hidden)[None]
+
+    def _head_step(self, cache) -> cpu_kernels.HeadStep | None:
+        """The tensors cpu_kernels.head_step reads (cached while the weights, the draft vocabulary and the cache
+        size stay), or None unless every one is a bf16 CPU tensor of the kind the kernel takes."""
+        if not cpu_kernels.available() or torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return None
+        lm = self._draft_lm_weight() if self.draft_ids is not None else \
+            self.lm_head.weight if isinstance(self.lm_head, Linear) and self.lm_head.bias is None else None
+        k, fc, emb = cache.k[0], self.fc, self.embed_tokens.weight
+        key = (fc.weight.data_ptr(), None if lm is None else lm.data_ptr(), emb.data_ptr(), k.data_ptr(), k.shape,
+               id(self.layer.__dict__.get("_cpu_plan")))
+        cached = self.__dict__.get("_kernel_step_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        plan = cpu_kernels.layer_plan(self.layer)
+        tensors = (fc.weight, lm, emb, k)
+        ok = (plan is not None and plan.kind == "bf16" and fc.bias is not None and type(fc) is Linear
+              and cache.batch_size == 1
+              and all(x is not None and x.dtype == torch.bfloat16 and x.is_cpu and x.is_contiguous() for x in tensors))
+        step = None
+        if ok:
+            cos, sin = rope_cos_sin(self.inv_freq, torch.arange(k.shape[2]), torch.bfloat16)
+            step = cpu_kernels.HeadStep(emb.detach(), fc.weight.detach(), fc.bias.detach().float().contiguous(),
+                                        plan, lm.detach(), torch.stack((cos, sin)).float().contiguous())
+        self.__dict__["_kernel_step_cache"] = (key, step)
+        return step
 
 
 def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any],

@@ -477,3 +477,45 @@ def test_a_tree_node_equals_its_branch_decoded_token_by_token(tmp_path, dtype, h
             for j in path:
                 step = model(tokens[j:j + 1])[0]
             assert torch.equal(tree[i], step[0]), (i, path)
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 100], ids=["full-vocab", "draft-vocab"])
+def test_the_head_step_in_one_call_equals_the_module_path(tmp_path, draft_vocab):
+    """EagleHead's one-call kernel step (fc, layer, lm rows) gives bitwise the module path's logits, predicted
+    features and cache, at widths 1-5 (a step, and the catch-up blocks after accepted tokens), last row only or all,
+    and is really taken (a bf16 head on the CPU); an fp32 head keeps the module path."""
+    from polyspec.decode.head import EagleHead
+
+    d = make_tiny_llama(tmp_path, tokenizer=None, seed=31)
+    target = Transformer.from_pretrained(d).eval().to(torch.bfloat16)
+    heads = []
+    for _ in range(2):
+        torch.manual_seed(32)
+        head = EagleHead(target.args, target.embed_tokens, target.lm_head).eval().to(torch.bfloat16)
+        head.token_counts = torch.arange(target.args.vocab_size).flip(0)
+        head.set_draft_vocab(draft_vocab)
+        head.setup_cache(64)
+        heads.append(head)
+    fast, module = heads
+    module._kernel_step = lambda *a, **k: None  # the module path
+    taken = []
+    real = ck.head_step
+    ids = torch.randint(0, 512, (40,), generator=_gen(33))
+    feats = torch.randn(40, target.args.hidden_size, generator=_gen(34)).to(torch.bfloat16)
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "head_step", lambda *a, **k: taken.append(1) or real(*a, **k))
+        pos = 0
+        for t, last in [(7, False), (1, True), (2, True), (1, True), (3, False), (5, True), (1, False)]:
+            a, b = (h(ids[pos:pos + t], feats[pos:pos + t], last_only=last) for h in (fast, module))
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (pos, t, last)
+            pos += t
+        assert len(taken) == 7
+        caches = (fast._cache.k + fast._cache.v, module._cache.k + module._cache.v)
+        assert all(torch.equal(x, y) for x, y in zip(*caches, strict=True))
+        fast.truncate(3)
+        module.truncate(3)
+        assert torch.equal(fast(ids[3:4], feats[3:4])[0], module(ids[3:4], feats[3:4])[0])
+        fp32 = copy.deepcopy(fast).float()
+        fp32.setup_cache(64)
+        fp32(ids[:2], feats[:2].float())
+        assert len(taken) == 8  # the fp32 copy took the module path

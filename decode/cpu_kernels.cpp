@@ -783,19 +783,27 @@ static void attention(const float* qkv, int64_t nqkv, const C* kcache, const C* 
     const int64_t per = vec && group <= 8 ? group : 1;
     const int64_t items = nh / per * T;
     const int at = items >= 2 && threads > 1 ? threads : 1;
+    auto item = [&](int64_t it, float* sc) {
+        const int64_t h = it / T * per, t = it % T, g = h / group;
+        const float* q = qkv + t * nqkv + h * D;
+        const C* kc = kcache + g * S * D;
+        const C* vc = vcache + g * S * D;
+        const uint8_t* mr = mask ? mask + t * L : nullptr;
+        int64_t lr = L;  // keys past the row's last visible one are skipped (they would add nothing)
+        while (mr && lr > 0 && !mr[lr - 1]) lr--;
+        float* out = att + t * nq + h * D;
+        if (!vec || !attend_heads<C>(D, per, q, kc, vc, lr, mr, scale, sc, out))
+            attend_scalar(q, kc, vc, lr, D, mr, scale, sc, out);
+    };
 #pragma omp parallel num_threads(at) if (at > 1)
     {
         std::vector<float> sc(per * (L + 16));
+        if (T > 16) {  // a prompt: causal rows grow, so deal the items out one by one
+#pragma omp for schedule(static, 1)
+            for (int64_t it = 0; it < items; it++) item(it, sc.data());
+        } else {  // a step: a group's rows on one thread, which reads their K/V rows once
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t h = it / T * per, t = it % T, g = h / group;
-            const float* q = qkv + t * nqkv + h * D;
-            const C* kc = kcache + g * S * D;
-            const C* vc = vcache + g * S * D;
-            const uint8_t* mr = mask ? mask + t * L : nullptr;
-            float* out = att + t * nq + h * D;
-            if (!vec || !attend_heads<C>(D, per, q, kc, vc, L, mr, scale, sc.data(), out))
-                attend_scalar(q, kc, vc, L, D, mr, scale, sc.data(), out);
+            for (int64_t it = 0; it < items; it++) item(it, sc.data());
         }
     }
 }
@@ -911,7 +919,7 @@ static int head_step_bf16(const int64_t* ids, const uint16_t* embed, const uint1
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 7; }
+int polyspec_linear_abi(void) { return 8; }
 
 // Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs, 0 = the
 // portable fp32 ones.
@@ -983,6 +991,23 @@ int polyspec_layer_i4(float* x, const void* const* ptrs, int64_t gs, float eps, 
     w.in_norm = (const float*)ptrs[28];
     w.post_norm = (const float*)ptrs[29];
     return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
+}
+
+// Attention alone for a block of T query rows (a prompt run through torch's matmuls): q [T, nh * D] fp32 (RoPE
+// applied), the K/V cache (bf16 or fp32; kv heads S rows apart) holding positions 0 .. L - 1, mask [T, L] (NULL: all
+// visible) -> out [T, nh * D] fp32, the layer kernel's own attention (a row's result is the same as in a step).
+int polyspec_attention_bf16(const float* q, const uint16_t* k, const uint16_t* v, int64_t S, int64_t L, int64_t T,
+                            int64_t nh, int64_t nkv, int64_t D, const uint8_t* mask, int threads, float* out) {
+    if (nh % nkv != 0 || L > S) return 1;
+    attention(q, nh * D, k, v, S, L, T, nh, nkv, D, mask, threads, out);
+    return 0;
+}
+
+int polyspec_attention_f32(const float* q, const float* k, const float* v, int64_t S, int64_t L, int64_t T,
+                           int64_t nh, int64_t nkv, int64_t D, const uint8_t* mask, int threads, float* out) {
+    if (nh % nkv != 0 || L > S) return 1;
+    attention(q, nh * D, k, v, S, L, T, nh, nkv, D, mask, threads, out);
+    return 0;
 }
 
 // The draft head's step (head_step_bf16 above); returns 0, or the layer's refusal code (1: shapes; 3: out_rows).

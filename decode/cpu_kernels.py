@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_ABI = 7
+_ABI = 8
 MAX_ROWS = 16  # wider inputs (prefill) go to torch's GEMM, which is faster there
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -170,6 +170,11 @@ def _load() -> ctypes.CDLL | None:
                                                     + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
                                                     + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
             lib.polyspec_head_step_bf16.restype = ctypes.c_int
+            for name in ("polyspec_attention_bf16", "polyspec_attention_f32"):
+                getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_void_p,
+                                                                                                ctypes.c_int,
+                                                                                                ctypes.c_void_p]
+                getattr(lib, name).restype = ctypes.c_int
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _failure = str(e)
@@ -518,6 +523,33 @@ def run_layers(plans: list[LayerPlan], x: torch.Tensor, cos: torch.Tensor, sin: 
         if rc != 0:
             raise ValueError(f"run_layers: the kernel refused the shapes of layer {i} (code {rc})")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """softmax(q k^T / sqrt(D), masked) v through the layer kernel's attention (model.attend's contract: q [1, h, T, D],
+    k/v [1, kv, L, D] views of a KV cache or tensors of their own, mask bool [T, L] or None), or None where it does not
+    apply: other dtypes or layouts, autograd, a tracer or compiler. A prompt's attention then costs a third of torch's
+    fused CPU attention (docs/DECODE.md) and each row's result is the one a decode step computes."""
+    if not (_ready() and q.is_cpu and q.dim() == 4 and q.shape[0] == 1 and k.dim() == 4 and k.shape[0] == 1):
+        return None
+    dtype, (_, h, t, d), kv, n = q.dtype, q.shape, k.shape[1], k.shape[2]
+    if dtype not in (torch.float32, torch.bfloat16) or k.dtype != dtype or v.dtype != dtype or h % kv or d % 2:
+        return None
+    if k.stride()[2:] != (d, 1) or v.stride() != k.stride() or k.stride(1) < n * d or v.shape != k.shape:
+        return None
+    if mask is not None and (mask.dtype != torch.bool or mask.shape[-2:] != (t, n) or mask.numel() != t * n):
+        return None
+    if torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling() or _load() is None:
+        return None
+    q32 = q[0].transpose(0, 1).reshape(t, h * d).float().contiguous()  # [T, h D]
+    m = None if mask is None else mask.reshape(t, n).contiguous()
+    out = torch.empty((t, h * d), dtype=torch.float32)
+    fn = _lib.polyspec_attention_bf16 if dtype == torch.bfloat16 else _lib.polyspec_attention_f32
+    rc = fn(q32.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(1) // d, n, t, h, kv, d,
+            None if m is None else m.data_ptr(), torch.get_num_threads(), out.data_ptr())
+    if rc != 0:
+        return None
+    return out.view(t, h, d).transpose(0, 1)[None].to(dtype)
 
 
 @dataclass(frozen=True)

@@ -304,12 +304,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     torch's fused CPU attention takes ~10x the time of two batched matmuls for 16-bit inputs at decode widths (a few
     query rows per head: batched generation, docs/DECODE.md), so that case runs :func:`attend_matmul` (the same
-    maths: fp32 scores and softmax); everything else, training and compiled steps included (inductor lowers it to
-    one attention kernel), is ``F.scaled_dot_product_attention``."""
+    maths: fp32 scores and softmax); a prompt of one sequence on the CPU takes the layer kernel's attention
+    (:func:`polyspec.decode.cpu_kernels.attention`); everything else, training and compiled steps included (inductor
+    lowers it to one attention kernel), is ``F.scaled_dot_product_attention``."""
     small = q.is_cpu and q.dtype != torch.float32 and q.shape[2] <= SMALL_ATTENTION_ROWS
     if small and not (torch.is_grad_enabled() or torch.compiler.is_compiling()) and (
             mask is None or mask.dim() == 2 or mask.shape[1] == 1):
         return attend_matmul(q, k, v, mask)
+    out = cpu_kernels.attention(q, k, v, mask) if q.is_cpu and q.shape[2] > SMALL_ATTENTION_ROWS else None
+    if out is not None:  # a prompt on the CPU: the layer kernel's attention, a third of torch's fused one's time
+        return out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 

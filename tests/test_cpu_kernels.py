@@ -519,3 +519,29 @@ def test_the_head_step_in_one_call_equals_the_module_path(tmp_path, draft_vocab)
         fp32.setup_cache(64)
         fp32(ids[:2], feats[:2].float())
         assert len(taken) == 8  # the fp32 copy took the module path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 48], ids=["vector", "scalar"])
+def test_prompt_attention_matches_torch_and_a_decode_step(dtype, d):
+    """cpu_kernels.attention (a prompt's attention on the CPU, model.attend) against torch's SDPA over a cache view
+    with a cached prefix and a causal block; each row's output is bitwise what that row alone (a decode step) gets."""
+    from polyspec.decode.model import block_mask
+
+    h, kv, start, t, cap = 6, 2, 19, 40, 96
+    q = torch.randn(1, h, t, d, generator=_gen(40)).to(dtype)
+    kc = torch.randn(1, kv, cap, d, generator=_gen(41)).to(dtype)
+    vc = torch.randn(1, kv, cap, d, generator=_gen(42)).to(dtype)
+    k, v = kc[:, :, :start + t], vc[:, :, :start + t]  # views of the cache, as KV caches hand them out
+    mask = block_mask(start, t, None, q.device)
+    with torch.inference_mode():
+        out = ck.attention(q, k, v, mask)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        assert out is not None and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+        for row in (0, 17, t - 1):
+            n = start + row + 1
+            one = ck.attention(q[:, :, row:row + 1], kc[:, :, :n], vc[:, :, :n], None)
+            assert torch.equal(one[:, :, 0], out[:, :, row]), row
+    with torch.enable_grad():
+        assert ck.attention(q.requires_grad_(), k, v, mask) is None  # training keeps torch's attention

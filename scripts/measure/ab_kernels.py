@@ -21,7 +21,7 @@ import torch
 from polyspec.decode import cpu_kernels as ck
 
 ENTRY_POINTS = ("polyspec_layer_f32", "polyspec_layer_bf16", "polyspec_layer_i4", "polyspec_linear3_f32",
-                "polyspec_linear3_bf16w", "polyspec_linear_i4", "polyspec_dot_path")
+                "polyspec_linear3_bf16w", "polyspec_linear_i4", "polyspec_dot_path", "polyspec_head_step_bf16")
 
 
 def load_builds(paths: list[str]) -> dict[str, ctypes.CDLL]:
@@ -30,7 +30,7 @@ def load_builds(paths: list[str]) -> dict[str, ctypes.CDLL]:
     builds = {}
     for tag, path in zip("AB", paths, strict=True):
         lib = ctypes.CDLL(str(Path(path).resolve()))
-        for name in ENTRY_POINTS:
+        for name in (n for n in ENTRY_POINTS if hasattr(lib, n)):  # an older build may lack the newest ones
             getattr(lib, name).argtypes = getattr(ref, name).argtypes
             getattr(lib, name).restype = getattr(ref, name).restype
         builds[tag] = lib

@@ -3,11 +3,15 @@ by more than most kernel changes between runs minutes apart).
 
     g++ -O3 -march=native -fopenmp -shared -fPIC -std=c++17 cpu_kernels.cpp -o A.so     # each build
     python scripts/measure/ab_kernels.py layers TARGET_DIR bfloat16 A.so B.so 20,300,700   # the layers' time
-    python scripts/measure/ab_kernels.py decode CHAIN_DIR A.so B.so [REPEATS]              # whole generations
+    python scripts/measure/ab_kernels.py decode CHAIN_DIR A.so B.so [REPEATS [module-head]]  # whole generations
+    python scripts/measure/ab_kernels.py rows A.so B.so                                    # bf16 rows in cache
 
 ``layers``: the target's decoder layers at widths 1, 2, 3, 5 after each context length, 30 alternations per point,
-medians. ``decode``: ``ar`` and the chain's default mode on non-bench builtin prompts (the 3rd-5th of MT-bench,
-HumanEval and held-out ShareGPT), 96 new tokens, the builds alternated per generation. docs/BENCHMARKS.md, stop 20.
+medians. ``rows``: one thread, bf16 weights of K = 576 (6,144 rows, 7 MB: in L3) and K = 1,536, against 1-5 bf16
+input rows, ns per weight row (median of 200 calls; the compute of a row, not the memory). ``decode``: ``ar`` and
+the chain's default mode on non-bench builtin prompts (the 3rd-5th of MT-bench, HumanEval and held-out ShareGPT), 96
+new tokens, the builds alternated per generation; ``module-head``: build A also runs the draft head's step through
+the module path (a build from before the one-call step has no entry for it). docs/BENCHMARKS.md, stops 20 and 23.
 """
 
 import collections
@@ -62,12 +66,14 @@ def layers(target: str, dtype: str, a: str, b: str, contexts: str) -> None:
                 print(f"ctx {ctx:4d} width {w}: A {ta:6.2f} ms  B {tb:6.2f} ms  B/A {tb / ta:.3f}", flush=True)
 
 
-def decode(chain_dir: str, a: str, b: str, repeats: str = "2") -> None:
+def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "") -> None:
     from polyspec.bench.prompts import load_prompts
     from polyspec.decode.generate import generate_text, load_chain
 
     builds = load_builds([a, b])
     chain = load_chain(Path(chain_dir), device="cpu")
+    head = chain.models[chain.order[-1]]
+    one_call = getattr(head, "_kernel_step", None)
     seen: collections.Counter = collections.Counter()
     prompts = []
     for q in load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"], limit=5):
@@ -81,6 +87,8 @@ def decode(chain_dir: str, a: str, b: str, repeats: str = "2") -> None:
             for mode in ("ar", "default"):
                 for tag in ("A", "B") if rep % 2 == 0 else ("B", "A"):
                     ck._lib = builds[tag]
+                    if head_a == "module-head" and one_call is not None:  # A: the head's step as ~25 torch ops
+                        head._kernel_step = one_call if tag == "B" else (lambda *a, **k: None)
                     t0 = time.perf_counter()
                     r = generate_text(chain, prompt, mode=None if mode == "default" else mode, max_new_tokens=96)
                     secs[tag, mode] += time.perf_counter() - t0
@@ -92,6 +100,27 @@ def decode(chain_dir: str, a: str, b: str, repeats: str = "2") -> None:
           f"default {secs['A', 'default'] / secs['B', 'default']:.3f}x")
 
 
+def rows(a: str, b: str) -> None:
+    builds = load_builds([a, b])
+    torch.set_num_threads(1)
+    for k, n in ((576, 6144), (1536, 2304)):
+        w = torch.randn(n, k).to(torch.bfloat16)
+        for g in (1, 2, 3, 5):
+            x = torch.randn(g, k).to(torch.bfloat16)
+            med = {}
+            for tag in "AB":
+                ck._lib = builds[tag]
+                ck.kernel_linear(x, w)
+                times = []
+                for _ in range(200):
+                    t0 = time.perf_counter()
+                    ck.kernel_linear(x, w)
+                    times.append(time.perf_counter() - t0)
+                med[tag] = sorted(times)[100] / n * 1e9
+            print(f"K {k} inputs {g}: A {med['A']:.1f} ns/row  B {med['B']:.1f} ns/row  B/A {med['B'] / med['A']:.3f}",
+                  flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"layers": layers, "decode": decode}[sys.argv[1]](*sys.argv[2:])
+    {"layers": layers, "decode": decode, "rows": rows}[sys.argv[1]](*sys.argv[2:])

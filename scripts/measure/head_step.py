@@ -3,9 +3,10 @@
     [ENV=...] python scripts/measure/head_step.py CHAIN
 
 One head step after 300 cached positions (median of 60) right after another, after sleeping 6 ms, after a target
-forward of width 2, after streaming 64 MB with torch, after busy-waiting 6 ms in Python, after touching the head's
-weights; then the process's huge pages. Run it under OMP_WAIT_POLICY=active or GOMP_SPINCOUNT=N to compare OpenMP's
-wait policies. docs/BENCHMARKS.md, "CPU, stop 22".
+forward of width 2, after streaming 64 MB with torch (a written buffer: stop 22's was never written, so all its
+pages were one zero page), after busy-waiting 6 ms in Python, after 6 ms of vector sums over 32 KB, after touching the
+head's weights; then the process's huge pages. THREADS=N sets torch's threads (default 2). Run it under
+OMP_WAIT_POLICY=active or GOMP_SPINCOUNT=N to compare OpenMP's wait policies. docs/BENCHMARKS.md, stops 22 and 23.
 """
 
 import os

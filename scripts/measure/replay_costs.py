@@ -1,0 +1,66 @@
+"""The default drafting policy replayed on the target's own greedy answers (first_guess.py's records) with a round
+cost table per machine state: decode-only speedup over ar by prompt-lookup block size and two lookup filters.
+
+    python scripts/measure/replay_costs.py CHAIN RECORDS.json
+
+Costs (ms): a target forward by width as measured by scripts/measure/rounds.py in this VM's fast state (width 1 at
+4.08 ms: memory at ~66 GB/s, so wider verifications pay for their arithmetic) and slow state (width 1 at ~4.5 ms:
+widths up to 3 cost about the same); the head's step 0.32 ms, the decoder's Python 0.19 ms per round.
+docs/BENCHMARKS.md, "CPU, stop 23".
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import first_guess  # noqa: E402
+
+from polyspec.decode.generate import load_chain  # noqa: E402
+from polyspec.decode.ngram import lookup_run  # noqa: E402
+
+COSTS = {"fast": {1: 4.08, 2: 4.41, 3: 4.9, 4: 5.4, 5: 5.95, 6: 6.45, 7: 6.95, 8: 7.45, 9: 7.95},
+         "slow": {1: 4.5, 2: 4.55, 3: 4.7, 4: 4.95, 5: 5.2, 6: 5.5, 7: 5.8, 8: 6.1, 9: 6.4}}
+HEAD_MS, PYTHON_MS = 0.32, 0.19
+
+
+def speedup(rows: list, guesses: list, block: int, cost: dict, policy: str = "lookup first") -> float:
+    seconds = 0.0
+    for row, guess in zip(rows, guesses, strict=True):
+        ctx, ans, i = list(row["prompt"]), row["answer"], 0
+        while i < len(ans):
+            run = lookup_run(ctx, min(block, len(ans) - i), min_n=2) if block else []
+            if run and policy == "only where the head agrees" and run[0] != guess[i]:
+                run = []
+            if run and policy == "3-token suffixes only" and not lookup_run(ctx, 1, min_n=3):
+                run = []
+            if run:
+                seconds += cost[len(run) + 1] + PYTHON_MS
+            else:
+                run = [guess[i]]
+                seconds += cost[2] + HEAD_MS + PYTHON_MS
+            n = 0
+            while n < len(run) and i + n < len(ans) and run[n] == ans[i + n]:
+                n += 1
+            ctx += ans[i:i + n + 1]
+            i += n + 1
+    return sum(len(r["answer"]) for r in rows) * cost[1] / seconds
+
+
+def main(chain_dir: str, records: str) -> None:
+    torch.set_num_threads(2)
+    chain = load_chain(Path(chain_dir), device="cpu")
+    target, head = chain.models[chain.order[0]], chain.models[chain.order[-1]]
+    rows = json.loads(Path(records).read_text())
+    guesses = [first_guess.first_guesses(target, head, r) for r in rows]
+    for state, cost in COSTS.items():
+        print(state, "lookup block 0 (head only) / 2 / 3 / 4 / 5 / 6 / 8:",
+              " ".join(f"{speedup(rows, guesses, b, cost):.3f}" for b in (0, 2, 3, 4, 5, 6, 8)))
+        for policy in ("only where the head agrees", "3-token suffixes only"):
+            print(state, f"blocks of 4, {policy}: {speedup(rows, guesses, 4, cost, policy):.3f}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

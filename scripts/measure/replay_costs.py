@@ -1,7 +1,12 @@
 """The default drafting policy replayed on the target's own greedy answers (first_guess.py's records) with a round
 cost table per machine state: decode-only speedup over ar by prompt-lookup block size and two lookup filters.
 
-    python scripts/measure/replay_costs.py CHAIN RECORDS.json
+    python scripts/measure/replay_costs.py CHAIN RECORDS.json [TRAIN_SPLIT_DIR]
+
+With TRAIN_SPLIT_DIR (the data stage's Arrow cache, <workdir>/cache/data/<key>/train), also a REST-style datastore
+as a third source where prompt lookup finds nothing: the training answers' 3-gram -> next-token counts, followed
+greedily for up to 4 tokens while the next token has count >= 2 and at least half the 3-gram's continuations
+(always, or only where its first token is the head's guess).
 
 Costs (ms): a target forward by width as measured by scripts/measure/rounds.py in this VM's fast state (width 1 at
 4.08 ms: memory at ~66 GB/s, so wider verifications pay for their arithmetic) and slow state (width 1 at ~4.5 ms:
@@ -9,6 +14,7 @@ widths up to 3 cost about the same); the head's step 0.32 ms, the decoder's Pyth
 docs/BENCHMARKS.md, "CPU, stop 23".
 """
 
+import collections
 import json
 import sys
 from pathlib import Path
@@ -26,12 +32,43 @@ COSTS = {"fast": {1: 4.08, 2: 4.41, 3: 4.9, 4: 5.4, 5: 5.95, 6: 6.45, 7: 6.95, 8
 HEAD_MS, PYTHON_MS = 0.32, 0.19
 
 
-def speedup(rows: list, guesses: list, block: int, cost: dict, policy: str = "lookup first") -> float:
+def datastore(split_dir: str, n: int = 3) -> dict:
+    import datasets
+
+    table: dict = collections.defaultdict(collections.Counter)
+    for r in datasets.load_from_disk(split_dir):
+        ids, mask = r["input_ids"], r["loss_mask"]
+        for i in range(n, len(ids)):
+            if mask[i]:
+                table[tuple(ids[i - n:i])][ids[i]] += 1
+    return table
+
+
+def from_store(store: dict, ctx: list[int], limit: int, n: int = 3) -> list[int]:
+    out, c = [], list(ctx[-n:])
+    while len(out) < limit:
+        counts = store.get(tuple(c[-n:]))
+        if not counts:
+            break
+        (x, k), = counts.most_common(1)
+        if k < 2 or k / sum(counts.values()) < 0.5:
+            break
+        out.append(x)
+        c.append(x)
+    return out
+
+
+def speedup(rows: list, guesses: list, block: int, cost: dict, policy: str = "lookup first",
+            store: dict | None = None) -> float:
     seconds = 0.0
     for row, guess in zip(rows, guesses, strict=True):
         ctx, ans, i = list(row["prompt"]), row["answer"], 0
         while i < len(ans):
             run = lookup_run(ctx, min(block, len(ans) - i), min_n=2) if block else []
+            if not run and store is not None:
+                run = from_store(store, ctx, min(block, len(ans) - i))
+                if run and policy == "datastore where the head agrees" and run[0] != guess[i]:
+                    run = []
             if run and policy == "only where the head agrees" and run[0] != guess[i]:
                 run = []
             if run and policy == "3-token suffixes only" and not lookup_run(ctx, 1, min_n=3):
@@ -49,17 +86,21 @@ def speedup(rows: list, guesses: list, block: int, cost: dict, policy: str = "lo
     return sum(len(r["answer"]) for r in rows) * cost[1] / seconds
 
 
-def main(chain_dir: str, records: str) -> None:
+def main(chain_dir: str, records: str, split_dir: str = "") -> None:
     torch.set_num_threads(2)
     chain = load_chain(Path(chain_dir), device="cpu")
     target, head = chain.models[chain.order[0]], chain.models[chain.order[-1]]
     rows = json.loads(Path(records).read_text())
     guesses = [first_guess.first_guesses(target, head, r) for r in rows]
+    store = datastore(split_dir) if split_dir else None
     for state, cost in COSTS.items():
         print(state, "lookup block 0 (head only) / 2 / 3 / 4 / 5 / 6 / 8:",
               " ".join(f"{speedup(rows, guesses, b, cost):.3f}" for b in (0, 2, 3, 4, 5, 6, 8)))
         for policy in ("only where the head agrees", "3-token suffixes only"):
             print(state, f"blocks of 4, {policy}: {speedup(rows, guesses, 4, cost, policy):.3f}")
+        if store is not None:
+            for policy in ("datastore", "datastore where the head agrees"):
+                print(state, f"blocks of 4, {policy}: {speedup(rows, guesses, 4, cost, policy, store):.3f}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,39 @@ def speedup(rows: list, guesses: list, block: int, cost: dict, policy: str = "lo
     return sum(len(r["answer"]) for r in rows) * cost[1] / seconds
 
 
+def top2(target, head, row: dict) -> list[list[int]]:
+    """The head's two best first guesses at each answer position (first_guess.first_guesses' alignment)."""
+    from polyspec.decode.acceptance import kept_caches
+
+    seq = torch.tensor(row["prompt"] + row["answer"])
+    p = len(row["prompt"])
+    with kept_caches(target, head), torch.no_grad():
+        target._cache = head._cache = None
+        _, hidden = target(seq)
+        logits, _ = head(seq[1:], hidden[:-1])
+    return logits[p - 2:len(seq) - 2].float().topk(2, -1).indices.tolist()
+
+
+def two_candidates(rows: list, tops: list, cost: dict) -> float:
+    """Where prompt lookup finds nothing, the head's top 2 as two one-token branches (a width-3 verification)."""
+    seconds = 0.0
+    for row, top in zip(rows, tops, strict=True):
+        ctx, ans, i = list(row["prompt"]), row["answer"], 0
+        while i < len(ans):
+            run = lookup_run(ctx, min(4, len(ans) - i), min_n=2)
+            paths = [run] if run else [[x] for x in top[i]]
+            seconds += cost[len(run) + 1] + PYTHON_MS if run else cost[3] + HEAD_MS + PYTHON_MS
+            n = 0
+            for path in paths:
+                m = 0
+                while m < len(path) and i + m < len(ans) and path[m] == ans[i + m]:
+                    m += 1
+                n = max(n, m)
+            ctx += ans[i:i + n + 1]
+            i += n + 1
+    return sum(len(r["answer"]) for r in rows) * cost[1] / seconds
+
+
 def main(chain_dir: str, records: str, split_dir: str = "") -> None:
     torch.set_num_threads(2)
     chain = load_chain(Path(chain_dir), device="cpu")
@@ -93,11 +126,13 @@ def main(chain_dir: str, records: str, split_dir: str = "") -> None:
     rows = json.loads(Path(records).read_text())
     guesses = [first_guess.first_guesses(target, head, r) for r in rows]
     store = datastore(split_dir) if split_dir else None
+    tops = [top2(target, head, r) for r in rows]
     for state, cost in COSTS.items():
         print(state, "lookup block 0 (head only) / 2 / 3 / 4 / 5 / 6 / 8:",
               " ".join(f"{speedup(rows, guesses, b, cost):.3f}" for b in (0, 2, 3, 4, 5, 6, 8)))
         for policy in ("only where the head agrees", "3-token suffixes only"):
             print(state, f"blocks of 4, {policy}: {speedup(rows, guesses, 4, cost, policy):.3f}")
+        print(state, f"blocks of 4, else the head's top 2 as two branches: {two_candidates(rows, tops, cost):.3f}")
         if store is not None:
             for policy in ("datastore", "datastore where the head agrees"):
                 print(state, f"blocks of 4, {policy}: {speedup(rows, guesses, 4, cost, policy, store):.3f}")

@@ -57,16 +57,21 @@ def records(chain_dir: str, out: str, per_category: str = "10", recipe: str = "-
     print(f"{len(rows)} answers, {sum(len(r['answer']) for r in rows)} tokens -> {out}")
 
 
-def first_guesses(target, head, row: dict) -> list[int]:
-    """The head's argmax at each answer position, reading the target's own features (rows P-2 .. end-2 of the
-    head's pass over tokens 1.. with features 0..: the guess for answer token i is row P-2+i)."""
+def answer_logits(target, head, row: dict) -> torch.Tensor:
+    """The head's logits at each answer position [A, V], reading the target's own features (rows P-2 .. end-2 of
+    the head's pass over tokens 1.. with features 0..: the guess for answer token i is row P-2+i)."""
     seq = torch.tensor(row["prompt"] + row["answer"])
     p = len(row["prompt"])
     with kept_caches(target, head), torch.no_grad():
         target._cache = head._cache = None
         _, hidden = target(seq)
         logits, _ = head(seq[1:], hidden[:-1])
-    return logits[p - 2:len(seq) - 2].float().argmax(-1).tolist()
+    return logits[p - 2:len(seq) - 2].float()
+
+
+def first_guesses(target, head, row: dict) -> list[int]:
+    """The head's argmax at each answer position (answer_logits)."""
+    return answer_logits(target, head, row).argmax(-1).tolist()
 
 
 def default_rounds(row: dict, guesses: list[int]) -> int:

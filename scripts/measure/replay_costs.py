@@ -87,16 +87,8 @@ def speedup(rows: list, guesses: list, block: int, cost: dict, policy: str = "lo
 
 
 def top2(target, head, row: dict) -> list[list[int]]:
-    """The head's two best first guesses at each answer position (first_guess.first_guesses' alignment)."""
-    from polyspec.decode.acceptance import kept_caches
-
-    seq = torch.tensor(row["prompt"] + row["answer"])
-    p = len(row["prompt"])
-    with kept_caches(target, head), torch.no_grad():
-        target._cache = head._cache = None
-        _, hidden = target(seq)
-        logits, _ = head(seq[1:], hidden[:-1])
-    return logits[p - 2:len(seq) - 2].float().topk(2, -1).indices.tolist()
+    """The head's two best first guesses at each answer position."""
+    return first_guess.answer_logits(target, head, row).topk(2, -1).indices.tolist()
 
 
 def two_candidates(rows: list, tops: list, cost: dict) -> float:

@@ -876,44 +876,23 @@ static LayerWeights<WT> dense_weights(const void* const* ptrs) {
     return w;
 }
 
-// The draft head's step (decode/head.py, EagleHead with bf16 weights; one call where the module path makes ~25 torch
-// ops and four kernel calls): rows t < T of x = fc(concat(embed[ids[t]], feat[t])) rounded to bf16, one bf16 decoder
-// layer at positions start.. (causal within the block), hidden = its output rounded to bf16 (the head's predicted
-// features), then the lm rows' logits of the last out_rows rows, rounded to bf16. The module path's roundings, in
-// the same kernels (run1, layer), so the results are bitwise the module's (tests/test_cpu_kernels.py).
-static int head_step_bf16(const int64_t* ids, const uint16_t* embed, const uint16_t* feat, int64_t T, int64_t H,
-                          const uint16_t* fc_w, const float* fc_b, const void* const* layer_ptrs, float eps,
-                          int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_,
-                          uint16_t* kcache, uint16_t* vcache, int64_t S, int64_t start, const uint16_t* lm_w,
-                          int64_t V, int64_t out_rows, uint16_t* hidden, float* logits, int threads) {
-    if (out_rows < 0 || out_rows > T) return 3;
-    std::vector<float> x2(T * 2 * H), x(T * H), y(out_rows * V);
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < H; i++) {
-            x2[t * 2 * H + i] = bf16_to_f32(embed[ids[t] * H + i]);
-            x2[t * 2 * H + H + i] = bf16_to_f32(feat[t * H + i]);
-        }
-    run1(x2.data(), WBF16{fc_w, true}, fc_b, H, T, 2 * H, x.data(), threads);
-    for (int64_t i = 0; i < T * H; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
-    std::vector<uint8_t> mask;
-    if (T > 1) {  // all of the cache, then causal within the block (model.block_mask)
-        mask.assign(T * (start + T), 1);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = start + t + 1; j < start + T; j++) mask[t * (start + T) + j] = 0;
-    }
-    LayerWeights<WBF16> w = dense_weights<WBF16, uint16_t>(layer_ptrs);
+// A bf16 model's layer weights: its activations are bf16 at every matmul, so every projection takes the dot rows.
+static LayerWeights<WBF16> bf16_layer_weights(const void* const* ptrs) {
+    LayerWeights<WBF16> w = dense_weights<WBF16, uint16_t>(ptrs);
     for (int i = 0; i < 7; i++) w.w[i].dot = true;
-    const int rc = layer(x.data(), w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start,
-                         T > 1 ? mask.data() : nullptr, threads);
-    if (rc != 0) return rc;
-    for (int64_t i = 0; i < T * H; i++) {
-        hidden[i] = f32_to_bf16(x[i]);
-        x[i] = bf16_to_f32(hidden[i]);
-    }
-    if (out_rows > 0) {
-        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, true}, nullptr, V, out_rows, H, y.data(), threads);
-        for (int64_t i = 0; i < out_rows * V; i++) logits[i] = bf16_to_f32(f32_to_bf16(y[i]));
-    }
+    return w;
+}
+
+// x rounded to bf16 in place (kept as fp32): where the module path stores a bf16 tensor.
+static void round_to_bf16(float* x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
+template <typename C>
+static int attention_checked(const float* q, const C* k, const C* v, int64_t S, int64_t L, int64_t T, int64_t nh,
+                             int64_t nkv, int64_t D, const uint8_t* mask, int threads, float* out) {
+    if (nh % nkv != 0 || L > S) return 1;
+    attention(q, nh * D, k, v, S, L, T, nh, nkv, D, mask, threads, out);
     return 0;
 }
 
@@ -974,9 +953,8 @@ int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, int64_t T, 
 int polyspec_layer_bf16(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
                         int64_t D, int64_t I, const float* cos_, const float* sin_, uint16_t* kcache,
                         uint16_t* vcache, int64_t S, int64_t start, const uint8_t* mask, int threads) {
-    LayerWeights<WBF16> w = dense_weights<WBF16, uint16_t>(ptrs);
-    for (int i = 0; i < 7; i++) w.w[i].dot = true;  // a bf16 model's activations are bf16 at every matmul
-    return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
+    return layer(x, bf16_layer_weights(ptrs), eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask,
+                 threads);
 }
 
 // A decoder layer with int4 projections of group size gs: ptrs = (codes, scales, zeros) x 7, 7 biases, 2 norms.
@@ -998,25 +976,51 @@ int polyspec_layer_i4(float* x, const void* const* ptrs, int64_t gs, float eps, 
 // visible) -> out [T, nh * D] fp32, the layer kernel's own attention (a row's result is the same as in a step).
 int polyspec_attention_bf16(const float* q, const uint16_t* k, const uint16_t* v, int64_t S, int64_t L, int64_t T,
                             int64_t nh, int64_t nkv, int64_t D, const uint8_t* mask, int threads, float* out) {
-    if (nh % nkv != 0 || L > S) return 1;
-    attention(q, nh * D, k, v, S, L, T, nh, nkv, D, mask, threads, out);
-    return 0;
+    return attention_checked(q, k, v, S, L, T, nh, nkv, D, mask, threads, out);
 }
 
 int polyspec_attention_f32(const float* q, const float* k, const float* v, int64_t S, int64_t L, int64_t T,
                            int64_t nh, int64_t nkv, int64_t D, const uint8_t* mask, int threads, float* out) {
-    if (nh % nkv != 0 || L > S) return 1;
-    attention(q, nh * D, k, v, S, L, T, nh, nkv, D, mask, threads, out);
-    return 0;
+    return attention_checked(q, k, v, S, L, T, nh, nkv, D, mask, threads, out);
 }
 
-// The draft head's step (head_step_bf16 above); returns 0, or the layer's refusal code (1: shapes; 3: out_rows).
+// The draft head's step (decode/head.py, EagleHead with bf16 weights; one call where the module path makes ~25 torch
+// ops and four kernel calls): rows t < T of x = fc(concat(embed[ids[t]], feat[t])) rounded to bf16, one bf16 decoder
+// layer at positions start.. (causal within the block), hidden = its output rounded to bf16 (the head's predicted
+// features), then the lm rows' logits of the last out_rows rows, rounded to bf16. The module path's roundings, in
+// the same kernels (run1, layer), so the results are bitwise the module's (tests/test_cpu_kernels.py). Returns 0,
+// or the layer's refusal code (1: shapes; 3: out_rows).
 int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uint16_t* feat, int64_t T, int64_t H,
                             const uint16_t* fc_w, const float* fc_b, const void* const* layer_ptrs, float eps,
                             int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_,
                             uint16_t* kcache, uint16_t* vcache, int64_t S, int64_t start, const uint16_t* lm_w,
                             int64_t V, int64_t out_rows, uint16_t* hidden, float* logits, int threads) {
-    return head_step_bf16(ids, embed, feat, T, H, fc_w, fc_b, layer_ptrs, eps, nh, nkv, D, I, cos_, sin_, kcache,
-                          vcache, S, start, lm_w, V, out_rows, hidden, logits, threads);
+    if (out_rows < 0 || out_rows > T) return 3;
+    std::vector<float> x2(T * 2 * H), x(T * H);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < H; i++) {
+            x2[t * 2 * H + i] = bf16_to_f32(embed[ids[t] * H + i]);
+            x2[t * 2 * H + H + i] = bf16_to_f32(feat[t * H + i]);
+        }
+    run1(x2.data(), WBF16{fc_w, true}, fc_b, H, T, 2 * H, x.data(), threads);
+    round_to_bf16(x.data(), T * H);
+    std::vector<uint8_t> mask;
+    if (T > 1) {  // all of the cache, then causal within the block (model.block_mask)
+        mask.assign(T * (start + T), 1);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = start + t + 1; j < start + T; j++) mask[t * (start + T) + j] = 0;
+    }
+    const int rc = layer(x.data(), bf16_layer_weights(layer_ptrs), eps, T, H, nh, nkv, D, I, cos_, sin_, kcache,
+                         vcache, S, start, T > 1 ? mask.data() : nullptr, threads);
+    if (rc != 0) return rc;
+    for (int64_t i = 0; i < T * H; i++) {
+        hidden[i] = f32_to_bf16(x[i]);
+        x[i] = bf16_to_f32(hidden[i]);
+    }
+    if (out_rows > 0) {
+        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, true}, nullptr, V, out_rows, H, logits, threads);
+        round_to_bf16(logits, out_rows * V);
+    }
+    return 0;
 }
 }

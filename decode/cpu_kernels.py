@@ -1,4 +1,4 @@
-"""The CPU fast path of the decoder at decode/verify widths (1 to MAX_ROWS positions), beside the pure-torch path.
+"""The CPU fast path of the decoder at decode/verify widths (1 to VERIFY_ROWS positions), beside the pure-torch path.
 
 At batch 1 a decode step streams every weight once, so its speed is memory bandwidth. torch's fp32 CPU GEMM runs a
 single-threaded GEMV at one row (~10 GB/s on a 2-core EPYC that reads 30+ GB/s) and a packing GEMM for a few rows
@@ -8,9 +8,10 @@ whole decoder layer in one call (:func:`run_layers`) for the layers :data:`LAYER
 runs decode/model.py's DecoderLayer, the reference). :func:`pack_weights` puts a loaded model's
 weights in one block in the order a step reads them. docs/DECODE.md describes the design.
 
-The kernels are batch-invariant: a row's output is bitwise the same whether it is computed alone or with up to
-MAX_ROWS - 1 others, so in fp32 a verification over k + 1 positions gives each position exactly the logits a decode
-step gives it. (bf16 models only get the linear kernel; their layers' other ops stay torch's, width-dependent.)
+The kernels are batch-invariant: a row's output is bitwise the same whether it is computed alone or with any number
+of others, so a verification over k + 1 positions (or a draft tree's nodes) gives each position exactly the logits a
+decode step gives it, in fp32 and bf16. Which forwards they take (:func:`rows_limit`): up to MAX_ROWS rows always,
+and up to VERIFY_ROWS for a verification, whose rows must match a decode step's; a wider prompt goes to torch's GEMM.
 
 Build: the first call compiles ``cpu_kernels.cpp`` with the system C++ compiler (``g++ -O3 -march=native -fopenmp``,
 about 2 s) into ``$POLYSPEC_KERNEL_CACHE`` (default ``~/.cache/polyspec/kernels``), keyed by the source, the compiler
@@ -38,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 _ABI = 8
-MAX_ROWS = 16  # wider inputs (prefill) go to torch's GEMM, which is faster there
+MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM, faster there
+VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -211,17 +213,17 @@ def failure() -> str | None:
     return _failure
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether :func:`kernel_linear` takes this call: CPU tensors, both fp32 or both bf16 (or an fp32 input with bf16
-    weights: fp32 output), at most MAX_ROWS input
-    rows, a contiguous 2-D weight, no autograd graph to build, and no tracer or compiler watching."""
+    weights: fp32 output), at most ``max_rows`` input rows (:func:`rows_limit`), a contiguous 2-D weight, no autograd
+    graph to build, and no tracer or compiler watching."""
     if not (x.is_cpu and weight.is_cpu) or weight.dim() != 2 or not weight.is_contiguous():
         return False
     mixed = x.dtype == torch.float32 and weight.dtype == torch.bfloat16  # a 16-bit lm_head in an fp32 model
     if not mixed and (x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16)):
         return False
     k = weight.shape[1]
-    if x.shape[-1] != k or x.numel() == 0 or x.numel() > MAX_ROWS * k:
+    if x.shape[-1] != k or x.numel() == 0 or x.numel() > min(max_rows, VERIFY_ROWS) * k:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
@@ -283,10 +285,11 @@ def register_linear_class(cls: type) -> None:
     _linear_forward = cls.forward
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           max_rows: int = MAX_ROWS) -> torch.Tensor:
     """``F.linear`` with the CPU kernel where it applies (see :func:`supports`); an fp32 input with bf16 weights gives
     fp32 (the weights widened: on the torch path, a widened copy per call)."""
-    if _ready() and supports(x, weight) and _load() is not None:
+    if _ready() and supports(x, weight, max_rows) and _load() is not None:
         return kernel_linear(x, weight, bias)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
@@ -373,8 +376,17 @@ LAYER_SUPPORT = LayerSupport(
                         "o_bias", "mlp_bias"}),
     weights=frozenset({"f32", "bf16", "i4"}),
     activations=frozenset({torch.float32, torch.bfloat16}),
-    max_rows=MAX_ROWS,
+    max_rows=VERIFY_ROWS,
 )
+
+
+def rows_limit(start: int, tree: bool) -> int:
+    """The most rows a forward of a block at cache position ``start`` (under a draft tree's mask or not) takes the
+    kernels for. A verification's rows must get bitwise a decode step's logits (greedy speculation equals ``ar``
+    only then), so it stays on them up to VERIFY_ROWS: a draft tree of 32 nodes plus a lookup path is 41 rows. A
+    prompt (a causal block at an empty cache) is the same work in every mode: above MAX_ROWS torch's GEMM is faster.
+    """
+    return VERIFY_ROWS if start > 0 or tree else MAX_ROWS
 
 
 class LayerPlan:
@@ -473,14 +485,16 @@ def drop_plans(module: torch.nn.Module) -> None:
         sub.__dict__.pop("_cpu_plan", None)
 
 
-def block_supported(x: torch.Tensor, cos: torch.Tensor, cache, mask: torch.Tensor | None) -> bool:
+def block_supported(x: torch.Tensor, cos: torch.Tensor, cache, mask: torch.Tensor | None,
+                    max_rows: int = MAX_ROWS) -> bool:
     """Whether a block of layers may run through :func:`run_layers` (each layer also needs a plan of its dtype): input
-    [1, T, H] of a LAYER_SUPPORT dtype and width on the CPU, a batch-1 KV cache of the same dtype, a bool mask or
-    none, no autograd, no tracer or compiler, the library loaded."""
+    [1, T, H] of a LAYER_SUPPORT dtype on the CPU, T at most ``max_rows`` (:func:`rows_limit`) and LAYER_SUPPORT's
+    widest, a batch-1 KV cache of the same dtype, a bool mask or none, no autograd, no tracer or compiler, the
+    library loaded."""
     if not _ready() or cache is None:
         return False
     if x.dtype not in LAYER_SUPPORT.activations or not x.is_cpu or x.dim() != 3 or x.shape[0] != 1 \
-            or not 0 < x.shape[1] <= LAYER_SUPPORT.max_rows:
+            or not 0 < x.shape[1] <= min(max_rows, LAYER_SUPPORT.max_rows):
         return False
     if cache.batch_size != 1 or cache.k[0].dtype != x.dtype or not cache.k[0].is_cpu:
         return False

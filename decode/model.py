@@ -630,8 +630,9 @@ class CachedDecoder(nn.Module):
         positions = self._positions(t, start, position_offsets, x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
         mask = block_mask(start, t, tree_mask, x.device)
+        rows = cpu_kernels.rows_limit(start, tree_mask is not None)
         plans = [cpu_kernels.layer_plan(layer) for layer in layers] \
-            if cpu_kernels.block_supported(x, cos, cache, mask) else []
+            if cpu_kernels.block_supported(x, cos, cache, mask, rows) else []
         if plans and all(p is not None for p in plans):  # the common case: every layer in one kernel call each
             x = cpu_kernels.run_layers(plans, x, cos, sin, mask, cache, start)
         else:
@@ -728,10 +729,11 @@ class Transformer(CachedDecoder):
             layer i, Hugging Face's ``hidden_states[i + 1]``), [T, len(aux_layers) * H]: an EAGLE-3 head's input.
         """
         ids, squeeze = _as_batch(input_ids)
+        rows = cpu_kernels.rows_limit(self._cache.length if self._cache is not None else 0, tree_mask is not None)
         if aux_layers:
             x, aux = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets,
                                       capture=tuple(aux_layers))
-            logits, _ = self._out(x, last_only, logits_from)
+            logits, _ = self._out(x, last_only, logits_from, rows)
             hidden = torch.cat(aux, dim=-1)  # [B, T, A * H]
             out = logits, (hidden[:, -1:] if last_only else hidden)
         else:
@@ -739,7 +741,7 @@ class Transformer(CachedDecoder):
             out = runner.forward(ids, None, tree_mask, position_offsets, last_only) if runner is not None else None
         if out is None:
             x = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets)
-            out = self._out(x, last_only, logits_from)
+            out = self._out(x, last_only, logits_from, rows)
         logits, hidden = out
         return (logits[0], hidden[0]) if squeeze else (logits, hidden)
 
@@ -750,15 +752,18 @@ class Transformer(CachedDecoder):
         """ids [B, T] -> layer input [B, T, H] in the compute dtype."""
         return self.embed_tokens(ids.to(self.embed_tokens.weight.device)).to(self._compute_dtype())
 
-    def _out(self, x: torch.Tensor, last_only: bool,
-             logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _out(self, x: torch.Tensor, last_only: bool, logits_from: int = 0,
+             max_rows: int = cpu_kernels.MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
         """Last layer's output [B, T, H] -> (logits [B, T - logits_from, V] float32, final-norm'd hidden [B, T, H])
-        (last_only: the last row of each)."""
+        (last_only: the last row of each). ``max_rows``: the forward's cpu_kernels.rows_limit."""
         hidden = self.norm(x)  # [B, T, H]
         if last_only:
             hidden = hidden[:, -1:]
         rows = hidden[:, min(logits_from, hidden.shape[1] - 1):] if logits_from > 0 else hidden
-        return self.lm_head(rows).float(), hidden
+        head = self.lm_head
+        if type(head) is Linear:
+            return cpu_kernels.linear(rows, head.weight, head.bias, max_rows).float(), hidden
+        return head(rows).float(), hidden
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,

@@ -447,10 +447,31 @@ def test_bf16_greedy_speculation_equals_ar(models):
     assert max(r.level_stats[0].accept_lengths) == 5
 
 
+def test_bf16_greedy_tree_wider_than_a_prompt_block_equals_ar(models, monkeypatch):
+    """A draft tree of more than MAX_ROWS nodes (the bench's 32-token trees, plus a lookup path) is verified on the
+    kernels too (cpu_kernels.rows_limit), so each node gets a decode step's logits and the output is ar's, in bf16;
+    the verification really is that wide and really takes the layer kernel."""
+    from polyspec.decode.chain import ChainDecoder, TreeParams
+    from polyspec.decode.levels import ModelLevel
+
+    t = Transformer.from_pretrained(models["llama"]).eval().to(torch.bfloat16)
+    twin = copy.deepcopy(t)
+    calls: list[int] = []
+    run = ck.run_layers
+    monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: calls.append(x.shape[1]) or run(plans, x, *a, **k))
+    tp = TreeParams(top_k=4, depth=3, total_tokens=40)
+    for prompt in ([5, 17, 230, 9, 77], [3, 8, 400, 12], [44, 2, 9, 310, 7, 21]):
+        ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=96).generate(prompt, 24).token_ids
+        r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], max_seq_len=96, tree=tp).generate(prompt, 24)
+        assert r.token_ids == ar
+    assert max(calls) > ck.MAX_ROWS
+
+
+@pytest.mark.parametrize("nodes", [10, 40], ids=["10-nodes", "40-nodes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("hidden,heads,kv_heads", [(128, 4, 2), (192, 3, 1), (192, 4, 2)],
                          ids=["head32-group2", "head64-group3", "head48-scalar"])
-def test_a_tree_node_equals_its_branch_decoded_token_by_token(tmp_path, dtype, hidden, heads, kv_heads):
+def test_a_tree_node_equals_its_branch_decoded_token_by_token(tmp_path, dtype, hidden, heads, kv_heads, nodes):
     """A key's score does not depend on where the key sits in the cache, and the softmax's sums run over the visible
     keys in key order: a draft-tree node whose ancestors sit at other cache positions than when the same tokens are
     decoded one by one gets bitwise the same logits (greedy tree speculation equals ar). Head sizes 32 and 64 take
@@ -459,7 +480,10 @@ def test_a_tree_node_equals_its_branch_decoded_token_by_token(tmp_path, dtype, h
     model = Transformer.from_pretrained(d).eval().to(dtype)
     assert all(ck.layer_plan(layer) is not None for layer in model.layers)
     prefix = torch.randint(0, 512, (37,), generator=_gen(22))  # the tree's keys straddle 16-key blocks
-    parents = [-1, -1, 0, 0, 1, 2, 3, 5, 7, 4]  # -1: a child of the prefix's last token
+    if nodes == 10:
+        parents = [-1, -1, 0, 0, 1, 2, 3, 5, 7, 4]  # -1: a child of the prefix's last token
+    else:  # wider than MAX_ROWS: a verification still takes the kernels (cpu_kernels.rows_limit)
+        parents = [-1] + [int(torch.randint(-1, i, (1,), generator=_gen(24 + i))) for i in range(1, nodes)]
     tokens = torch.randint(0, 512, (len(parents),), generator=_gen(23))
     paths = []
     for i, p in enumerate(parents):

@@ -729,7 +729,8 @@ class Transformer(CachedDecoder):
             layer i, Hugging Face's ``hidden_states[i + 1]``), [T, len(aux_layers) * H]: an EAGLE-3 head's input.
         """
         ids, squeeze = _as_batch(input_ids)
-        rows = cpu_kernels.rows_limit(self._cache.length if self._cache is not None else 0, tree_mask is not None)
+        start = self._cache.length if self._cache is not None else 0
+        rows = cpu_kernels.rows_limit(start, tree_mask is not None) if ids.shape[0] == 1 else cpu_kernels.MAX_ROWS
         if aux_layers:
             x, aux = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets,
                                       capture=tuple(aux_layers))

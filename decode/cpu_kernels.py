@@ -384,8 +384,8 @@ def rows_limit(start: int, tree: bool) -> int:
     """The most rows a forward of a block at cache position ``start`` (under a draft tree's mask or not) takes the
     kernels for. A verification's rows must get bitwise a decode step's logits (greedy speculation equals ``ar``
     only then), so it stays on them up to VERIFY_ROWS: a draft tree of 32 nodes plus a lookup path is 41 rows. A
-    prompt (a causal block at an empty cache) is the same work in every mode: above MAX_ROWS torch's GEMM is faster.
-    """
+    prompt (a causal block at an empty cache) is the same work in every mode, so above MAX_ROWS it keeps torch's
+    GEMM, the faster one from ~30 rows (docs/DECODE.md, "Batch invariance")."""
     return VERIFY_ROWS if start > 0 or tree else MAX_ROWS
 
 

@@ -447,6 +447,31 @@ def test_bf16_greedy_speculation_equals_ar(models):
     assert max(r.level_stats[0].accept_lengths) == 5
 
 
+def test_which_forwards_take_the_kernels_by_width(models, monkeypatch):
+    """cpu_kernels.rows_limit: a prompt at an empty cache takes the kernels up to MAX_ROWS rows, a verification (a
+    block at a non-empty cache) up to VERIFY_ROWS; a batched forward's rows are sequences and keep MAX_ROWS."""
+    t = Transformer.from_pretrained(models["llama"]).eval().to(torch.bfloat16)
+    widths: list[int] = []
+    run = ck.run_layers
+    monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: widths.append(x.shape[1]) or run(plans, x, *a, **k))
+    ids = torch.randint(0, 512, (60,), generator=_gen(40))
+    with torch.inference_mode():
+        t.setup_cache(128)
+        t(ids[:20])  # a prompt of 20 rows: torch
+        t(ids[20:40])  # a verification of 20 rows: the kernels
+        t(ids[40:41])
+        assert widths == [20, 1]
+        t.setup_cache(16, batch_size=4)
+        t(ids[:20].view(4, 5))
+        lm = []
+        linear = ck.kernel_linear
+        monkeypatch.setattr(ck, "kernel_linear", lambda x, *a, **k: lm.append(x.shape) or linear(x, *a, **k))
+        t(ids[20:40].view(4, 5))  # 20 rows of 4 sequences at a non-empty cache: the lm_head stays on torch
+        assert lm == []
+    assert ck.rows_limit(0, False) == ck.MAX_ROWS and ck.rows_limit(0, True) == ck.rows_limit(5, False) == \
+        ck.VERIFY_ROWS
+
+
 def test_bf16_greedy_tree_wider_than_a_prompt_block_equals_ar(models, monkeypatch):
     """A draft tree of more than MAX_ROWS nodes (the bench's 32-token trees, plus a lookup path) is verified on the
     kernels too (cpu_kernels.rows_limit), so each node gets a decode step's logits and the output is ar's, in bf16;

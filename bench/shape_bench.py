@@ -256,6 +256,43 @@ def needed_widths(measurements: dict[str, Any] | None, base: list[int]) -> list[
     return sorted(ws)
 
 
+def _random_levels(args: Any, tdtype: Any, dev: Any, group_size: int, use_graphs: bool,
+                   say: Any) -> dict[str, Any]:
+    """The shape's random target, its int4 copy and an EAGLE head, packed (and graph-captured where asked)."""
+    from polyspec.decode import cpu_kernels, cuda_graphs
+    from polyspec.decode.generate import GRAPH_WIDTH
+
+    target = random_model(args, dtype=tdtype, device=dev, seed=0)
+    say(f"shape-bench: building its int4 g{group_size} copy and a random EAGLE head")
+    int4 = random_model(args, dtype=tdtype, device=dev, seed=1, int4_group=group_size)
+    models = {"target": target, "intermediate": int4, "draft": random_head(args, target, dtype=tdtype)}
+    for m in models.values():
+        cpu_kernels.pack_weights(m)
+        if use_graphs:
+            cuda_graphs.enable(m, graphs=True, max_width=GRAPH_WIDTH)
+    return models
+
+
+def _chain_measurements(chain_dir: Path) -> dict[str, Any]:
+    """The profile measurements of a chain folder (for the Lemma 3.1 projection), or one clear error."""
+    from polyspec.manifest import read_manifest
+
+    if not chain_dir.is_dir():
+        raise PolyspecError(f"--chain {chain_dir}: no such folder; pass a profiled chain folder (the export "
+                            "stage's `chain/`, with manifest.json), or leave --chain out to run without the "
+                            "Lemma 3.1 projection")
+    if not (chain_dir / "manifest.json").is_file():
+        raise PolyspecError(f"--chain {chain_dir} has no manifest.json, so there are no measured acceptance "
+                            "lengths to project from; pass a chain folder written by `polyspec run` / "
+                            "`polyspec export` (e.g. runs/smollm2_cpu/chain), or leave --chain out to run "
+                            "without the Lemma 3.1 projection")
+    measurements = read_manifest(chain_dir).measurements
+    if not measurements or not measurements.get("grid"):
+        raise PolyspecError(f"{chain_dir}/manifest.json has no profile measurements (measurements.grid); export "
+                            "the chain with `polyspec export` (which profiles it) first")
+    return measurements
+
+
 def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = None, new_tokens: int = 128,
                     prompt_len: int = 32, repeats: int = 3, widths: list[int] | None = None,
                     forward_prefix: int = 512, forward_repeats: int = 20, group_size: int = 128,
@@ -266,27 +303,10 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
     from polyspec.bench.bench import forward_times
     from polyspec.bench.roofline import measure_bandwidth, roofline, weight_bytes
     from polyspec.decode import cpu_kernels, cuda_graphs
-    from polyspec.decode.generate import GRAPH_WIDTH
     from polyspec.device import resolve_device, resolve_dtype
 
     say = say or (lambda msg: print(msg, file=sys.stderr))
-    measurements = None
-    if chain_dir is not None:
-        from polyspec.manifest import read_manifest
-
-        if not Path(chain_dir).is_dir():
-            raise PolyspecError(f"--chain {chain_dir}: no such folder; pass a profiled chain folder (the export "
-                                "stage's `chain/`, with manifest.json), or leave --chain out to run without the "
-                                "Lemma 3.1 projection")
-        if not (Path(chain_dir) / "manifest.json").is_file():
-            raise PolyspecError(f"--chain {chain_dir} has no manifest.json, so there are no measured acceptance "
-                                "lengths to project from; pass a chain folder written by `polyspec run` / "
-                                "`polyspec export` (e.g. runs/smollm2_cpu/chain), or leave --chain out to run "
-                                "without the Lemma 3.1 projection")
-        measurements = read_manifest(Path(chain_dir)).measurements
-        if not measurements or not measurements.get("grid"):
-            raise PolyspecError(f"{chain_dir}/manifest.json has no profile measurements (measurements.grid); export "
-                                "the chain with `polyspec export` (which profiles it) first")
+    measurements = None if chain_dir is None else _chain_measurements(Path(chain_dir))
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype, dev)
     name = str(tdtype).removeprefix("torch.")
@@ -301,15 +321,8 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
     if use_graphs and dev.type != "cuda":
         raise PolyspecError("CUDA graphs need --device cuda")
     say(f"shape-bench: building random {shape} target ({name}) on {dev}")
-    target = random_model(args, dtype=tdtype, device=dev, seed=0)
-    say(f"shape-bench: building its int4 g{group_size} copy and a random EAGLE head")
-    int4 = random_model(args, dtype=tdtype, device=dev, seed=1, int4_group=group_size)
-    head = random_head(args, target, dtype=tdtype)
-    models = {"target": target, "intermediate": int4, "draft": head}
-    for m in models.values():
-        cpu_kernels.pack_weights(m)
-        if use_graphs:
-            cuda_graphs.enable(m, graphs=True, max_width=GRAPH_WIDTH)
+    models = _random_levels(args, tdtype, dev, group_size, use_graphs, say)
+    target = models["target"]
     say("shape-bench: memory bandwidth")
     bw = measure_bandwidth(dev)
     say(f"shape-bench: ar, {repeats} x {new_tokens} tokens")

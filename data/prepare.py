@@ -289,38 +289,53 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
 
     split = load_split(cfg.source, max_conversations=cfg.max_conversations, heldout_fraction=cfg.heldout_fraction,
                        seed=cfg.seed)
-    conversations, load_report, train_idx, held_idx = split.conversations, split.report, split.train, split.heldout
-    regen_report = None
+    conversations, regen_report = split.conversations, None
     if cfg.responses == "target":
         from polyspec.data.regen import regenerate
 
         conversations, regen_report = regenerate(recipe, conversations, tokenizer, target_id=tokenizer_id,
                                                  target_dir=target_dir, progress=progress)
-
-    splits = {"train": _Columns(), "heldout": _Columns()}
-    dropped_no_assistant = truncated = 0
-    assignment = [(i, "train") for i in train_idx] + [(i, "heldout") for i in held_idx]
-    assignment.sort()
-    with _progress(progress, len(assignment)) as advance:
-        for i, split in assignment:
-            advance()
-            if not any(m["role"] == "assistant" for m in conversations[i]):  # regen: first prompt too long
-                dropped_no_assistant += 1
-                continue
-            ids, mask, full_length = tokenize_with_length(tokenizer, conversations[i], cfg.max_length)
-            if not any(mask):  # the first assistant turn lies beyond max_length
-                dropped_no_assistant += 1
-                continue
-            truncated += full_length > cfg.max_length
-            splits[split].add(ids, mask)
-
-    train_rows, held_rows = len(splits["train"].offsets) - 1, len(splits["heldout"].offsets) - 1
-    if train_rows == 0:
+    splits, counts = _tokenize_splits(conversations, split.train, split.heldout, tokenizer, cfg.max_length,
+                                      progress)
+    if len(splits["train"].offsets) == 1:
         raise PolyspecError(
             f"no training sequence left from {cfg.source}: every conversation's first assistant turn starts after "
             f"data.max_length={cfg.max_length} tokens; raise data.max_length"
         )
-    report: dict[str, Any] = {
+    report = _report(cfg, key, tokenizer_id, identity, split, splits, counts)
+    if regen_report is not None:
+        report["regen"] = regen_report
+    _write_cache(root, final, splits, report)
+    prepared = _load_cached(final)
+    prepared.report["cached"] = False
+    return prepared
+
+
+def _tokenize_splits(conversations: list, train_idx: list[int], held_idx: list[int], tokenizer: Any,
+                     max_length: int, progress: bool) -> tuple[dict[str, _Columns], dict[str, int]]:
+    """Each kept conversation tokenised into its split, in conversation order; counts of the dropped and truncated."""
+    splits = {"train": _Columns(), "heldout": _Columns()}
+    counts = {"dropped_no_assistant": 0, "truncated": 0}
+    assignment = sorted([(i, "train") for i in train_idx] + [(i, "heldout") for i in held_idx])
+    with _progress(progress, len(assignment)) as advance:
+        for i, name in assignment:
+            advance()
+            if not any(m["role"] == "assistant" for m in conversations[i]):  # regen: first prompt too long
+                counts["dropped_no_assistant"] += 1
+                continue
+            ids, mask, full_length = tokenize_with_length(tokenizer, conversations[i], max_length)
+            if not any(mask):  # the first assistant turn lies beyond max_length
+                counts["dropped_no_assistant"] += 1
+                continue
+            counts["truncated"] += full_length > max_length
+            splits[name].add(ids, mask)
+    return splits, counts
+
+
+def _report(cfg: Any, key: str, tokenizer_id: str, identity: Any, split: Split, splits: dict[str, _Columns],
+            counts: dict[str, int]) -> dict[str, Any]:
+    load_report = split.report
+    return {
         "format_version": FORMAT_VERSION,
         "cache_key": key,
         "tokenizer_id": tokenizer_id,
@@ -332,21 +347,22 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
         "roles": dict(load_report.roles),
         "repairs": dict(load_report.fixes),
         "stopped_early": load_report.stopped_early,
-        "train_conversations": len(train_idx),
-        "heldout_conversations": len(held_idx),
-        "sequences_dropped_no_assistant_tokens": dropped_no_assistant,
-        "sequences_truncated": truncated,
-        "train_sequences": train_rows,
-        "heldout_sequences": held_rows,
+        "train_conversations": len(split.train),
+        "heldout_conversations": len(split.heldout),
+        "sequences_dropped_no_assistant_tokens": counts["dropped_no_assistant"],
+        "sequences_truncated": counts["truncated"],
+        "train_sequences": len(splits["train"].offsets) - 1,
+        "heldout_sequences": len(splits["heldout"].offsets) - 1,
         "total_tokens": len(splits["train"].ids) + len(splits["heldout"].ids),
         "assistant_tokens": sum(splits["train"].mask) + sum(splits["heldout"].mask),
         "max_length": cfg.max_length,
         "responses": cfg.responses,
         "identity": identity,
     }
-    if regen_report is not None:
-        report["regen"] = regen_report
 
+
+def _write_cache(root: Path, final: Path, splits: dict[str, _Columns], report: dict[str, Any]) -> None:
+    """Both splits and the report into ``final``, all or nothing (a temporary folder, then one rename)."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = temp_folder(final)
     try:
@@ -364,6 +380,3 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    prepared = _load_cached(final)
-    prepared.report["cached"] = False
-    return prepared

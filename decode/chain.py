@@ -113,6 +113,19 @@ class _Tree:
     proposals: dict[int, torch.Tensor]  # node -> the draft distribution [V] its children were drawn from
 
 
+def _kept_tree(keep: list[int], tokens: list[int], parents: list[int], depths: list[int],
+               proposals: dict[int, torch.Tensor]) -> _Tree:
+    """The drawn nodes ``keep`` (ascending, ancestor-closed) renumbered 0..len(keep) - 1 as a :class:`_Tree`."""
+    new_id = {old: j for j, old in enumerate(keep)}
+    new_id[-1] = -1
+    children: dict[int, list[int]] = {}
+    for old in keep:  # creation order keeps each node's children in their drawing order
+        children.setdefault(new_id[parents[old]], []).append(new_id[old])
+    return _Tree(tokens=[tokens[o] for o in keep], parents=[new_id[parents[o]] for o in keep],
+                 depths=[depths[o] for o in keep], children=children,
+                 proposals={new_id[o]: q for o, q in proposals.items() if o in new_id})
+
+
 def _ancestor_rows(mask: torch.Tensor, first_row: int, nodes: list[int], parents: list[int],
                    col: dict[int, int]) -> None:
     """Let mask[first_row + r] see nodes[r] and every ancestor of it (column col[a] for tree node a; -1 is the root),
@@ -522,12 +535,7 @@ class _Run:
         greedy = self.sampling.temperature == 0
         logits = self._forward(i, ctx, first_row=len(ctx) - 1)  # [1, V]
         self._check_vocab(logits.shape[-1], i)
-        root_feature = None
-        if level.needs_features:
-            shared = [common_prefix(self.seen[j], ctx) for j in range(i)]
-            root_feature = self._feature_at(i, len(ctx) - 1, shared)
-            if root_feature is None:
-                root_feature = self.hidden[i][len(ctx) - 1]  # the head's own prediction of f_{len(ctx)-1}
+        root_feature = self._tree_root_feature(i, ctx) if level.needs_features else None
         tokens: list[int] = []
         parents: list[int] = []
         depths: list[int] = []
@@ -581,18 +589,18 @@ class _Run:
         keep = list(range(len(tokens)))
         if greedy and len(tokens) > tp.total_tokens:
             keep = sorted(sorted(keep, key=lambda n: (-scores[n], depths[n], n))[:tp.total_tokens])
-        new_id = {old: j for j, old in enumerate(keep)}
-        new_id[-1] = -1
-        children: dict[int, list[int]] = {}
-        for old in keep:  # creation order keeps each node's children in their drawing order
-            children.setdefault(new_id[parents[old]], []).append(new_id[old])
-        tree = _Tree(tokens=[tokens[o] for o in keep], parents=[new_id[parents[o]] for o in keep],
-                     depths=[depths[o] for o in keep], children=children,
-                     proposals={new_id[o]: q for o, q in proposals.items() if o in new_id})
+        tree = _kept_tree(keep, tokens, parents, depths, proposals)
         if greedy and tp.lookup:
             _graft_lookup(tree, lookup_run(ctx, min(tp.lookup, room)), self.eos)
         self.stats[i].tokens_emitted += len(tree.tokens)
         return tree
+
+    def _tree_root_feature(self, i: int, ctx: list[int]) -> torch.Tensor:
+        """The feature the draft level i reads at the tree's root: the nearest level above's state at the last
+        position of ctx, else the head's own prediction of it."""
+        shared = [common_prefix(self.seen[j], ctx) for j in range(i)]
+        feature = self._feature_at(i, len(ctx) - 1, shared)
+        return self.hidden[i][len(ctx) - 1] if feature is None else feature
 
     def _verify_tree_round(self, i: int, ctx: list[int]) -> tuple[list[int], torch.Tensor]:
         """The draft proposes a tree; level i (the one directly above the draft) runs ONE forward over its unprocessed

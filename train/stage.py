@@ -189,7 +189,7 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     interrupt a run). ``log_every``: optimizer steps between logs of loss components, lr and tokens/s.
     """
 
-    from polyspec.data.prepare import cache_key, prepare_dataset, split_record
+    from polyspec.data.prepare import cache_key, prepare_dataset
     from polyspec.sources import load_tokenizer, model_id, target_stage
     from polyspec.tracking import Tracker
 
@@ -208,15 +208,8 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     key = train_key(target_id, teacher_id, data_key, cfg, runtime)
     workdir = Path(recipe.workdir)
     out_dir = workdir / "head" / key[:16]
-    if head_is_complete(out_dir, key):
-        damage = verify_output(out_dir)
-        if not damage:
-            _say(progress and rank0, f"train: head for these inputs already exists: {out_dir}")
-            tracker.set_tags({"polyspec.train.skipped": "true", "polyspec.train.head": str(out_dir)})
-            if rank0:
-                _add_token_counts(out_dir, recipe, tokenizer, target_id)
-            return out_dir
-        _say(rank0, f"train: {damage_note(out_dir, damage)}")
+    if _reuse_head(out_dir, key, recipe, tracker, tokenizer, target_id, say=progress and rank0, rank0=rank0):
+        return out_dir
 
     prepared = prepare_dataset(recipe, tokenizer, tokenizer_id=target_id, progress=progress and rank0)
     teacher_dtype = _teacher_dtype(runtime["precision"], recipe.target.dtype)
@@ -240,17 +233,46 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     if not rank0:
         return out_dir
 
+    ids = {"key": key, "data_key": data_key, "target_id": target_id, "teacher_id": teacher_id}
+    _record_head(recipe, tracker, out_dir, ids, runtime, cache_info, result, head, counts)
+    _say(progress, f"train: head written to {out_dir}")
+    return out_dir
+
+
+def _reuse_head(out_dir: Path, key: str, recipe: Recipe, tracker: Any, tokenizer: Any, target_id: str, *,
+                say: bool, rank0: bool) -> bool:
+    """Whether a complete, intact head for this key is already at ``out_dir`` (then tagged and returned as is); a
+    damaged one is named and trained again."""
+    if not head_is_complete(out_dir, key):
+        return False
+    damage = verify_output(out_dir)
+    if damage:
+        _say(rank0, f"train: {damage_note(out_dir, damage)}")
+        return False
+    _say(say, f"train: head for these inputs already exists: {out_dir}")
+    tracker.set_tags({"polyspec.train.skipped": "true", "polyspec.train.head": str(out_dir)})
+    if rank0:
+        _add_token_counts(out_dir, recipe, tokenizer, target_id)
+    return True
+
+
+def _record_head(recipe: Recipe, tracker: Any, out_dir: Path, ids: dict[str, str], runtime: dict[str, Any],
+                 cache_info: dict[str, Any], result: dict[str, Any], head: Any, counts: Any) -> None:
+    """Write the trained head's folder (weights, target identity, training record) and log it to the tracker."""
+    from polyspec.data.prepare import split_record
+
+    cfg = recipe.train
     target_info = {
         "source": recipe.target.source,
-        "model_id": target_id,
-        "hash": hashlib.sha256(target_id.encode()).hexdigest()[:16],
+        "model_id": ids["target_id"],
+        "hash": hashlib.sha256(ids["target_id"].encode()).hexdigest()[:16],
         "teacher": cfg.teacher,
-        "teacher_model_id": teacher_id,
+        "teacher_model_id": ids["teacher_id"],
     }
     training = {
         "format": TRAIN_FORMAT,
-        "key": key,
-        "data_key": data_key,
+        "key": ids["key"],
+        "data_key": ids["data_key"],
         "data_split": split_record(recipe.data),
         "train": cfg.model_dump(mode="json"),
         "runtime": {k: str(v) for k, v in runtime.items()},
@@ -264,10 +286,8 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     if cache_info:
         tracker.log_metrics({"offline/bytes_per_token": cache_info["bytes_per_token"],
                              "offline/cache_bytes": cache_info["bytes"]}, step=0)
-    tracker.set_tags({"polyspec.train.head": str(out_dir), "polyspec.train.key": key})
+    tracker.set_tags({"polyspec.train.head": str(out_dir), "polyspec.train.key": ids["key"]})
     tracker.log_artifact(out_dir, "head")
-    _say(progress, f"train: head written to {out_dir}")
-    return out_dir
 
 
 def _teacher_dtype(precision: str, target_dtype: str | None) -> Any:

@@ -4,13 +4,15 @@ cost table per machine state: decode-only speedup over ar by prompt-lookup block
     python scripts/measure/replay_costs.py CHAIN RECORDS.json [TRAIN_SPLIT_DIR]
 
 With TRAIN_SPLIT_DIR (the data stage's Arrow cache, <workdir>/cache/data/<key>/train), also a REST-style datastore
-as a third source where prompt lookup finds nothing: the training answers' 3-gram -> next-token counts, followed
+as a third source where prompt lookup finds nothing: the training answers' 3-gram -> next-token counts (sequences
+whose prompt is a replayed record's left out), followed
 greedily for up to 4 tokens while the next token has count >= 2 and at least half the 3-gram's continuations
 (always, or only where its first token is the head's guess).
 
 Costs (ms): a target forward by width as measured by scripts/measure/rounds.py in this VM's fast state (width 1 at
 4.08 ms: memory at ~66 GB/s, so wider verifications pay for their arithmetic) and slow state (width 1 at ~4.5 ms:
-widths up to 3 cost about the same); the head's step 0.32 ms, the decoder's Python 0.19 ms per round.
+widths up to 3 cost about the same), and a projected panel-layout state (below); the head's step 0.32 ms, the
+decoder's Python 0.19 ms per round.
 docs/BENCHMARKS.md, "CPU, stop 23".
 """
 
@@ -29,15 +31,25 @@ from polyspec.decode.ngram import lookup_run  # noqa: E402
 
 COSTS = {"fast": {1: 4.08, 2: 4.41, 3: 4.9, 4: 5.4, 5: 5.95, 6: 6.45, 7: 6.95, 8: 7.45, 9: 7.95},
          "slow": {1: 4.5, 2: 4.55, 3: 4.7, 4: 4.95, 5: 5.2, 6: 5.5, 7: 5.8, 8: 6.1, 9: 6.4}}
+# Projected, not measured: the fast state's width-1 cost times the weight rows' cost by width in a panel layout
+# (scripts/measure/panel_rows.cpp, stop 25) plus 0.05 ms of attention per extra row.
+PANEL_RATIO = {1: 1.0, 2: 1.0, 3: 1.02, 4: 1.04, 5: 1.06, 6: 1.09, 7: 1.12, 8: 1.15, 9: 1.2}
+COSTS["panel (projected)"] = {w: 4.08 * r + 0.05 * (w - 1) for w, r in PANEL_RATIO.items()}
 HEAD_MS, PYTHON_MS = 0.32, 0.19
 
 
-def datastore(split_dir: str, n: int = 3) -> dict:
+def datastore(split_dir: str, n: int = 3, exclude: list[list[int]] = ()) -> dict:
+    """The training answers' n-gram -> next-token counts, leaving out every sequence whose prompt ends like one of
+    ``exclude`` (the replayed records' prompts: their own answers must not be in the store)."""
     import datasets
 
+    tails = {tuple(p[-20:]) for p in exclude}
     table: dict = collections.defaultdict(collections.Counter)
     for r in datasets.load_from_disk(split_dir):
         ids, mask = r["input_ids"], r["loss_mask"]
+        first = next((i for i, m in enumerate(mask) if m), len(ids))
+        if tuple(ids[max(0, first - 20):first]) in tails:
+            continue
         for i in range(n, len(ids)):
             if mask[i]:
                 table[tuple(ids[i - n:i])][ids[i]] += 1
@@ -117,7 +129,7 @@ def main(chain_dir: str, records: str, split_dir: str = "") -> None:
     target, head = chain.models[chain.order[0]], chain.models[chain.order[-1]]
     rows = json.loads(Path(records).read_text())
     guesses = [first_guess.first_guesses(target, head, r) for r in rows]
-    store = datastore(split_dir) if split_dir else None
+    store = datastore(split_dir, exclude=[r["prompt"] for r in rows]) if split_dir else None
     tops = [top2(target, head, r) for r in rows]
     for state, cost in COSTS.items():
         print(state, "lookup block 0 (head only) / 2 / 3 / 4 / 5 / 6 / 8:",

@@ -1,0 +1,107 @@
+// The bf16 weight rows of a verification, streamed from memory against G input rows, in two layouts (stop 25,
+// docs/BENCHMARKS.md "CPU, stop 25"). Standalone: nothing in polyspec calls it.
+//
+//   g++ -O3 -march=native -fopenmp -std=c++17 scripts/measure/panel_rows.cpp -o /tmp/panel_rows && /tmp/panel_rows 40
+//
+// rows:   decode/cpu_kernels.cpp's rows_bf16 scheme: one weight row at a time (576 bf16), two accumulators per input
+//         row, every input chunk loaded again for every weight row: 2 + 2G loads per 2G vdpbf16ps.
+// panelR: R rows interleaved per 32-word chunk (row r of panel p, chunk c at ((p C + c) R + r) 32), one sequential
+//         stream, R x G accumulators: R + G loads per R G vdpbf16ps.
+// ~267 MB of weights (about the bf16 SmolLM2 target's per step), split between two OpenMP threads as the kernels do;
+// the variants rotate per repetition, medians printed. Needs AVX512-BF16.
+#include <immintrin.h>
+#include <omp.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <chrono>
+#include <algorithm>
+#include <functional>
+#include <sys/mman.h>
+static constexpr int64_t PF = 9216;
+static inline void pf(const void* p) { const char* c = (const char*)p + PF; __builtin_prefetch(c, 0, 0); __builtin_prefetch(c + 64, 0, 0); }
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+template <typename V> static inline void keep(V& a, V& b) { asm("" : "+v"(a), "+v"(b)); }
+
+template <int G>
+static void rows_a(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, int64_t n1, float* y) {
+  for (int64_t n = n0; n < n1; n++) {
+    const uint16_t* row = w + n * K;
+    __m512 a0[G], a1[G];
+    for (int g = 0; g < G; g++) a0[g] = a1[g] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 64) {
+      pf(row + k);
+      __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k), w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
+      keep(w0, w1);
+      for (int g = 0; g < G; g++) {
+        a0[g] = _mm512_dpbf16_ps(a0[g], w0, (__m512bh)_mm512_loadu_si512(x + g * K + k));
+        a1[g] = _mm512_dpbf16_ps(a1[g], w1, (__m512bh)_mm512_loadu_si512(x + g * K + k + 32));
+      }
+    }
+    for (int g = 0; g < G; g++) y[g * 1000000 % 4096 + (n & 4095)] = hsum(_mm512_add_ps(a0[g], a1[g]));
+  }
+}
+
+// panel layout: for panel p (rows p*R..p*R+R-1), chunk c (32 words), row r: w + ((p*C + c)*R + r)*32
+template <int R, int G>
+static void rows_b(const uint16_t* x, const uint16_t* w, int64_t K, int64_t p0, int64_t p1, float* y) {
+  const int64_t C = K / 32;
+  for (int64_t p = p0; p < p1; p++) {
+    const uint16_t* pan = w + p * C * R * 32;
+    __m512 acc[R][G];
+    for (int r = 0; r < R; r++) for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+      const uint16_t* blk = pan + c * R * 32;
+      pf(blk); if (R * 64 > 128) pf(blk + 64); if (R * 64 > 256) { pf(blk + 128); pf(blk + 192); }
+      __m512bh xs[G];
+      for (int g = 0; g < G; g++) xs[g] = (__m512bh)_mm512_loadu_si512(x + g * K + c * 32);
+      for (int r = 0; r < R; r++) {
+        __m512bh wr = (__m512bh)_mm512_loadu_si512(blk + r * 32);
+        for (int g = 0; g < G; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wr, xs[g]);
+      }
+    }
+    for (int r = 0; r < R; r++) for (int g = 0; g < G; g++) y[(g * 7 + r + p * R) & 4095] = hsum(acc[r][g]);
+  }
+}
+
+int main(int argc, char** argv) {
+  const int64_t K = 576, N = 232 * 1024;  // ~267 MB of bf16
+  const size_t bytes = (size_t)N * K * 2;
+  uint16_t* w = (uint16_t*)mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  madvise(w, bytes, MADV_HUGEPAGE);
+  for (size_t i = 0; i < (size_t)N * K; i++) w[i] = 0x3f80 + (i % 7);
+  std::vector<uint16_t> x(8 * K, 0x3f00);
+  std::vector<float> y(4096 * 8);
+  const int reps = argc > 1 ? atoi(argv[1]) : 15;
+  auto run = [&](const char* name, int G, auto fn) {
+    std::vector<double> t;
+    for (int r = 0; r < reps; r++) {
+      auto s = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(2)
+      { fn(omp_get_thread_num()); }
+      t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count());
+    }
+    std::sort(t.begin(), t.end());
+    printf("%s G=%d  median %.3f ms  min %.3f  (%.1f GB/s)\n", name, G, t[reps / 2], t[0], bytes / t[reps / 2] / 1e6);
+  };
+  const int64_t half = N / 2;
+  struct V { const char* name; int G; std::function<void(int)> fn; std::vector<double> t; };
+  std::vector<V> vs;
+#define A(GG) vs.push_back({"rows  ", GG, [&](int th) { rows_a<GG>(x.data(), w, K, th * half, (th + 1) * half, y.data()); }, {}})
+#define B(RR, GG) vs.push_back({"panel" #RR, GG, [&](int th) { int64_t P = N / RR; rows_b<RR, GG>(x.data(), w, K, th * P / 2, (th + 1) * P / 2, y.data()); }, {}})
+  A(1); B(4, 1); B(8, 1); A(2); B(4, 2); B(8, 2); A(3); B(4, 3); A(5); B(4, 5);
+  for (int r = 0; r < reps; r++)
+    for (size_t q = 0; q < vs.size(); q++) {
+      V& v = vs[(q + r) % vs.size()];
+      auto s = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(2)
+      { v.fn(omp_get_thread_num()); }
+      v.t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count());
+    }
+  for (auto& v : vs) {
+    std::sort(v.t.begin(), v.t.end());
+    printf("%s G=%d  median %.3f ms  p25 %.3f  (%.1f GB/s)\n", v.name, v.G, v.t[reps / 2], v.t[reps / 4], bytes / v.t[reps / 2] / 1e6);
+  }
+}

@@ -40,7 +40,7 @@ static void rows_a(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, 
         a1[g] = _mm512_dpbf16_ps(a1[g], w1, (__m512bh)_mm512_loadu_si512(x + g * K + k + 32));
       }
     }
-    for (int g = 0; g < G; g++) y[g * 1000000 % 4096 + (n & 4095)] = hsum(_mm512_add_ps(a0[g], a1[g]));
+    for (int g = 0; g < G; g++) y[(g * 8 + n) & 4095] = hsum(_mm512_add_ps(a0[g], a1[g]));  // kept so the sums are not optimised away
   }
 }
 
@@ -54,7 +54,7 @@ static void rows_b(const uint16_t* x, const uint16_t* w, int64_t K, int64_t p0, 
     for (int r = 0; r < R; r++) for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < C; c++) {
       const uint16_t* blk = pan + c * R * 32;
-      pf(blk); if (R * 64 > 128) pf(blk + 64); if (R * 64 > 256) { pf(blk + 128); pf(blk + 192); }
+      for (int b = 0; b < R * 64; b += 128) pf(blk + b / 2);  // every line of the block, PF bytes ahead
       __m512bh xs[G];
       for (int g = 0; g < G; g++) xs[g] = (__m512bh)_mm512_loadu_si512(x + g * K + c * 32);
       for (int r = 0; r < R; r++) {
@@ -62,7 +62,7 @@ static void rows_b(const uint16_t* x, const uint16_t* w, int64_t K, int64_t p0, 
         for (int g = 0; g < G; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wr, xs[g]);
       }
     }
-    for (int r = 0; r < R; r++) for (int g = 0; g < G; g++) y[(g * 7 + r + p * R) & 4095] = hsum(acc[r][g]);
+    for (int r = 0; r < R; r++) for (int g = 0; g < G; g++) y[(g * 8 + p * R + r) & 4095] = hsum(acc[r][g]);
   }
 }
 

@@ -71,19 +71,20 @@ inline v16f load_w<uint16_t>(const uint16_t* p) { return load_bf16(p); }
 static inline float w_scalar(const float* p) { return *p; }
 static inline float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
 
-// Calls f(std::integral_constant<int, G>{}) for a pass of g input rows (1..7; 8 and more: 8): every row kernel's passes
-// are compiled for each G, so the accumulators stay in registers.
-template <typename F>
+// Calls f(std::integral_constant<int, G>{}) for a pass of g input rows (1..MAX - 1; MAX and more: MAX): every row
+// kernel's passes are compiled for each G, so the accumulators stay in registers.
+template <int MAX = 8, typename F>
 static inline void by_pass(int64_t g, F&& f) {
-    switch (g) {
+    static_assert(MAX >= 4 && MAX <= 8, "passes of 4 to 8 rows");
+    switch (g < MAX ? g : MAX) {
         case 1: f(std::integral_constant<int, 1>{}); break;
         case 2: f(std::integral_constant<int, 2>{}); break;
         case 3: f(std::integral_constant<int, 3>{}); break;
         case 4: f(std::integral_constant<int, 4>{}); break;
-        case 5: f(std::integral_constant<int, 5>{}); break;
-        case 6: f(std::integral_constant<int, 6>{}); break;
-        case 7: f(std::integral_constant<int, 7>{}); break;
-        default: f(std::integral_constant<int, 8>{}); break;
+        case 5: if constexpr (MAX >= 5) f(std::integral_constant<int, 5>{}); break;
+        case 6: if constexpr (MAX >= 6) f(std::integral_constant<int, 6>{}); break;
+        case 7: if constexpr (MAX >= 7) f(std::integral_constant<int, 7>{}); break;
+        default: if constexpr (MAX >= 8) f(std::integral_constant<int, 8>{}); break;
     }
 }
 
@@ -311,53 +312,69 @@ static int64_t bf16_prepare(const float* x, int64_t M, int64_t K, std::vector<ui
     return row;
 }
 
-// One bf16 weight row against G bf16 input rows on vdpbf16ps: lane i of a 32-word chunk accumulates the products of
-// words 2i and 2i + 1; two accumulators per input row (chunks k = 0, 64, ... and k = 32, 96, ...), a masked last
-// chunk into the first, their sum, a fixed-order lane sum. The same instruction sequence for every G: batch-invariant.
-template <int G>
-static inline void row_dots_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* row, int64_t K, float* out) {
-    __m512 a0[G], a1[G];
-    for (int g = 0; g < G; g++) a0[g] = a1[g] = _mm512_setzero_ps();
-    const int64_t k64 = K - K % 64;
-    for (int64_t k = 0; k < k64; k += 64) {
-        prefetch_ahead(row + k);
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k), w1 = (__m512bh)_mm512_loadu_si512(row + k + 32);
-        in_register(w0, w1);
-        for (int g = 0; g < G; g++) {
-            a0[g] = _mm512_dpbf16_ps(a0[g], w0, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k));
-            a1[g] = _mm512_dpbf16_ps(a1[g], w1, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k + 32));
+// R consecutive bf16 weight rows (one block of R K words: pack_weights' row-major layout) against G bf16 input rows on
+// vdpbf16ps, lane i of a 32-word chunk accumulating the products of words 2i and 2i + 1. Per chunk the G input
+// chunks are loaded once and each row's chunk once: R + G loads per R G products, where one row at a time took
+// 2 + 2G per 2G and left a verification of 2-5 rows waiting on the load ports (docs/DECODE.md, "Blocks of rows").
+// One accumulator per (row, input), the chunks in order, a masked last chunk (xb is zero past K), a fixed-order lane
+// sum: every (row, input) pair gets the same sequence for every R and G, so the result is batch-invariant.
+template <int R, int G>
+static inline void block_dots_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* w, int64_t K, float* out) {
+    __m512 acc[R][G];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
+    const int64_t k32 = K - K % 32;
+    for (int64_t k = 0; k < k32; k += 32) {
+        // the block is read in address order as a whole, R lines per chunk: prefetch that sweep, not each row
+        if (R % 2 == 0 || k % 64 == 0)
+            for (int r = 0; r < R; r += 2) prefetch_ahead(w + k * R + r * 32);
+        __m512bh xs[G];
+        for (int g = 0; g < G; g++) xs[g] = (__m512bh)_mm512_loadu_si512(xb + g * xrow + k);
+        for (int r = 0; r < R; r++) {
+            const __m512bh wr = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+            for (int g = 0; g < G; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wr, xs[g]);
         }
     }
-    for (int64_t k = k64; k < K; k += 32) {  // at most two chunks, the last one masked (xb is zero there)
-        const int64_t r = K - k;
-        const __mmask32 mk = r >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << r) - 1);
-        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mk, row + k);
-        for (int g = 0; g < G; g++) a0[g] = _mm512_dpbf16_ps(a0[g], w0, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k));
+    if (k32 < K) {  // the last chunk, masked (xb is zero past K)
+        const __mmask32 mk = ((__mmask32)1 << (K - k32)) - 1;
+        for (int r = 0; r < R; r++) {
+            const __m512bh wr = (__m512bh)_mm512_maskz_loadu_epi16(mk, w + r * K + k32);
+            for (int g = 0; g < G; g++)
+                acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wr, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k32));
+        }
     }
-    for (int g = 0; g < G; g++) {
-        v16f t;
-        const __m512 s = _mm512_add_ps(a0[g], a1[g]);
-        memcpy(&t, &s, sizeof(t));
-        out[g] = lane_sum(t);
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            v16f t;
+            memcpy(&t, &acc[r][g], sizeof(t));
+            out[r * 8 + g] = lane_sum(t);
+        }
+}
+
+// One block of R rows against all M input rows: balanced passes of up to 5 (R G accumulators, G input chunks and a
+// weight chunk fit the 32 registers), the block read from memory in the first pass and from L1 in later ones.
+template <int R>
+static void block_rows_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* w, const float* bias, int64_t M,
+                            int64_t K, int64_t N, int64_t n, float* y) {
+    float out[R * 8];
+    const int64_t passes = (M + 4) / 5;
+    for (int64_t q = 0, m0 = 0; q < passes; q++) {
+        const int64_t g = (M - m0) / (passes - q);
+        by_pass<5>(g, [&](auto G) { block_dots_bf16<R, decltype(G)::value>(xb + m0 * xrow, xrow, w + n * K, K, out); });
+        for (int r = 0; r < R; r++)
+            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
+        m0 += g;
     }
 }
 
-// Rows n_begin..n_end-1 of a bf16 weight against the M prepared input rows, passes of up to 8 (each row read from
-// memory once, from L1 for later passes).
+// Rows n_begin..n_end-1 of a bf16 weight against the M prepared input rows, in blocks of 4 rows (8 for one or two
+// inputs, where more independent accumulators hide the multiply's latency), single rows at the end.
 static void rows_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* w, const float* bias, int64_t M, int64_t K,
                       int64_t N, int64_t n_begin, int64_t n_end, float* y) {
-    float out[8];
-    for (int64_t n = n_begin; n < n_end; n++) {
-        const uint16_t* row = w + n * K;
-        const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m0 = 0; m0 < M;) {
-            const uint16_t* xm = xb + m0 * xrow;
-            const int64_t g = M - m0 >= 8 ? 8 : M - m0;
-            by_pass(g, [&](auto G) { row_dots_bf16<decltype(G)::value>(xm, xrow, row, K, out); });
-            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
-            m0 += g;
-        }
-    }
+    int64_t n = n_begin;
+    if (M >= 4)
+        for (; n + 4 <= n_end; n += 4) block_rows_bf16<4>(xb, xrow, w, bias, M, K, N, n, y);
+    for (; n < n_end; n++) block_rows_bf16<1>(xb, xrow, w, bias, M, K, N, n, y);
 }
 #endif
 

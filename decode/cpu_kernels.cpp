@@ -915,7 +915,7 @@ static int attention_checked(const float* q, const C* k, const C* v, int64_t S, 
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 8; }
+int polyspec_linear_abi(void) { return 9; }
 
 // Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs, 0 = the
 // portable fp32 ones.
@@ -1003,15 +1003,17 @@ int polyspec_attention_f32(const float* q, const float* k, const float* v, int64
 
 // The draft head's step (decode/head.py, EagleHead with bf16 weights; one call where the module path makes ~25 torch
 // ops and four kernel calls): rows t < T of x = fc(concat(embed[ids[t]], feat[t])) rounded to bf16, one bf16 decoder
-// layer at positions start.. (causal within the block), hidden = its output rounded to bf16 (the head's predicted
-// features), then the lm rows' logits of the last out_rows rows, rounded to bf16. The module path's roundings, in
+// layer at positions start.. (causal within the block, or under mask [T, start + T]: a draft tree's), hidden = its output rounded to bf16 (the head's predicted
+// features), then the lm rows' logits of the last out_rows rows, rounded to bf16; cos_/sin_ hold the rows' own
+// positions (a tree's rows are not consecutive). The module path's roundings, in
 // the same kernels (run1, layer), so the results are bitwise the module's (tests/test_cpu_kernels.py). Returns 0,
 // or the layer's refusal code (1: shapes; 3: out_rows).
 int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uint16_t* feat, int64_t T, int64_t H,
                             const uint16_t* fc_w, const float* fc_b, const void* const* layer_ptrs, float eps,
                             int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_,
-                            uint16_t* kcache, uint16_t* vcache, int64_t S, int64_t start, const uint16_t* lm_w,
-                            int64_t V, int64_t out_rows, uint16_t* hidden, float* logits, int threads) {
+                            uint16_t* kcache, uint16_t* vcache, int64_t S, int64_t start, const uint8_t* tree_mask,
+                            const uint16_t* lm_w, int64_t V, int64_t out_rows, uint16_t* hidden, float* logits,
+                            int threads) {
     if (out_rows < 0 || out_rows > T) return 3;
     std::vector<float> x2(T * 2 * H), x(T * H);
     for (int64_t t = 0; t < T; t++)
@@ -1022,13 +1024,13 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
     run1(x2.data(), WBF16{fc_w, true}, fc_b, H, T, 2 * H, x.data(), threads);
     round_to_bf16(x.data(), T * H);
     std::vector<uint8_t> mask;
-    if (T > 1) {  // all of the cache, then causal within the block (model.block_mask)
+    if (T > 1 && !tree_mask) {  // all of the cache, then causal within the block (model.block_mask)
         mask.assign(T * (start + T), 1);
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = start + t + 1; j < start + T; j++) mask[t * (start + T) + j] = 0;
     }
     const int rc = layer(x.data(), bf16_layer_weights(layer_ptrs), eps, T, H, nh, nkv, D, I, cos_, sin_, kcache,
-                         vcache, S, start, T > 1 ? mask.data() : nullptr, threads);
+                         vcache, S, start, tree_mask ? tree_mask : T > 1 ? mask.data() : nullptr, threads);
     if (rc != 0) return rc;
     for (int64_t i = 0; i < T * H; i++) {
         hidden[i] = f32_to_bf16(x[i]);

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_ABI = 8
+_ABI = 9
 MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (faster from ~30 rows)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -169,7 +169,7 @@ def _load() -> ctypes.CDLL | None:
             lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                                                     + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                                     + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
-                                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+                                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
                                                     + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
             lib.polyspec_head_step_bf16.restype = ctypes.c_int
             for name in ("polyspec_attention_bf16", "polyspec_attention_f32"):
@@ -581,22 +581,28 @@ class HeadStep:
 
 
 def head_step(step: HeadStep, ids: torch.Tensor, features: torch.Tensor, cache, start: int,
-              out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+              out_rows: int, positions: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """An EAGLE head's step in one kernel call (cpu_kernels.cpp's head_step_bf16): token ids [T] (int64), features
     [T, H] bf16, the head's bf16 cache (positions start .. start + T - 1 written) -> (hidden [T, H] bf16, logits of
-    the last ``out_rows`` rows over the lm rows [out_rows, Vd] fp32), bitwise what the module path gives. The caller
-    checked :func:`available`, the shapes and dtypes (decode/head.py, ``EagleHead._kernel_step``)."""
+    the last ``out_rows`` rows over the lm rows [out_rows, Vd] fp32), bitwise what the module path gives. A draft
+    tree's rows: ``positions`` [T] (int64, each below the rope table's length) and ``mask`` [T, start + T] bool (the
+    model's block_mask); default: positions start.., causal within the block. The caller checked
+    :func:`available`, the shapes and dtypes (decode/head.py, ``EagleHead._kernel_step``)."""
     t, h = features.shape
     plan = step.plan
     hidden = torch.empty((t, h), dtype=torch.bfloat16)
     logits = torch.empty((out_rows, step.lm_weight.shape[0]), dtype=torch.float32)
     k, v = cache.k[0], cache.v[0]
-    cos, sin = step.rope[0, start], step.rope[1, start]
+    rope = step.rope[:, start] if positions is None else step.rope.index_select(1, positions)  # [2, (T,) D]
+    cos, sin = rope[0], rope[1]
+    mask = None if mask is None else mask.to(torch.uint8).contiguous()
     rc = _lib.polyspec_head_step_bf16(
         ids.data_ptr(), step.embed.data_ptr(), features.data_ptr(), t, h, step.fc_weight.data_ptr(),
         step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,
-        cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start, step.lm_weight.data_ptr(),
-        step.lm_weight.shape[0], out_rows, hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start,
+        None if mask is None else mask.data_ptr(), step.lm_weight.data_ptr(), step.lm_weight.shape[0], out_rows,
+        hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"head_step: the kernel refused the shapes (code {rc})")
     return hidden, logits

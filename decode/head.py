@@ -38,6 +38,7 @@ from polyspec.decode.model import (
     DecoderLayer,
     Linear,
     ModelArgs,
+    block_mask,
     read_json_object,
     rope_cos_sin,
     rope_inv_freq,
@@ -181,8 +182,8 @@ class EagleHead(CachedDecoder):
                                 f"match, got {list(input_ids.shape)} and {list(features.shape)}")
         runner = self.__dict__.get("_static_runner")  # polyspec.decode.cuda_graphs: static steps / CUDA graphs
         out = runner.forward(ids, features, tree_mask, position_offsets, last_only) if runner is not None else None
-        if out is None and tree_mask is None and position_offsets is None and vocab_ids is None:
-            out = self._kernel_step(ids, features, last_only)
+        if out is None and vocab_ids is None:
+            out = self._kernel_step(ids, features, last_only, tree_mask, position_offsets)
         if out is None:
             x = self._run_layers(self._embed(ids, features), [self.layer], tree_mask, position_offsets)
             out = self._out(x, last_only) if vocab_ids is None else (subset_logits(self.lm_head, x, vocab_ids), x)
@@ -225,20 +226,30 @@ class EagleHead(CachedDecoder):
         logits = torch.full((*sub.shape[:-1], self.args.vocab_size), float("-inf"), device=sub.device)
         return logits.index_copy_(-1, self.draft_ids, sub)
 
-    def _kernel_step(self, ids: torch.Tensor, features: torch.Tensor,
-                     last_only: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _kernel_step(self, ids: torch.Tensor, features: torch.Tensor, last_only: bool,
+                     tree_mask: torch.Tensor | None = None, position_offsets: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode step of a bf16 head on the CPU in one kernel call (cpu_kernels.head_step: fc, the layer and
         the lm rows, bitwise the module path's result, which it replaces only for speed: ~25 torch ops and four
         kernel calls cost more than the head's arithmetic), or None where it does not apply (then the module path
-        runs): ids [1, T] with T up to cpu_kernels.MAX_ROWS, a cache with room, no autograd."""
+        runs): ids [1, T] with T up to cpu_kernels.MAX_ROWS, a cache with room, no autograd. A draft tree's step
+        (tree_mask, position_offsets as in ``Transformer.forward``) takes it too."""
         cache, t = self._cache, ids.shape[1]
         if cache is None or ids.shape[0] != 1 or not 0 < t <= cpu_kernels.MAX_ROWS or torch.is_grad_enabled():
             return None
         step, start = self._head_step(cache), cache.length
         if step is None or start + t > step.rope.shape[1]:
             return None
+        positions = mask = None
+        if tree_mask is not None or position_offsets is not None:
+            self._check_block(1, t, start, tree_mask)  # the module path's errors for a malformed tree
+            positions = self._positions(t, start, position_offsets, torch.device("cpu"))
+            if int(positions.min()) < 0 or int(positions.max()) >= step.rope.shape[1]:
+                return None
+            mask = block_mask(start, t, tree_mask, torch.device("cpu"))
         feats = features[0].to(torch.bfloat16).contiguous()
-        hidden, sub = cpu_kernels.head_step(step, ids[0].contiguous(), feats, cache, start, 1 if last_only else t)
+        hidden, sub = cpu_kernels.head_step(step, ids[0].contiguous(), feats, cache, start, 1 if last_only else t,
+                                            positions, mask)
         cache.length = start + t
         return self._full_logits(sub[None]), (hidden[-1:] if last_only else hidden)[None]
 

@@ -993,33 +993,42 @@ def _count_reads(monkeypatch) -> list[tuple[str, str, int]]:
 @needs_head
 @pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95)], ids=["T0", "T0.9"])
 def test_tree_reads_one_value_vector_per_node(monkeypatch, tiny_models, sp):
-    """The tree path reads values back once per expanded draft node (its children and their probabilities, in one
-    transfer) and, in the verification walk, once per visited node at T > 0 (the gathered acceptance values) plus the
+    """The tree path reads values back once per expanded draft node at T > 0 (its children and their
+    probabilities, in one transfer), once per draft forward at T = 0 (all its rows' top-k at once), and, in the
+    verification walk, once per visited node at T > 0 (the gathered acceptance values) plus the
     round's last sample, once per round at T = 0 (every row's argmax); nothing as wide as the vocabulary."""
     import polyspec.decode.chain as chain_mod
     from polyspec.decode.levels import HeadLevel, ModelLevel
 
     t, h = tiny_models["target"], tiny_models["head"]
-    nodes = {"expanded": 0, "visited": 0}
-    children, verify = chain_mod._Run._children, chain_mod.verify_candidates
+    nodes = {"expanded": 0, "visited": 0, "calls": 0}
+    children, greedy, verify = chain_mod._Run._children, chain_mod._Run._greedy_children, chain_mod.verify_candidates
 
     def counted_children(self, q, k):
         nodes["expanded"] += 1
+        nodes["calls"] += 1
         return children(self, q, k)
+
+    def counted_greedy(self, rows, k):
+        nodes["expanded"] += rows.shape[0]
+        nodes["calls"] += 1
+        return greedy(self, rows, k)
 
     def counted_verify(*a):
         nodes["visited"] += 1
         return verify(*a)
 
     monkeypatch.setattr(chain_mod._Run, "_children", counted_children)
+    monkeypatch.setattr(chain_mod._Run, "_greedy_children", counted_greedy)
     monkeypatch.setattr(chain_mod, "verify_candidates", counted_verify)
     dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], max_seq_len=96, tree=TreeParams(8, 5, 32))
     reads = _count_reads(monkeypatch)
     r = dec.generate([5, 17, 230, 9, 77, 3], 32, sp, seed=0)
     monkeypatch.undo()
     rounds = len(r.level_stats[0].accept_lengths)
-    in_draft = [x for x in reads if x[0] in ("_children", "sample_without_replacement")]
-    assert nodes["expanded"] > 2 * rounds and len(in_draft) == nodes["expanded"], (nodes, reads)
+    in_draft = [x for x in reads if x[0] in ("_children", "_greedy_children", "sample_without_replacement")]
+    assert nodes["expanded"] > 2 * rounds and len(in_draft) == nodes["calls"], (nodes, reads)
+    assert (nodes["calls"] < nodes["expanded"]) == (sp.temperature == 0), nodes
     per_round = len(reads) - len(in_draft) - nodes["visited"]
     assert 0 < per_round <= rounds, (rounds, nodes, reads)  # T = 0: the argmax rows; T > 0: the last sample
     assert nodes["visited"] == 0 if sp.temperature == 0 else nodes["visited"] >= rounds

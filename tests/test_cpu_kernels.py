@@ -13,6 +13,7 @@ from conftest import make_tiny_llama
 from polyspec.decode import cpu_kernels as ck
 from polyspec.decode.int4 import Int4Linear, dequantize, quantize_model_rtn, quantize_rtn
 from polyspec.decode.model import Transformer
+from polyspec.errors import PolyspecError
 
 pytestmark = pytest.mark.skipif(not ck.available(), reason=f"no CPU kernel library: {ck.failure()}")
 
@@ -568,6 +569,46 @@ def test_the_head_step_in_one_call_equals_the_module_path(tmp_path, draft_vocab)
         fp32.setup_cache(64)
         fp32(ids[:2], feats[:2].float())
         assert len(taken) == 8  # the fp32 copy took the module path
+
+
+def test_the_head_step_under_a_draft_trees_mask_equals_the_module_path(tmp_path):
+    """A draft tree's head forwards (tree_mask, position_offsets; a later depth's mask also covering the nodes an
+    earlier forward appended) take the one-call kernel step and give bitwise the module path's logits, predicted
+    features and cache; a malformed tree mask gets the module path's error."""
+    from polyspec.decode.head import EagleHead
+
+    d = make_tiny_llama(tmp_path, tokenizer=None, seed=35)
+    target = Transformer.from_pretrained(d).eval().to(torch.bfloat16)
+    heads = []
+    for _ in range(2):
+        torch.manual_seed(36)
+        head = EagleHead(target.args, target.embed_tokens, target.lm_head).eval().to(torch.bfloat16)
+        head.token_counts = torch.arange(target.args.vocab_size).flip(0)
+        head.set_draft_vocab(100)
+        head.setup_cache(64)
+        heads.append(head)
+    fast, module = heads
+    module._kernel_step = lambda *a, **k: None
+    taken = []
+    real = ck.head_step
+    ids = torch.randint(0, 512, (30,), generator=_gen(37))
+    feats = torch.randn(30, target.args.hidden_size, generator=_gen(38)).to(torch.bfloat16)
+    depth1 = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1]], dtype=torch.bool)  # three siblings
+    depth2 = torch.tensor([[1, 0, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)  # two children of the first sibling
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "head_step", lambda *a, **k: taken.append(1) or real(*a, **k))
+        for h in (fast, module):
+            h(ids[:9], feats[:9])
+        for mask, offsets, lo in ((depth1, [0, 0, 0], 9), (depth2, [1, 1], 12)):
+            t = mask.shape[0]
+            a, b = (h(ids[lo:lo + t], feats[lo:lo + t], tree_mask=mask, position_offsets=torch.tensor(offsets))
+                    for h in (fast, module))
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), lo
+        assert len(taken) == 3
+        caches = (fast._cache.k + fast._cache.v, module._cache.k + module._cache.v)
+        assert all(torch.equal(x, y) for x, y in zip(*caches, strict=True))
+        with pytest.raises(PolyspecError, match="tree_mask"):
+            fast(ids[:2], feats[:2], tree_mask=torch.ones(3, 3, dtype=torch.bool), position_offsets=torch.zeros(2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

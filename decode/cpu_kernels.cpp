@@ -367,8 +367,8 @@ static void block_rows_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* w,
     }
 }
 
-// Rows n_begin..n_end-1 of a bf16 weight against the M prepared input rows, in blocks of 4 rows (8 for one or two
-// inputs, where more independent accumulators hide the multiply's latency), single rows at the end.
+// Rows n_begin..n_end-1 of a bf16 weight against the M prepared input rows: from 4 inputs in blocks of 4 rows (single
+// rows at the end); below 4, single rows (one address-ordered stream; blocks measured 0-7 % slower there, DECODE.md).
 static void rows_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* w, const float* bias, int64_t M, int64_t K,
                       int64_t N, int64_t n_begin, int64_t n_end, float* y) {
     int64_t n = n_begin;

@@ -6,8 +6,8 @@ by more than most kernel changes between runs minutes apart).
     python scripts/measure/ab_kernels.py decode CHAIN_DIR A.so B.so [REPEATS [module-head]]  # whole generations
     python scripts/measure/ab_kernels.py rows A.so B.so                                    # bf16 rows in cache
 
-``layers``: the target's decoder layers at widths 1, 2, 3, 5 after each context length, 30 alternations per point,
-medians. ``rows``: one thread, bf16 weights of K = 576 (6,144 rows, 7 MB: in L3) and K = 1,536, against 1-5 bf16
+``layers``: the target's decoder layers at widths 1, 2, 3, 5, 8 after each context length, 30 repetitions each
+running every width with both builds, medians. ``rows``: one thread, bf16 weights of K = 576 (6,144 rows, 7 MB: in L3) and K = 1,536, against 1-5 bf16
 input rows, ns per weight row (median of 200 calls; the compute of a row, not the memory). ``decode``: ``ar`` and
 the chain's default mode on non-bench builtin prompts (the 3rd-5th of MT-bench, HumanEval and held-out ShareGPT), 96
 new tokens, the builds alternated per generation; ``module-head``: build A also runs the draft head's step through
@@ -49,20 +49,22 @@ def layers(target: str, dtype: str, a: str, b: str, contexts: str) -> None:
     ck.pack_weights(model)
     model.setup_cache(1024)
     ids = torch.randint(100, 20000, (1000,), generator=torch.Generator().manual_seed(0))
+    widths = (1, 2, 3, 5, 8)
     with torch.inference_mode():
         for ctx in (int(c) for c in contexts.split(",")):
             model.truncate(0)
             model(ids[:ctx])
-            for w in (1, 2, 3, 5):
-                times: dict[str, list[float]] = {"A": [], "B": []}
-                for rep in range(30):
+            times: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+            for rep in range(30):  # every width and build in every repetition: the machine's drift hits all alike
+                for w in widths:
                     for tag in ("A", "B") if rep % 2 else ("B", "A"):
                         ck._lib = builds[tag]
                         t0 = time.perf_counter()
                         model._run_layers(model._embed(ids[None, ctx:ctx + w], None), list(model.layers), None, None)
-                        times[tag].append(time.perf_counter() - t0)
+                        times[tag, w].append(time.perf_counter() - t0)
                         model.truncate(ctx)
-                ta, tb = (sorted(times[t])[15] * 1e3 for t in "AB")
+            for w in widths:
+                ta, tb = (sorted(times[t, w])[15] * 1e3 for t in "AB")
                 print(f"ctx {ctx:4d} width {w}: A {ta:6.2f} ms  B {tb:6.2f} ms  B/A {tb / ta:.3f}", flush=True)
 
 

@@ -7,6 +7,8 @@
 //         row, every input chunk loaded again for every weight row: 2 + 2G loads per 2G vdpbf16ps.
 // panelR: R rows interleaved per 32-word chunk (row r of panel p, chunk c at ((p C + c) R + r) 32), one sequential
 //         stream, R x G accumulators: R + G loads per R G vdpbf16ps.
+// blockR: (stop 26, what decode/cpu_kernels.cpp's rows_bf16 now does from 4 inputs) R consecutive rows of today's
+//         row-major layout per 32-word chunk, R + G loads per R G products, the block prefetched as one sweep.
 // ~267 MB of weights (about the bf16 SmolLM2 target's per step), split between two OpenMP threads as the kernels do;
 // the variants rotate per repetition, medians printed. Needs AVX512-BF16.
 #include <immintrin.h>
@@ -66,6 +68,27 @@ static void rows_b(const uint16_t* x, const uint16_t* w, int64_t K, int64_t p0, 
   }
 }
 
+// row-major layout, R consecutive rows together per 32-word chunk; the block [R K words] prefetched as one sweep
+template <int R, int G>
+static void rows_c(const uint16_t* x, const uint16_t* w, int64_t K, int64_t p0, int64_t p1, float* y) {
+  const int64_t C = K / 32;
+  for (int64_t p = p0; p < p1; p++) {
+    const uint16_t* blk = w + p * R * K;
+    __m512 acc[R][G];
+    for (int r = 0; r < R; r++) for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+      for (int r = 0; r < R; r += 2) pf(blk + c * R * 32 + r * 32);
+      __m512bh xs[G];
+      for (int g = 0; g < G; g++) xs[g] = (__m512bh)_mm512_loadu_si512(x + g * K + c * 32);
+      for (int r = 0; r < R; r++) {
+        __m512bh wr = (__m512bh)_mm512_loadu_si512(blk + r * K + c * 32);
+        for (int g = 0; g < G; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wr, xs[g]);
+      }
+    }
+    for (int r = 0; r < R; r++) for (int g = 0; g < G; g++) y[(g * 8 + p * R + r) & 4095] = hsum(acc[r][g]);
+  }
+}
+
 int main(int argc, char** argv) {
   const int64_t K = 576, N = 232 * 1024;  // ~267 MB of bf16
   const size_t bytes = (size_t)N * K * 2;
@@ -91,7 +114,8 @@ int main(int argc, char** argv) {
   std::vector<V> vs;
 #define A(GG) vs.push_back({"rows  ", GG, [&](int th) { rows_a<GG>(x.data(), w, K, th * half, (th + 1) * half, y.data()); }, {}})
 #define B(RR, GG) vs.push_back({"panel" #RR, GG, [&](int th) { int64_t P = N / RR; rows_b<RR, GG>(x.data(), w, K, th * P / 2, (th + 1) * P / 2, y.data()); }, {}})
-  A(1); B(4, 1); B(8, 1); A(2); B(4, 2); B(8, 2); A(3); B(4, 3); A(5); B(4, 5);
+#define C(RR, GG) vs.push_back({"block" #RR, GG, [&](int th) { int64_t P = N / RR; rows_c<RR, GG>(x.data(), w, K, th * P / 2, (th + 1) * P / 2, y.data()); }, {}})
+  A(1); B(4, 1); B(8, 1); C(4, 1); A(2); B(4, 2); B(8, 2); C(4, 2); A(3); B(4, 3); C(4, 3); A(5); B(4, 5); C(4, 5);
   for (int r = 0; r < reps; r++)
     for (size_t q = 0; q < vs.size(); q++) {
       V& v = vs[(q + r) % vs.size()];

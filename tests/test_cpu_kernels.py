@@ -529,24 +529,29 @@ def test_a_tree_node_equals_its_branch_decoded_token_by_token(tmp_path, dtype, h
             assert torch.equal(tree[i], step[0]), (i, path)
 
 
-@pytest.mark.parametrize("draft_vocab", [0, 100], ids=["full-vocab", "draft-vocab"])
-def test_the_head_step_in_one_call_equals_the_module_path(tmp_path, draft_vocab):
-    """EagleHead's one-call kernel step (fc, layer, lm rows) gives bitwise the module path's logits, predicted
-    features and cache, at widths 1-5 (a step, and the catch-up blocks after accepted tokens), last row only or all,
-    and is really taken (a bf16 head on the CPU); an fp32 head keeps the module path."""
+def _twin_bf16_heads(tmp_path, seed: int, draft_vocab: int):
+    """Two identical bf16 EagleHeads (cache of 64) over a tiny bf16 target built with ``seed``, and that target."""
     from polyspec.decode.head import EagleHead
 
-    d = make_tiny_llama(tmp_path, tokenizer=None, seed=31)
+    d = make_tiny_llama(tmp_path, tokenizer=None, seed=seed)
     target = Transformer.from_pretrained(d).eval().to(torch.bfloat16)
     heads = []
     for _ in range(2):
-        torch.manual_seed(32)
+        torch.manual_seed(seed + 1)
         head = EagleHead(target.args, target.embed_tokens, target.lm_head).eval().to(torch.bfloat16)
         head.token_counts = torch.arange(target.args.vocab_size).flip(0)
         head.set_draft_vocab(draft_vocab)
         head.setup_cache(64)
         heads.append(head)
-    fast, module = heads
+    return heads[0], heads[1], target
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 100], ids=["full-vocab", "draft-vocab"])
+def test_the_head_step_in_one_call_equals_the_module_path(tmp_path, draft_vocab):
+    """EagleHead's one-call kernel step (fc, layer, lm rows) gives bitwise the module path's logits, predicted
+    features and cache, at widths 1-5 (a step, and the catch-up blocks after accepted tokens), last row only or all,
+    and is really taken (a bf16 head on the CPU); an fp32 head keeps the module path."""
+    fast, module, target = _twin_bf16_heads(tmp_path, 31, draft_vocab)
     module._kernel_step = lambda *a, **k: None  # the module path
     taken = []
     real = ck.head_step
@@ -575,19 +580,7 @@ def test_the_head_step_under_a_draft_trees_mask_equals_the_module_path(tmp_path)
     """A draft tree's head forwards (tree_mask, position_offsets; a later depth's mask also covering the nodes an
     earlier forward appended) take the one-call kernel step and give bitwise the module path's logits, predicted
     features and cache; a malformed tree mask gets the module path's error."""
-    from polyspec.decode.head import EagleHead
-
-    d = make_tiny_llama(tmp_path, tokenizer=None, seed=35)
-    target = Transformer.from_pretrained(d).eval().to(torch.bfloat16)
-    heads = []
-    for _ in range(2):
-        torch.manual_seed(36)
-        head = EagleHead(target.args, target.embed_tokens, target.lm_head).eval().to(torch.bfloat16)
-        head.token_counts = torch.arange(target.args.vocab_size).flip(0)
-        head.set_draft_vocab(100)
-        head.setup_cache(64)
-        heads.append(head)
-    fast, module = heads
+    fast, module, target = _twin_bf16_heads(tmp_path, 35, 100)
     module._kernel_step = lambda *a, **k: None
     taken = []
     real = ck.head_step

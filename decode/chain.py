@@ -498,19 +498,15 @@ class _Run:
         return warp(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
 
     def _children(self, q: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-        """Up to k candidate tokens from q [V] and their probabilities under q, read in one transfer: the top k at
-        T = 0, else an ordered sample without replacement."""
-        if self.sampling.temperature == 0:
-            top = torch.topk(q, min(k, q.shape[-1]))
-            tokens, probs = torch.stack([top.indices.double(), top.values.double()]).tolist()  # [2, k]
-            return [int(x) for x in tokens], probs
+        """T > 0: up to k candidate tokens from q [V], an ordered sample without replacement, and their probabilities
+        under q, read in one transfer (T = 0: :meth:`_greedy_children`)."""
         return sample_without_replacement(q, k, self._noise(q.device))
 
     def _greedy_children(self, rows: torch.Tensor, k: int) -> list[tuple[torch.Tensor, list[int], list[float]]]:
-        """T = 0: for each of a depth's rows [F, V] its proposal (the softmax), top k tokens and their
-        probabilities, as :meth:`_proposal` and :meth:`_children` give them row by row, in one softmax, one top-k
-        and one transfer (a tree of 8 nodes and 4 depths made ~13 of each per round: ~1 ms on 2 CPU cores)."""
-        q = torch.softmax(rows.float(), dim=-1)  # [F, V]
+        """T = 0: for each of one draft forward's rows [F, V] its proposal (:meth:`_proposal`), its top k tokens and
+        their probabilities, all rows in one softmax, one top-k and one transfer (one per node cost ~1 ms per round
+        on 2 CPU cores for a tree of 8 nodes over 4 depths)."""
+        q = self._proposal(rows)  # [F, V]
         top = torch.topk(q, min(k, q.shape[-1]))
         tokens, probs = torch.stack([top.indices.double(), top.values.double()]).tolist()  # [2, F, k]
         return [(q[r], [int(x) for x in tokens[r]], probs[r]) for r in range(rows.shape[0])]
@@ -554,7 +550,7 @@ class _Run:
 
         def expand(node: int, row: torch.Tensor, depth: int, score: float,
                    top: tuple[torch.Tensor, list[int], list[float]] | None = None) -> list[int]:
-            if top is not None:  # T = 0: this node's row of its depth's batched top-k
+            if top is not None:  # T = 0: this node's row of its forward's batched top-k
                 q, xs, qx = top
             else:
                 q = self._proposal(row)  # [V]
@@ -569,7 +565,7 @@ class _Run:
             scores.extend(score + math.log(max(p, 1e-300)) for p in qx)  # cumulative draft log-probability
             return new
 
-        newest = expand(-1, logits[-1], 1, 0.0)
+        newest = expand(-1, logits[-1], 1, 0.0, self._greedy_children(logits[-1:], tp.top_k)[0] if greedy else None)
         in_cache: list[int] = []  # tree nodes appended to the draft's cache, in cache order
         hidden_of: dict[int, torch.Tensor] = {}
         base_len = level.cache_len

@@ -368,7 +368,7 @@ static void block_rows_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* w,
 }
 
 // Rows n_begin..n_end-1 of a bf16 weight against the M prepared input rows: from 4 inputs in blocks of 4 rows (single
-// rows at the end); below 4, single rows (one address-ordered stream; blocks measured 0-7 % slower there, DECODE.md).
+// rows at the end); below 4, single rows (one address-ordered stream; blocks measured 0-8 % slower there, DECODE.md).
 static void rows_bf16(const uint16_t* xb, int64_t xrow, const uint16_t* w, const float* bias, int64_t M, int64_t K,
                       int64_t N, int64_t n_begin, int64_t n_end, float* y) {
     int64_t n = n_begin;
@@ -1003,11 +1003,11 @@ int polyspec_attention_f32(const float* q, const float* k, const float* v, int64
 
 // The draft head's step (decode/head.py, EagleHead with bf16 weights; one call where the module path makes ~25 torch
 // ops and four kernel calls): rows t < T of x = fc(concat(embed[ids[t]], feat[t])) rounded to bf16, one bf16 decoder
-// layer at positions start.. (causal within the block, or under mask [T, start + T]: a draft tree's), hidden = its output rounded to bf16 (the head's predicted
-// features), then the lm rows' logits of the last out_rows rows, rounded to bf16; cos_/sin_ hold the rows' own
-// positions (a tree's rows are not consecutive). The module path's roundings, in
-// the same kernels (run1, layer), so the results are bitwise the module's (tests/test_cpu_kernels.py). Returns 0,
-// or the layer's refusal code (1: shapes; 3: out_rows).
+// layer (causal within the block, or under tree_mask [T, start + T]: a draft tree's; cos_/sin_ hold each row's own
+// position), hidden = its output rounded to bf16 (the head's predicted features), then the lm rows' logits of the
+// last out_rows rows, rounded to bf16. The module path's roundings, in the same kernels (run1, layer), so the
+// results are bitwise the module's (tests/test_cpu_kernels.py). Returns 0, or the layer's refusal code (1: shapes;
+// 3: out_rows).
 int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uint16_t* feat, int64_t T, int64_t H,
                             const uint16_t* fc_w, const float* fc_b, const void* const* layer_ptrs, float eps,
                             int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_,

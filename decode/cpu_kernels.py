@@ -596,7 +596,7 @@ def head_step(step: HeadStep, ids: torch.Tensor, features: torch.Tensor, cache, 
     k, v = cache.k[0], cache.v[0]
     rope = step.rope[:, start] if positions is None else step.rope.index_select(1, positions)  # [2, (T,) D]
     cos, sin = rope[0], rope[1]
-    mask = None if mask is None else mask.to(torch.uint8).contiguous()
+    mask = None if mask is None else mask.contiguous()  # bool: one byte per entry, as run_layers passes it
     rc = _lib.polyspec_head_step_bf16(
         ids.data_ptr(), step.embed.data_ptr(), features.data_ptr(), t, h, step.fc_weight.data_ptr(),
         step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,

@@ -489,6 +489,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-tokens", type=int, default=None, help="*-tree modes: most draft tokens per tree")
     p.add_argument("--tree-lookup", type=int, default=None,
                    help="*-tree modes, greedy: up to N prompt-lookup tokens added to each tree as one more path")
+    p.add_argument("--tree-lookup-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="*-tree modes, greedy, with --tree-lookup: where the last 2-3 tokens repeat, a round verifies "
+                        "prompt lookup's tokens alone and drafts no tree")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the dtype the chain's profile chose, else float32 on CPU)")
     p.add_argument("--recipe", type=Path, default=None,
@@ -541,14 +544,17 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PolyspecError("give --prompts FILE|builtin (or --forward-times alone for level timings)")
 
 
-def tree_shape(args: argparse.Namespace) -> dict[str, int] | None:
-    """The --tree-top-k / --tree-depth / --tree-tokens / --tree-lookup given (None if none), checked."""
-    shape = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
-                                ("total_tokens", args.tree_tokens),
-                                ("lookup", args.tree_lookup)) if v is not None}
+def tree_shape(args: argparse.Namespace) -> dict[str, int | bool] | None:
+    """The --tree-top-k / --tree-depth / --tree-tokens / --tree-lookup / --tree-lookup-first given (None if none),
+    checked."""
+    shape: dict[str, int | bool] = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
+                                                       ("total_tokens", args.tree_tokens),
+                                                       ("lookup", args.tree_lookup)) if v is not None}
     bad = [f"{k}={v}" for k, v in shape.items() if v < (0 if k == "lookup" else 1)]
     if bad:
         raise PolyspecError(f"tree shape values must be integers >= 1 (--tree-lookup >= 0), got {', '.join(bad)}")
+    if getattr(args, "tree_lookup_first", None) is not None:
+        shape["lookup_first"] = args.tree_lookup_first
     return shape or None
 
 

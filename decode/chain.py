@@ -88,18 +88,26 @@ class TreeParams:
     path); total_tokens: most draft tokens in one tree (the root, the last committed token, not counted); lookup:
     at T = 0, up to this many prompt-lookup tokens grafted onto the tree as one more path from the root (0: none;
     :func:`_graft_lookup`). At T > 0 the tree is the draft's alone: exact verification of a node's children
-    needs them drawn from one draft distribution, which a lookup token is not."""
+    needs them drawn from one draft distribution, which a lookup token is not. lookup_first (with lookup, T = 0):
+    where the context's last 2-3 tokens occurred before, the round verifies prompt lookup's continuation alone, as
+    linear drafts with draft_lookup do (no draft forward, a narrower verification); elsewhere the draft's tree alone,
+    nothing grafted (docs/DECODE.md, "Small trees on the CPU")."""
 
     top_k: int = 8
     depth: int = 5
     total_tokens: int = 32
     lookup: int = 0
+    lookup_first: bool = False
 
     def check(self) -> None:
         for name, lo in (("top_k", 1), ("depth", 1), ("total_tokens", 1), ("lookup", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise PolyspecError(f"tree.{name} must be an integer >= {lo}, got {v!r}")
+        if not isinstance(self.lookup_first, bool):
+            raise PolyspecError(f"tree.lookup_first must be true or false, got {self.lookup_first!r}")
+        if self.lookup_first and not self.lookup:
+            raise PolyspecError("tree.lookup_first needs tree.lookup >= 1 (the most lookup tokens a round verifies)")
 
 
 @dataclass
@@ -538,6 +546,10 @@ class _Run:
         if room < 1 or (level.needs_features and len(ctx) < 2):
             return None
         greedy = self.sampling.temperature == 0
+        if greedy and tp.lookup_first:
+            looked = self._lookup_path(ctx, min(tp.lookup, room))
+            if looked is not None:
+                return looked
         logits = self._forward(i, ctx, first_row=len(ctx) - 1)  # [1, V]
         self._check_vocab(logits.shape[-1], i)
         root_feature = self._tree_root_feature(i, ctx) if level.needs_features else None
@@ -600,9 +612,21 @@ class _Run:
         if greedy and len(tokens) > tp.total_tokens:
             keep = sorted(sorted(keep, key=lambda n: (-scores[n], depths[n], n))[:tp.total_tokens])
         tree = _kept_tree(keep, tokens, parents, depths, proposals)
-        if greedy and tp.lookup:
+        if greedy and tp.lookup and not tp.lookup_first:
             _graft_lookup(tree, lookup_run(ctx, min(tp.lookup, room)), self.eos)
         self.stats[i].tokens_emitted += len(tree.tokens)
+        return tree
+
+    def _lookup_path(self, ctx: list[int], n: int) -> _Tree | None:
+        """tree.lookup_first: prompt lookup's continuation of a repeated 2-3 token suffix (as _lookup_block finds it)
+        as a one-path tree, or None where there is none. The draft's cache skips these positions and catches up
+        with true features in its next forward."""
+        run = lookup_run(ctx, n, min_n=2)
+        if not run:
+            return None
+        tree = _Tree([], [], [], {}, {})
+        _graft_lookup(tree, run, self.eos)
+        self.stats[self.n - 1].lookup_tokens += len(tree.tokens)
         return tree
 
     def _tree_root_feature(self, i: int, ctx: list[int]) -> torch.Tensor:

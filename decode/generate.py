@@ -126,11 +126,11 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
     )
 
 
-def tree_params(cfg: Any = None, **overrides: int | None) -> TreeParams:
+def tree_params(cfg: Any = None, **overrides: int | bool | None) -> TreeParams:
     """TreeParams from a recipe/manifest ``decode.tree`` section or a TreeParams (None: the defaults), with the
-    given top_k / depth / total_tokens / lookup overrides."""
+    given top_k / depth / total_tokens / lookup / lookup_first overrides."""
     tp = TreeParams() if cfg is None else TreeParams(top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens,
-                                                     lookup=cfg.lookup)
+                                                     lookup=cfg.lookup, lookup_first=cfg.lookup_first)
     tp = replace(tp, **{k: v for k, v in overrides.items() if v is not None})
     tp.check()
     return tp

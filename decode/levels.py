@@ -145,7 +145,7 @@ class ModelLevel:
         return self._run(ids, tree_mask=mask, position_offsets=offsets)
 
     def compact(self, src_positions: list[int], dst_start: int) -> None:
-        self.model.compact(torch.tensor(src_positions, dtype=torch.long), dst_start)
+        self.model.compact(src_positions, dst_start)
 
 
 class HeadLevel:

@@ -558,22 +558,26 @@ class CachedDecoder(nn.Module):
         if self._cache is not None:
             self._cache.length = 0
 
-    def compact(self, src_positions: torch.Tensor, dst_start: int) -> None:
+    def compact(self, src_positions: torch.Tensor | list[int], dst_start: int) -> None:
         """Copy the K/V entries at absolute positions ``src_positions`` [n] to ``dst_start .. dst_start + n - 1``
         and set cache_len to ``dst_start + n`` (keeps the accepted path of a verified tree)."""
         cache = self._require_cache("compact")
-        src = torch.as_tensor(src_positions, dtype=torch.long).flatten()
-        n = src.numel()
-        if n and (int(src.min()) < 0 or int(src.max()) >= cache.length):
-            raise PolyspecError(f"compact: source positions must lie in 0..{cache.length - 1}, got {src.tolist()}")
+        src = [int(p) for p in torch.as_tensor(src_positions).flatten().tolist()]
+        n = len(src)
+        if n and (min(src) < 0 or max(src) >= cache.length):
+            raise PolyspecError(f"compact: source positions must lie in 0..{cache.length - 1}, got {src}")
         if dst_start < 0 or dst_start > cache.length or dst_start + n > cache.max_seq_len:
             raise PolyspecError(f"compact: dst_start {dst_start} with {n} entries does not fit the cache "
                                 f"(cache_len {cache.length}, max_seq_len {cache.max_seq_len})")
-        src = src.to(cache.k[0].device)
-        for layer in range(len(cache.k)):
-            for store in (cache.k, cache.v):
-                picked = store[layer].index_select(2, src)  # [B, kv, n, D] (a copy: overlap is safe)
-                store[layer][:, :, dst_start:dst_start + n] = picked
+        # A path already in place (a tree's first children, a lookup path) needs no copy: only the rest moves.
+        same = next((j for j, pos in enumerate(src) if pos != dst_start + j), n)
+        if same < n:
+            moved = torch.tensor(src[same:], dtype=torch.long, device=cache.k[0].device)
+            first = dst_start + same
+            for layer in range(len(cache.k)):
+                for store in (cache.k, cache.v):
+                    picked = store[layer].index_select(2, moved)  # [B, kv, n, D] (a copy: overlap is safe)
+                    store[layer][:, :, first:first + n - same] = picked
         cache.length = dst_start + n
 
     def _positions(self, t: int, start: int, position_offsets: torch.Tensor | None,

@@ -362,12 +362,17 @@ def _settings(recipe: Any, threads: int | None) -> tuple[ProfileSettings, dict[s
     # the search settings key nothing the profile measures (and profiles made before them keep their keys)
     keyed = {"profile": p.model_dump(mode="json", exclude=SEARCH_KEYS), "device": _device(recipe), "dtype": recipe.target.dtype,
              "draft_ks": list(s.draft_ks), "mus": list(s.mus), "grid_prompts": grid_prompts,
-             "tree": recipe.decode.tree.model_dump(mode="json") if tree is not None else None,
+             "tree": _tree_key(recipe.decode.tree) if tree is not None else None,
              "data": recipe.data.model_dump(mode="json"), "threads": threads or p.threads,
              "calibration": CALIBRATION_FORMAT}
     if recipe.decode.draft_vocab:  # (absent when 0, so profiles made before the setting keep their keys)
         keyed["draft_vocab"] = recipe.decode.draft_vocab
     return s, keyed
+
+
+def _tree_key(tree: Any) -> dict[str, Any]:
+    """The recipe's tree as it keys the profile (lookup_first only when on: older profiles keep their keys)."""
+    return tree.model_dump(mode="json", exclude=None if tree.lookup_first else {"lookup_first"})
 
 
 def _device(recipe: Any) -> str:

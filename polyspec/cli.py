@@ -219,6 +219,9 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-tokens", type=int, default=None, help="most draft tokens per tree (implies --tree)")
     p.add_argument("--tree-lookup", type=int, default=None,
                    help="greedy: up to N prompt-lookup tokens added to each tree as one more path (implies --tree)")
+    p.add_argument("--tree-lookup-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="greedy, with --tree-lookup: where the last 2-3 tokens repeat, a round verifies prompt "
+                        "lookup's tokens alone and drafts no tree (implies --tree)")
 
 
 def add_draft_arguments(p: argparse.ArgumentParser) -> None:
@@ -249,7 +252,7 @@ def tree_choice(args: argparse.Namespace) -> bool | dict[str, int] | None:
     if args.tree is False:
         if shape:
             raise PolyspecError("--no-tree cannot be combined with --tree-top-k / --tree-depth / --tree-tokens / "
-                                "--tree-lookup")
+                                "--tree-lookup / --tree-lookup-first")
         return False
     return shape or args.tree
 

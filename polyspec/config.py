@@ -253,6 +253,9 @@ class TreeConfig(Section):
     total_tokens: int = Field(32, ge=1, description="most draft tokens in one tree (the root not counted)")
     lookup: int = Field(0, ge=0, description="greedy decoding: up to this many prompt-lookup tokens added to the "
                         "tree as one more path (0: none; docs/DECODE.md)")
+    lookup_first: bool = Field(False, description="greedy decoding, with lookup: where the last 2-3 tokens occurred "
+                               "before, the round verifies lookup's continuation alone (no draft forward); the tree is "
+                               "drafted only where they did not (docs/DECODE.md, \"Small trees on the CPU\")")
 
 
 class DecodeConfig(Section):

@@ -427,10 +427,13 @@ def test_a_draft_with_zero_probability_tokens_keeps_the_distribution(n_levels, m
 
 TREES = [TreeParams(top_k=3, depth=4, total_tokens=10), TreeParams(top_k=1, depth=1, total_tokens=1),
          TreeParams(top_k=4, depth=6, total_tokens=8), TreeParams(top_k=2, depth=3, total_tokens=40),
-         TreeParams(top_k=3, depth=4, total_tokens=10, lookup=6), TreeParams(top_k=1, depth=1, total_tokens=1, lookup=4)]
+         TreeParams(top_k=3, depth=4, total_tokens=10, lookup=6), TreeParams(top_k=1, depth=1, total_tokens=1, lookup=4),
+         TreeParams(top_k=2, depth=1, total_tokens=2, lookup=4, lookup_first=True),
+         TreeParams(top_k=3, depth=4, total_tokens=10, lookup=6, lookup_first=True)]
 
 
-@pytest.mark.parametrize("tp", TREES, ids=lambda t: f"k{t.top_k}-d{t.depth}-n{t.total_tokens}-l{t.lookup}")
+@pytest.mark.parametrize("tp", TREES, ids=lambda t: f"k{t.top_k}-d{t.depth}-n{t.total_tokens}-l{t.lookup}"
+                                                    f"{'-first' if t.lookup_first else ''}")
 @pytest.mark.parametrize("v, prompt, n", [(16, [3, 1, 4], 40), (5, [2], 25)])
 def test_tree_greedy_equals_ar_and_caches_hold_the_sequence(tp, v, prompt, n):
     target, mid, draft = tables(v, seed=v)
@@ -442,7 +445,7 @@ def test_tree_greedy_equals_ar_and_caches_hold_the_sequence(tp, v, prompt, n):
         for lv in levels:  # tree entries are pruned: every cache holds a prefix of the committed sequence
             assert lv.tokens == (prompt + ar)[:lv.cache_len], lv.name
         assert r.stats["tree"] == {"top_k": tp.top_k, "depth": tp.depth, "total_tokens": tp.total_tokens,
-                                   "lookup": tp.lookup}
+                                   "lookup": tp.lookup, "lookup_first": tp.lookup_first}
         verifier = r.level_stats[-2]
         assert verifier.forward_passes >= len(verifier.accept_lengths)
         assert max(verifier.accept_lengths) <= max(tp.depth, tp.lookup) + 1
@@ -467,6 +470,31 @@ def test_lookup_branch_accepts_what_the_draft_misses_when_the_text_repeats():
 
     plain = run(TreeParams(top_k=2, depth=3, total_tokens=6))
     assert run(TreeParams(top_k=2, depth=3, total_tokens=6, lookup=8)) > plain + 1.0
+
+
+def test_lookup_first_verifies_the_repeated_text_alone_and_drafts_no_tree_for_it():
+    """Where the last 2-3 tokens occurred before, a lookup_first round verifies prompt lookup's continuation without a
+    draft forward; elsewhere the draft's tree alone. The output stays ar's, and the draft runs fewer forwards than
+    the target verifies."""
+    v = 12
+    target, _, _ = tables(v, seed=5)
+    draft = torch.randn(v, v, generator=torch.Generator().manual_seed(6)) * 3.0  # unrelated to the target
+    prompt, n = [3, 1, 4], 80
+    ar = _greedy_ar(target, prompt, n, v)
+
+    def run(tp):
+        levels = [TableLevel(target, "t", 2), TableLevel(draft, "d")]
+        r = ChainDecoder(levels, max_seq_len=160, tree=tp).generate(prompt, n)
+        assert r.token_ids == ar
+        return len(r.level_stats[0].accept_lengths), r.level_stats[1]
+
+    tp = TreeParams(top_k=2, depth=1, total_tokens=2, lookup=4, lookup_first=True)
+    rounds, draft_stats = run(tp)
+    assert draft_stats.lookup_tokens > 0 and draft_stats.forward_passes < rounds - 10
+    rounds, draft_stats = run(TreeParams(top_k=2, depth=1, total_tokens=2, lookup=4))  # grafted: a tree every round
+    assert draft_stats.lookup_tokens == 0 and draft_stats.forward_passes >= rounds
+    with pytest.raises(PolyspecError, match="lookup_first needs tree.lookup"):
+        TreeParams(top_k=2, depth=1, total_tokens=2, lookup_first=True).check()
 
 
 def test_graft_shares_the_drafts_nodes_and_stops_at_eos():

@@ -105,7 +105,11 @@ def test_tree_flags_keep_greedy_output_and_report_the_tree(tiny_chain, capsys):
         assert code == 0, cap.err
         out = json.loads(cap.out)
         assert out["token_ids"] == ar
-        assert out["stats"]["tree"] == {"top_k": 3, "depth": 4, "total_tokens": 12, "lookup": 5}
+        assert out["stats"]["tree"] == {"top_k": 3, "depth": 4, "total_tokens": 12, "lookup": 5, "lookup_first": False}
+    code, cap = _gen(capsys, tiny_chain, "--mode", "dual", "--tree-top-k", "2", "--tree-depth", "1", "--tree-tokens",
+                     "2", "--tree-lookup", "4", "--tree-lookup-first")
+    assert code == 0 and json.loads(cap.out)["token_ids"] == ar
+    assert json.loads(cap.out)["stats"]["tree"]["lookup_first"] is True
     code, cap = _gen(capsys, tiny_chain, "--mode", "dual", "--no-tree")
     assert code == 0 and json.loads(cap.out)["stats"]["tree"] is None
 
@@ -129,13 +133,16 @@ def test_manifest_tree_is_the_default(tiny_chain, tmp_path, capsys):
     (chain / "manifest.json").write_text(json.dumps(manifest))
     code, cap = _gen(capsys, chain, "--mode", "dual")
     assert code == 0, cap.err
-    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0}
+    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0,
+                                                    "lookup_first": False}
     code, cap = _gen(capsys, chain, "--mode", "dual", "--tree-tokens", "9")
-    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 9, "lookup": 0}
+    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 9, "lookup": 0,
+                                                    "lookup_first": False}
     # a manifest whose tree is off still gives --tree its shape (the profile's candidate)
     manifest["decode"]["tree"]["enabled"] = False
     (chain / "manifest.json").write_text(json.dumps(manifest))
     code, cap = _gen(capsys, chain, "--mode", "dual")
     assert json.loads(cap.out)["stats"]["tree"] is None
     code, cap = _gen(capsys, chain, "--mode", "dual", "--tree")
-    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0}
+    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0,
+                                                    "lookup_first": False}

@@ -242,6 +242,26 @@ def test_compact_keeps_accepted_path(llama):
         assert torch.allclose(k, k2[:, :, :10], atol=1e-5) and torch.allclose(v, v2[:, :, :10], atol=1e-5)
 
 
+def test_compact_of_a_path_already_in_place_moves_nothing_and_keeps_it(llama):
+    """Accepting a, b (positions 6, 7: already where the path goes) copies nothing; the next step sees exactly the
+    cache a causal pass over prefix + a + b builds."""
+    prefix = _ids(6, 5)
+    tokens, mask, offsets = _tree()
+    nxt = torch.tensor([55])
+    with torch.no_grad():
+        llama.setup_cache(32)
+        llama(prefix)
+        llama(tokens, tree_mask=mask, position_offsets=offsets)
+        before = [k[:, :, 6:8].clone() for k in llama._cache.k]
+        llama.compact(torch.tensor([6, 7]), 6)
+        assert llama.cache_len == 8
+        assert all(torch.equal(b, k[:, :, 6:8]) for b, k in zip(before, llama._cache.k, strict=True))
+        after = llama(nxt)[0]
+        llama.setup_cache(32)
+        fresh = llama(torch.cat([prefix, torch.tensor([11, 22]), nxt]))[0]
+    assert torch.allclose(after[-1], fresh[-1], atol=1e-5)
+
+
 def test_cache_overflow_and_bad_input_are_clear_errors(llama):
     llama.setup_cache(8)
     with torch.no_grad():

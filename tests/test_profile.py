@@ -283,7 +283,7 @@ def test_tree_joins_the_grid_and_the_decision(tiny_parts, tmp_path):
     rows = prof.grid
     tree_rows = [r for r in rows if r.tree]
     assert {r.mode for r in tree_rows} == {"dual", "chain"} and len(rows) == 1 + 1 + 2 + 1
-    shape = {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0}
+    shape = {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0, "lookup_first": False}
     assert all(r.tree == shape and r.draft_k == 3 for r in tree_rows)
     best = min((r for r in rows if r.mode in ("chain", "dual")), key=lambda r: r.predicted_time_per_token_s)
     dec = prof.decision

@@ -379,9 +379,11 @@ class _Run:
         with width-invariant kernels (polyspec.decode.cpu_kernels) its logits are then bitwise those of ``ar``."""
         if len(prompt) > 1:
             for i, lv in enumerate(self.levels):
-                if not lv.needs_features:  # (the vocabulary is known from here on: _lookup_block's rows need it)
-                    self._check_vocab(self._forward(i, prompt[:-1], first_row=len(prompt) - 2, prefill=True)
-                                      .shape[-1], i)
+                if lv.needs_features or (i > 0 and self._adopt_prompt(i, prompt[:-1])):
+                    continue
+                # (the vocabulary is known from here on: _lookup_block's rows need it)
+                self._check_vocab(self._forward(i, prompt[:-1], first_row=len(prompt) - 2, prefill=True).shape[-1],
+                                  i)
         seq = list(prompt)
         while len(seq) < self.limit and not (len(seq) > len(prompt) and seq[-1] in self.eos):
             out, _ = self._verify_round(0, seq)
@@ -389,6 +391,16 @@ class _Run:
             if self.on_tokens is not None and self.on_tokens(list(out)):
                 break
         return seq
+
+    def _adopt_prompt(self, i: int, ctx: list[int]) -> bool:
+        """Level i (a quantised copy of the target: ModelLevel.adopt_prompt) holds ctx from the target's cache
+        instead of a prefill; its hidden states of ctx stay unset (a draft below reads the target's)."""
+        adopt = getattr(self.levels[i], "adopt_prompt", None)
+        if adopt is None or self.seen[0] != list(ctx) or not adopt(self.levels[0], len(ctx)):
+            return False
+        self.seen[i] = list(ctx)
+        self.has_hidden[i] = [False] * len(ctx)
+        return True
 
     def _produce(self, i: int, ctx: list[int], need: int) -> tuple[list[int], torch.Tensor | None]:
         """Level i continues ctx with >= min(need, room) tokens (fewer only after an EOS); returns them and level i's

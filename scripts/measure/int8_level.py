@@ -1,0 +1,103 @@
+"""An int8 middle level for a bf16 target on the CPU (decode/int8.py), made in memory from a chain's target: its
+forward time by width against the target's, and whole generations of ar, the chain's default and the three-level
+chain target <- int8 <- head in one process.
+
+    python scripts/measure/int8_level.py forward CHAIN [REPEATS]          # widths 1, 2, 3, 5, 7, 9 at 200 positions
+    python scripts/measure/int8_level.py bench CHAIN LIMIT TOKENS MU [MU ...]
+
+``bench``: builtin first turns (MT-bench, HumanEval, held-out ShareGPT; LIMIT per category), the modes rotated per
+prompt after an untimed first prompt; the chain drafts as the default does (k = 1, prompt-lookup blocks of 4) and the
+target verifies blocks of >= MU. Prints tok/s, the ratio to ar, each level's mean accepted tokens per forward and
+whether every answer equals ar's. docs/BENCHMARKS.md, "CPU, stop 27".
+"""
+
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from polyspec.bench.prompts import load_prompts
+from polyspec.decode.chain import ChainDecoder, SamplingParams
+from polyspec.decode.generate import build_decoder, cache_size, encode_prompt, eos_ids, load_chain
+from polyspec.decode.int8 import int8_copy
+from polyspec.decode.levels import HeadLevel, ModelLevel
+
+WIDTHS = (1, 2, 3, 5, 7, 9)
+
+
+def forward(chain_dir: str, repeats: str = "15") -> None:
+    chain = load_chain(Path(chain_dir), device="cpu")
+    models = {"target": chain.models[chain.order[0]]}
+    models["int8"] = int8_copy(models["target"])
+    prompt = torch.randint(0, models["target"].args.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    times: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    with torch.inference_mode():
+        for m in models.values():
+            m.setup_cache(256)
+            m(prompt)
+        for rep in range(int(repeats)):
+            for name, m in models.items():
+                for w in WIDTHS if rep % 2 else WIDTHS[::-1]:
+                    ids = torch.randint(0, m.args.vocab_size, (w,))
+                    t0 = time.perf_counter()
+                    m(ids)
+                    if rep:
+                        times[(name, w)].append(time.perf_counter() - t0)
+                    m._cache.length = 200
+    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+    for name in models:
+        print(name, " ".join(f"w{w} {med[(name, w)]:.2f}" for w in WIDTHS), "ms")
+    print("int8 / target", " ".join(f"w{w} {med[('int8', w)] / med[('target', w)]:.2f}" for w in WIDTHS))
+
+
+def _decoders(chain, low, mus: list[int], size: int) -> dict[str, ChainDecoder]:
+    target, head = chain.models[chain.order[0]], chain.models[chain.order[-1]]
+    out = {"ar": build_decoder(chain, "ar", max_seq_len=size), "default": build_decoder(chain, chain.mode,
+                                                                                         max_seq_len=size)}
+    for mu in mus:
+        levels = [ModelLevel(target, "target"), ModelLevel(low, "int8"), HeadLevel(head, "draft")]
+        out[f"chain mu={mu}"] = ChainDecoder(levels, max_seq_len=size, draft_k=1, mu=[mu], draft_lookup=4)
+    return out
+
+
+def bench(chain_dir: str, limit: str, tokens: str, *mus: str) -> None:
+    torch.set_num_threads(2)
+    chain = load_chain(Path(chain_dir), device="cpu")
+    low = int8_copy(chain.models[chain.order[0]])
+    n = int(tokens)
+    secs: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    same: collections.Counter = collections.Counter()
+    questions = load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"], limit=int(limit))
+    for i, q in enumerate(questions):
+        ids = encode_prompt(chain.tokenizer, q.turns[0])
+        decs = _decoders(chain, low, [int(m) for m in mus], cache_size(chain, len(ids), n))
+        names = list(decs)
+        outs = {}
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t0 = time.perf_counter()
+            r = decs[name].generate(ids, n, SamplingParams(), eos_token_ids=eos_ids(chain.tokenizer))
+            outs[name] = r.token_ids
+            if i == 0:
+                continue  # the first prompt warms every mode up
+            secs[name] += time.perf_counter() - t0
+            counts[name]["tokens"] += len(r.token_ids)
+            for ls in r.level_stats:
+                counts[name][f"{ls.name} emitted"] += ls.tokens_emitted if ls is not r.level_stats[-1] else 0
+                counts[name][f"{ls.name} forwards"] += ls.forward_passes
+        for name, out in outs.items():
+            same[name] += out == outs["ar"]
+    ar = counts["ar"]["tokens"] / secs["ar"]
+    for name, c in counts.items():
+        tps = c["tokens"] / secs[name]
+        levels = [k.split()[0] for k in c if k.endswith("forwards")]
+        acc = " ".join(f"{lv} {c[f'{lv} emitted'] / c[f'{lv} forwards']:.2f}" for lv in levels[:-1] or levels)
+        print(f"{name:12s} {tps:7.1f} tok/s  x{tps / ar:.3f}  mean accepted: {acc}  forwards: "
+              + " ".join(f"{lv} {c[f'{lv} forwards']}" for lv in levels))
+    print(f"answers equal to ar's, of {len(questions)}:", dict(same))
+
+
+if __name__ == "__main__":
+    {"forward": forward, "bench": bench}[sys.argv[1]](*sys.argv[2:])

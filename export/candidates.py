@@ -4,6 +4,8 @@
 * ``int4_g<G>``: an RTN int4 copy of the target at another group size (:func:`rtn_copy`).
 * ``exit<m>``: the target's first m decoder layers with its own final norm, embedding and lm_head (an early-exit,
   layer-skipped copy; :func:`early_exit_copy`).
+* ``int8``: a bf16 target's W8A16 copy, 7-bit codes with one scale per row (decode.int8.int8_copy); none for
+  targets in other dtypes.
 * ``head``: the EAGLE head (folder); it reads the features of a level above, so it can only be the bottom level.
 * ``ngram``: prompt lookup (:class:`~polyspec.decode.ngram.NgramLevel`), no model; bottom only.
 
@@ -24,7 +26,7 @@ class Candidate:
     """One level the search may place: ``bottom_only`` ones (head, n-gram) can only be the draft."""
 
     name: str
-    kind: str  # int4, rtn_int4, early_exit, head, ngram
+    kind: str  # int4, rtn_int4, early_exit, int8, head, ngram
     level: Any  # a chain level (ModelLevel, HeadLevel, NgramLevel)
     bottom_only: bool
     note: str = ""
@@ -32,11 +34,12 @@ class Candidate:
 
 @dataclass
 class CandidateSettings:
-    """What to make from the target: RTN int4 group sizes and the early exit's layer count (None: half)."""
+    """What to make from the target: RTN int4 group sizes, the early exit's layer count (None: half), an int8 copy."""
 
     rtn_group_sizes: tuple[int, ...] = (64,)
     exit_layers: int | None = None
     ngram: bool = True
+    int8: bool = True
 
 
 def shared_copy(target: Any, num_layers: int) -> Any:
@@ -91,6 +94,8 @@ def _ready(model: Any, device: Any) -> Any:
 def make_candidates(target: Any, given: list[tuple[str, Any]], s: CandidateSettings) -> list[Candidate]:
     """The candidates from a loaded target level (a ModelLevel) and the levels loaded from folders (``given``:
     (tag, level) pairs, tags as :func:`~polyspec.export.stage.level_names` gives them: int4, head, model ...)."""
+    import torch
+
     from polyspec.decode.levels import ModelLevel
     from polyspec.decode.ngram import NgramLevel
 
@@ -109,6 +114,11 @@ def make_candidates(target: Any, given: list[tuple[str, Any]], s: CandidateSetti
         name = f"exit{m}"
         out.append(Candidate(name, "early_exit", ModelLevel(_ready(early_exit_copy(model, m), dev), name), False,
                              note=f"the target's first {m} of {model.args.num_layers} layers"))
+    if s.int8 and next(model.parameters()).dtype == torch.bfloat16:
+        from polyspec.decode.int8 import int8_copy
+
+        out.append(Candidate("int8", "int8", ModelLevel(_ready(int8_copy(model), dev), "int8"), False,
+                             note="int8 copy of the target (7-bit codes, one scale per row, bf16 activations)"))
     if s.ngram:
         out.append(Candidate("ngram", "ngram", NgramLevel(model.args.vocab_size), True, note="prompt lookup"))
     return out

@@ -269,7 +269,7 @@ class Profile:
 @dataclass
 class CandidateInfo:
     name: str
-    kind: str  # int4 (folder), rtn_int4, early_exit, model, head, ngram
+    kind: str  # int4 (folder), rtn_int4, early_exit, int8, model, head, ngram
     bottom_only: bool
     note: str = ""
 

@@ -30,7 +30,7 @@ from polyspec.export.prompts import CALIBRATION_FORMAT
 from polyspec.export.results import PROFILE_FORMAT, Profile
 
 Say = Callable[[str], None]
-SEARCH_KEYS = {"search", "search_max_levels", "search_mu", "search_group_sizes", "search_exit_layers"}
+SEARCH_KEYS = {"search", "search_max_levels", "search_mu", "search_group_sizes", "search_exit_layers", "search_int8"}
 
 
 def _say(msg: str) -> None:
@@ -338,7 +338,7 @@ def search_stage(recipe: Any, *, parts: Parts | None = None, threads: int | None
     ss = SearchSettings(profile=replace(settings, tree=None, ngram=False), max_levels=p.search_max_levels,
                         mus=tuple(p.search_mu) if p.search_mu else None)
     cs = CandidateSettings(rtn_group_sizes=tuple(p.search_group_sizes), exit_layers=p.search_exit_layers,
-                           ngram=p.ngram)
+                           ngram=p.ngram, int8=p.search_int8)
     out = Path(recipe.workdir) / "profile" / "search"
     search_folders(folders, out, ss, cs, prompts=p.prompts, device=_device(recipe), dtype=recipe.target.dtype,
                    threads=threads or p.threads, draft_vocab=recipe.decode.draft_vocab, say=say,

@@ -315,6 +315,8 @@ class ProfileConfig(Section):
                                           description="chain search: group sizes of the RTN int4 copies it makes")
     search_exit_layers: int | None = Field(None, ge=1, description="chain search: layers of the early-exit copy "
                                            "(default: half the target's)")
+    search_int8: bool = Field(True, description="chain search: also an int8 copy of a bf16 target (decode/int8.py: "
+                              "7-bit codes, one scale per row)")
 
     @field_validator("draft_k_grid", "mu_grid")
     @classmethod

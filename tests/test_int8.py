@@ -135,3 +135,18 @@ def test_chains_with_an_int8_level_keep_the_targets_greedy_output(kernels):
         assert starts[0] == len(prompt) - 1  # the copy took the target's K/V of the prompt: no prefill of its own
     finally:
         ck.set_enabled(old)
+
+
+def test_the_chain_search_offers_an_int8_copy_of_a_bf16_target_only():
+    from polyspec.export.candidates import CandidateSettings, make_candidates
+
+    target = _tiny_bf16(2)
+    settings = CandidateSettings(rtn_group_sizes=(), ngram=False)
+    by = {c.name: c for c in make_candidates(ModelLevel(target, "target"), [], settings)}
+    assert by["int8"].kind == "int8" and not by["int8"].bottom_only
+    assert isinstance(by["int8"].level.model.layers[0].mlp.down_proj, Int8Linear)
+    fp32 = make_candidates(ModelLevel(_tiny_bf16(2).float(), "target"), [], settings)
+    assert "int8" not in {c.name for c in fp32}
+    off = make_candidates(ModelLevel(target, "target"), [], CandidateSettings(rtn_group_sizes=(), ngram=False,
+                                                                              int8=False))
+    assert "int8" not in {c.name for c in off}

@@ -4,6 +4,11 @@ chain target <- int8 <- head in one process.
 
     python scripts/measure/int8_level.py forward CHAIN [REPEATS]          # widths 1, 2, 3, 5, 7, 9 at 200 positions
     python scripts/measure/int8_level.py bench CHAIN LIMIT TOKENS MU [MU ...]
+    python scripts/measure/int8_level.py agree CHAIN RECORDS.json           # first_guess.py records
+
+``agree``: how often a copy's argmax is the target's own greedy token, teacher-forced on the target's answers (the
+target's weights rounded in place per row to 8-bit and 7-bit codes, and with int8 activations too; the chain's own
+int4 level for scale).
 
 ``bench``: builtin first turns (MT-bench, HumanEval, held-out ShareGPT; LIMIT per category), the modes rotated per
 prompt after an untimed first prompt; the chain drafts as the default does (k = 1, prompt-lookup blocks of 4) and the
@@ -99,5 +104,61 @@ def bench(chain_dir: str, limit: str, tokens: str, *mus: str) -> None:
     print(f"answers equal to ar's, of {len(questions)}:", dict(same))
 
 
+def _agreement(model, rows: list) -> float:
+    hit = n = 0
+    with torch.inference_mode():
+        for r in rows:
+            model._cache = None
+            seq = torch.tensor(r["prompt"] + r["answer"])
+            p = len(r["prompt"])
+            guess = model(seq)[0][p - 1:len(seq) - 1].float().argmax(-1)
+            hit += int((guess == torch.tensor(r["answer"])).sum())
+            n += len(r["answer"])
+    return hit / n
+
+
+def _rounded(model, code_max: int, activations: bool):
+    """The model's linear weights rounded per row to codes in -code_max..code_max, in place; with ``activations``
+    also each linear's input per row to int8 (through cpu_kernels.linear, which every projection calls)."""
+    from polyspec.decode import cpu_kernels
+
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            w = mod.weight.data
+            s = w.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / code_max
+            w.copy_(((w.float() / s).round().clamp(-code_max, code_max) * s).to(w.dtype))
+    if not activations:
+        return None
+    real = cpu_kernels.linear
+
+    def rounded_input(x, weight, bias=None, max_rows=cpu_kernels.MAX_ROWS):
+        s = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+        return real(((x.float() / s).round().clamp(-127, 127) * s).to(x.dtype), weight, bias, max_rows)
+
+    cpu_kernels.linear = rounded_input
+    return real
+
+
+def agree(chain_dir: str, records: str) -> None:
+    import json
+
+    from polyspec.decode import cpu_kernels
+
+    torch.set_num_threads(2)
+    rows = json.loads(Path(records).read_text())
+    chain = load_chain(Path(chain_dir), device="cpu")
+    print("the target (its torch path)", round(_agreement(chain.models[chain.order[0]], rows), 4))
+    print("the chain's middle level", round(_agreement(chain.models[chain.order[1]], rows), 4))
+    for label, code_max, act in (("8-bit codes", 127, False), ("7-bit codes", 63, False),
+                                 ("8-bit codes, int8 activations", 127, True)):
+        model = load_chain(Path(chain_dir), device="cpu").models[chain.order[0]]
+        real = _rounded(model, code_max, act)
+        try:
+            print(label, round(_agreement(model, rows), 4))
+        finally:
+            if real is not None:
+                cpu_kernels.linear = real
+
+
 if __name__ == "__main__":
-    {"forward": forward, "bench": bench}[sys.argv[1]](*sys.argv[2:])
+    {"forward": forward, "bench": bench, "agree": agree}[sys.argv[1]](*sys.argv[2:])

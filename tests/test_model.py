@@ -223,43 +223,29 @@ def test_tree_expanded_depth_by_depth_matches_per_branch_forwards(llama):
             llama(torch.tensor([21]), tree_mask=torch.ones(1, 10, dtype=torch.bool))  # K = 9 > cache_len 8
 
 
-def test_compact_keeps_accepted_path(llama):
+@pytest.mark.parametrize("src, kept", [([6, 8, 9], [11, 33, 44]), ([6, 7], [11, 22])],
+                         ids=["a-c-d: moved", "a-b: already in place"])
+def test_compact_keeps_accepted_path(llama, src, kept):
+    """Accepting a path of the tree (a, c, d: c and d move back; a, b: nothing moves) leaves the cache a causal pass
+    over prefix + path builds, and the next step's logits."""
     prefix = _ids(6, 5)
     tokens, mask, offsets = _tree()
     nxt = torch.tensor([55])
+    n = 6 + len(kept)
     with torch.no_grad():
         llama.setup_cache(32)
         llama(prefix)
         llama(tokens, tree_mask=mask, position_offsets=offsets)
-        llama.compact(torch.tensor([6, 8, 9]), 6)  # accept a, c, d
-        assert llama.cache_len == 9
+        llama.compact(torch.tensor(src), 6)
+        assert llama.cache_len == n
         after = llama(nxt)[0]
-        kept = [(k[:, :, :10].clone(), v[:, :, :10].clone()) for k, v in zip(llama._cache.k, llama._cache.v, strict=True)]
+        got = [(k[:, :, :n + 1].clone(), v[:, :, :n + 1].clone()) for k, v in zip(llama._cache.k, llama._cache.v,
+                                                                                   strict=True)]
         llama.setup_cache(32)
-        fresh = llama(torch.cat([prefix, torch.tensor([11, 33, 44]), nxt]))[0]
+        fresh = llama(torch.cat([prefix, torch.tensor(kept), nxt]))[0]
     assert torch.allclose(after[-1], fresh[-1], atol=1e-5)
-    for (k, v), k2, v2 in zip(kept, llama._cache.k, llama._cache.v, strict=True):
-        assert torch.allclose(k, k2[:, :, :10], atol=1e-5) and torch.allclose(v, v2[:, :, :10], atol=1e-5)
-
-
-def test_compact_of_a_path_already_in_place_moves_nothing_and_keeps_it(llama):
-    """Accepting a, b (positions 6, 7: already where the path goes) copies nothing; the next step sees exactly the
-    cache a causal pass over prefix + a + b builds."""
-    prefix = _ids(6, 5)
-    tokens, mask, offsets = _tree()
-    nxt = torch.tensor([55])
-    with torch.no_grad():
-        llama.setup_cache(32)
-        llama(prefix)
-        llama(tokens, tree_mask=mask, position_offsets=offsets)
-        before = [k[:, :, 6:8].clone() for k in llama._cache.k]
-        llama.compact(torch.tensor([6, 7]), 6)
-        assert llama.cache_len == 8
-        assert all(torch.equal(b, k[:, :, 6:8]) for b, k in zip(before, llama._cache.k, strict=True))
-        after = llama(nxt)[0]
-        llama.setup_cache(32)
-        fresh = llama(torch.cat([prefix, torch.tensor([11, 22]), nxt]))[0]
-    assert torch.allclose(after[-1], fresh[-1], atol=1e-5)
+    for (k, v), k2, v2 in zip(got, llama._cache.k, llama._cache.v, strict=True):
+        assert torch.allclose(k, k2[:, :, :n + 1], atol=1e-5) and torch.allclose(v, v2[:, :, :n + 1], atol=1e-5)
 
 
 def test_cache_overflow_and_bad_input_are_clear_errors(llama):

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import first_guess  # noqa: E402
+import replay_policies  # noqa: E402
 
 from polyspec.decode.generate import load_chain  # noqa: E402
 from polyspec.decode.ngram import lookup_run  # noqa: E402
@@ -112,12 +113,7 @@ def two_candidates(rows: list, tops: list, cost: dict) -> float:
             run = lookup_run(ctx, min(4, len(ans) - i), min_n=2)
             paths = [run] if run else [[x] for x in top[i]]
             seconds += cost[len(run) + 1] + PYTHON_MS if run else cost[3] + HEAD_MS + PYTHON_MS
-            n = 0
-            for path in paths:
-                m = 0
-                while m < len(path) and i + m < len(ans) and path[m] == ans[i + m]:
-                    m += 1
-                n = max(n, m)
+            n = replay_policies.accepted(paths, ans, i)
             ctx += ans[i:i + n + 1]
             i += n + 1
     return sum(len(r["answer"]) for r in rows) * cost[1] / seconds

@@ -36,6 +36,18 @@ def _paths(ctx: list[int], top: list[int], prob: float, room: int, policy: dict)
     return paths, True
 
 
+def accepted(paths: list[list[int]], answer: list[int], i: int) -> int:
+    """Greedy verification of paths that all start at answer position i: the longest prefix any of them shares with
+    the answer."""
+    best = 0
+    for path in paths:
+        m = 0
+        while m < len(path) and i + m < len(answer) and path[m] == answer[i + m]:
+            m += 1
+        best = max(best, m)
+    return best
+
+
 def replay(rows: list, tops: list, probs: list, policy: dict) -> tuple[float, float]:
     seconds = tokens = rounds = 0
     for row, top, prob in zip(rows, tops, probs, strict=True):
@@ -43,12 +55,7 @@ def replay(rows: list, tops: list, probs: list, policy: dict) -> tuple[float, fl
         while i < len(ans):
             paths, head = _paths(ctx, top[i], prob[i], len(ans) - i, policy)
             seconds += COST[1 + sum(len(p) for p in paths)] + (HEAD_MS if head else 0.0) + PYTHON_MS
-            n = 0
-            for p in paths:
-                m = 0
-                while m < len(p) and i + m < len(ans) and p[m] == ans[i + m]:
-                    m += 1
-                n = max(n, m)
+            n = accepted(paths, ans, i)
             ctx += ans[i:i + n + 1]
             i += n + 1
             rounds += 1

@@ -405,14 +405,14 @@ static void block_rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const fl
     }
 }
 
-// Rows n_begin..n_end-1 of a bf16 or int8 weight against the M prepared input rows: from 4 inputs in blocks of 4 rows
-// (single rows at the end); below 4, single rows (one address-ordered stream; blocks measured 0-8 % slower there,
-// DECODE.md).
+// Rows n_begin..n_end-1 of a bf16 or int8 weight against the M prepared input rows in blocks of 4 rows (single rows
+// at the end): bf16 rows from 4 inputs, single rows below (one address-ordered stream; blocks measured 0-8 % slower
+// there, DECODE.md); int8 rows at every width.
 template <typename W>
 static void rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* xsum, const float* scale,
                     const float* bias, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end, float* y) {
     int64_t n = n_begin;
-    if (M >= 4 || sizeof(W) == 1)  // int8 rows: blocks at every width (measured 0.60 against 0.64x at width 2)
+    if (M >= 4 || sizeof(W) == 1)  // int8: measured 0.60 against single rows' 0.64x the target's step at width 2
         for (; n + 4 <= n_end; n += 4) block_rows_dp<4>(xb, xrow, w, xsum, scale, bias, M, K, N, n, y);
     for (; n < n_end; n++) block_rows_dp<1>(xb, xrow, w, xsum, scale, bias, M, K, N, n, y);
 }
@@ -542,7 +542,7 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
         in.xs = xs.data();
     }
 #ifdef POLYSPEC_DPBF16
-    if (dot_rows(ws[0])) {  // bf16 rows: the input rounded to bf16 once
+    if (dot_rows(ws[0])) {  // bf16 and int8 rows: the input rounded to bf16 once
         in.xb_row = bf16_prepare(x, M, K, xb);
         in.xb = xb.data();
         if (std::is_same<WT, WI8>::value) {  // int8 rows: each rounded input row's sum, in one fixed order
@@ -982,8 +982,8 @@ extern "C" {
 
 int polyspec_linear_abi(void) { return 10; }
 
-// Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs, 0 = the
-// portable fp32 ones.
+// Which row kernels this build has for int4, int8 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs,
+// 0 = the portable fp32 ones.
 int polyspec_dot_path(void) {
 #ifdef POLYSPEC_DPBF16
     return 1;

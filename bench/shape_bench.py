@@ -69,7 +69,7 @@ def _fill(module: Any, gen: Any, std: float = 0.02) -> None:
             mod.zeros.fill_(8)
             if mod.bias is not None:
                 mod.bias.zero_()
-            mod._kernel = None
+            mod.reset_kernels()
     for name, p in module.named_parameters():
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
             p.data.fill_(1.0)

@@ -238,16 +238,17 @@ class StaticRunner:
         bk.graph.replay()
         return bk.out
 
-    def prewarm(self) -> int:
+    def prewarm(self, max_seq_len: int | None = None) -> int:
         """Run every width bucket once now, compiling and capturing it, so that no timed forward pays for that later
-        (seconds per bucket and model on a GPU the first time). On the model's current cache, or, without one, on a
-        cache of a short generation's size (the same physical length as later ones: see ``setup_cache``); the cache
-        is left empty. Returns the buckets run."""
+        (seconds per bucket and model on a GPU the first time). On the model's current cache, or on one for
+        ``max_seq_len`` positions (default: a short generation's) where there is none or it is smaller: later
+        generations up to that size keep the same tensors, hence the graphs and the compiled code (a cache of
+        another physical length would recompile every bucket). The cache is left empty. Returns the buckets run."""
         from polyspec.decode.head import EagleHead
 
         model = self.model
-        if model._cache is None:
-            model.setup_cache(self.max_width)
+        if model._cache is None or (max_seq_len and model._cache.k[0].shape[2] < max_seq_len + self.slack):
+            model.setup_cache(max_seq_len or self.max_width)
         cache = model._cache
         dev, hidden = cache.k[0].device, model.args.hidden_size
         n = 0
@@ -342,10 +343,10 @@ def enable(model: nn.Module, *, graphs: bool | None = None, max_width: int = 16,
     return runner
 
 
-def prewarm(models: Any) -> int:
+def prewarm(models: Any, max_seq_len: int | None = None) -> int:
     """:meth:`StaticRunner.prewarm` for each of ``models`` that has a runner (the others are skipped); returns the
     buckets run in all. The bench and the profile call it before they time anything."""
-    return sum(r.prewarm() for m in models if m is not None and (r := runner_of(m)) is not None)
+    return sum(r.prewarm(max_seq_len) for m in models if m is not None and (r := runner_of(m)) is not None)
 
 
 def disable(model: nn.Module) -> None:

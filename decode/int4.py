@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyspec.decode import cpu_kernels
+from polyspec.decode import cpu_kernels, int4_triton
 from polyspec.errors import PolyspecError
 from polyspec.fsutil import swap_into_place, temp_folder
 
@@ -299,15 +299,18 @@ def _has_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
 
 
-def select_backend(x: torch.Tensor) -> str:
-    """"cpu", "cuda" or "reference" for activations ``x`` (POLYSPEC_INT4_REFERENCE=1 forces the reference;
-    POLYSPEC_INT4_REFERENCE=bf16 too, with the activations rounded to bf16 first, as the kernels round them)."""
+def select_backend(x: torch.Tensor, group_size: int = 0) -> str:
+    """"cpu", "triton", "cuda" or "reference" for activations ``x`` [M, K] of a layer with ``group_size``
+    (POLYSPEC_INT4_REFERENCE=1 forces the reference; POLYSPEC_INT4_REFERENCE=bf16 too, with the activations rounded
+    to bf16 first, as the kernels round them). "triton": CUDA at verification widths (decode/int4_triton.py)."""
     if os.environ.get("POLYSPEC_INT4_REFERENCE", "") not in ("", "0"):
         return "reference"
     if x.requires_grad and torch.is_grad_enabled():
         return "reference"  # the fused kernels have no backward
     if x.device.type == "cpu" and _has_op("_weight_int4pack_mm_for_cpu"):
         return "cpu"
+    if x.device.type == "cuda" and int4_triton.supported(x, group_size):
+        return "triton"
     if x.device.type == "cuda" and _has_op("_weight_int4pack_mm") and torch.cuda.get_device_capability(x.device)[0] >= 8:
         return "cuda"
     return "reference"
@@ -335,7 +338,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", scales.detach().float().contiguous())
         self.register_buffer("zeros", zeros.detach().to(torch.uint8).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self._kernel: tuple | None = None  # (device, plan, packed weight, scales_and_zeros)
+        self.reset_kernels()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, sym: bool = True) -> Int4Linear:
@@ -362,8 +365,13 @@ class Int4Linear(nn.Module):
         # dtype casts must not round the scales (a meta layer moved with to_empty gets empty float32 scales)
         self.scales = torch.empty_like(scales, device=self.qdata.device) if scales.is_meta \
             else scales.to(self.qdata.device)
-        self._kernel = None
+        self.reset_kernels()
         return self
+
+    def reset_kernels(self) -> None:
+        """Forget the kernel-ready copies (after the codes, scales or device change): rebuilt on next use."""
+        self._kernel: tuple | None = None  # torch's int4 kernels: ((backend, device), plan, packed, scales_and_zeros)
+        self._triton: tuple | None = None  # the Triton kernel: (device, plan, scales [G, N], zeros [G, N])
 
     def _packed_for(self, backend: str, device: torch.device) -> tuple[KernelPlan, torch.Tensor, torch.Tensor] | None:
         if self._kernel is not None and self._kernel[0] == (backend, device):
@@ -380,6 +388,20 @@ class Int4Linear(nn.Module):
         self._kernel = ((backend, device), plan, packed, sz.to(device))
         return self._kernel[1:]
 
+    def _triton_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] -> [M, N] in x2's dtype on the Triton W4A16 kernel (activations rounded to bf16, as torch's
+        CUDA int4 kernel rounds them); its transposed scales and zeros and launch plan are built once per device."""
+        dev = x2.device
+        if self._triton is None or self._triton[0] != dev:
+            int4_triton.register()
+            props = torch.cuda.get_device_properties(dev)
+            plan = int4_triton.plan(self.out_features, self.scales.shape[1], props.multi_processor_count)
+            self._triton = (dev, plan, *int4_triton.kernel_tensors(self.scales, self.zeros, dev))
+        _, plan, scales_t, zeros_t = self._triton
+        y = int4_triton.int4_mm(x2.to(torch.bfloat16), self.qdata, scales_t, zeros_t, self.group_size,
+                                self.out_features, plan)
+        return y.to(x2.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (the one place that picks the kernel)."""
         fast = cpu_kernels.int4_linear(x, self)  # the CPU streaming kernel at decode widths (see dot_path())
@@ -387,9 +409,11 @@ class Int4Linear(nn.Module):
             return fast
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        backend = select_backend(x2)
-        kernel = self._packed_for(backend, x2.device) if backend != "reference" else None
-        if kernel is None:
+        backend = select_backend(x2, self.group_size)
+        kernel = self._packed_for(backend, x2.device) if backend not in ("reference", "triton") else None
+        if backend == "triton":  # verification widths on CUDA (decode/int4_triton.py)
+            y = self._triton_mm(x2)
+        elif kernel is None:
             w = self.dequantized_weight().to(device=x2.device, dtype=x2.dtype)  # [N, K]
             if os.environ.get("POLYSPEC_INT4_REFERENCE", "").strip().lower() == "bf16":
                 x2 = x2.to(torch.bfloat16).to(x2.dtype)

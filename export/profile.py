@@ -327,13 +327,15 @@ def _speedups(final: dict[str, Run], top: str) -> dict[str, Any]:
             "vs_ar": speedup_summary(pred, wall, "ar")}
 
 
-def _prewarm(levels: list[Any], say: Callable[[str], None]) -> None:
-    """Every static-step width of every level compiled and captured before the grid (CUDA), so that the grid's
-    first configurations do not time the compiler (on the first GPU run they did: 13.6 s for 8 prompts)."""
+def _prewarm(levels: list[Any], prompts: list[list[int]], s: ProfileSettings, say: Callable[[str], None]) -> None:
+    """Every static-step width of every level compiled and captured before the grid (CUDA), on caches as long as
+    the longest prompt's run needs, so that the grid's first configurations do not time the compiler (on the first
+    GPU run they did: 13.6 s for 4 prompts)."""
     from polyspec.decode import cuda_graphs
 
     t0 = time.perf_counter()
-    n = cuda_graphs.prewarm(getattr(lv, "model", None) or getattr(lv, "head", None) for lv in levels)
+    size = max(map(len, prompts), default=0) + s.max_new_tokens + cuda_graphs.BUCKETS[-1]
+    n = cuda_graphs.prewarm((getattr(lv, "model", None) or getattr(lv, "head", None) for lv in levels), size)
     if n:
         say(f"profile: {n} static-step widths compiled and captured ({time.perf_counter() - t0:.1f} s)")
 
@@ -351,7 +353,7 @@ def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettin
         ch.ngram = NgramLevel(levels[0].model.args.vocab_size, name=_free_name("ngram", ch.names))
     say = say or (lambda _msg: None)
     run = Runner(s, say)
-    _prewarm(levels, say)
+    _prewarm(levels, prompts, s, say)
     grid_set = prompts[: s.grid_prompts or len(prompts)]
     grid = _grid_runs(run, ch, grid_set, s)
     costs = _costs(ch, grid, s, say)

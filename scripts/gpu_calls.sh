@@ -42,7 +42,7 @@ smollm2_install() {
 call_a() {  # the GPU tests, the probe, the kernel count per layer (GPU.md call 1a), and the first half staged
     stage_first_half
     install
-    step pytest_gpu 240 python3 -m pytest -q -m gpu tests/ -rA --durations=15 -p no:cacheprovider
+    step pytest_gpu 300 python3 -m pytest -q -m gpu tests/ -rA --durations=15 -p no:cacheprovider
     step probe 170 polyspec gpu-probe --wheels .whl --json "$OUT/probe.json"
     step step_kernels 150 python3 -m polyspec.bench.step_kernels llama2-7b --device cuda --widths 1,5 \
         --json "$OUT/step_kernels_7b.json"
@@ -56,7 +56,10 @@ call_b() {  # shape-bench at Llama-2-7B's shape with the CPU chain's projection 
     # shellcheck disable=SC2086
     step shape_7b "${B_LIMIT:-480}" polyspec shape-bench llama2-7b $c --widths ${WIDTHS:-1 2 3 4 5 6 7 8 9 13 49} \
         --json "$OUT/shape_7b.json"
-    sed -n '/^shape llama2-7b/,$p' "$LOG" | head -n 40
+    # the ablation of the Triton int4 kernel (decode/int4_triton.py): torch's int4 kernel at the same widths
+    step shape_7b_no_triton "${B2_LIMIT:-200}" env POLYSPEC_INT4_TRITON=0 polyspec shape-bench llama2-7b \
+        --widths 1 2 5 9 17 --json "$OUT/shape_7b_no_triton.json"
+    sed -n '/^shape llama2-7b/,/^wrote/p' "$LOG" | grep -v "^wrote" | head -n 60
 }
 
 recipe_run() {

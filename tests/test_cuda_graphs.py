@@ -411,3 +411,18 @@ def test_prewarm_compiles_every_bucket_before_a_generation(models):
     got = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft_k=3, max_seq_len=64).generate(prompt, 12)
     assert got.token_ids == ar.token_ids
     assert counters["stats"]["unique_graphs"] == before
+
+
+def test_prewarm_sizes_the_cache_for_the_longest_run(models, monkeypatch):
+    """prewarm(max_seq_len) allocates once for the longest generation to come, so a long one re-captures nothing."""
+    from polyspec.decode.levels import ModelLevel
+
+    _fake_cuda_graph_api(monkeypatch)
+    t = copy.deepcopy(models["target"])
+    runner = cuda_graphs.StaticRunner(t, graphs=True, max_width=4)
+    t.__dict__["_static_runner"] = runner
+    monkeypatch.setattr(_FakeGraph, "runners", (runner,))
+    assert cuda_graphs.prewarm([t], max_seq_len=1500) == 3
+    assert t._cache.k[0].shape[2] >= 1500 + runner.slack and runner.captures == 3
+    ChainDecoder([ModelLevel(t, "t")], max_seq_len=1400).generate([5, 17, 230, 9, 77, 3], 8)
+    assert runner.captures == 3

@@ -26,7 +26,7 @@ HEAD_MS, PYTHON_MS = 0.6, 0.2
 
 def _paths(ctx: list[int], top: list[int], prob: float, room: int, policy: dict) -> tuple[list[list[int]], bool]:
     """The round's candidate paths and whether the head ran."""
-    run = lookup_run(ctx, min(4, room), min_n=2)
+    run = lookup_run(ctx, min(policy.get("lookup", 4), room), min_n=2)
     if run and not (prob > policy.get("override", 2.0) and top[0] != run[0]):
         return [run], False
     paths = []
@@ -73,7 +73,8 @@ def main(chain_dir: str, records: str) -> None:
     probs = [torch.softmax(x, -1).max(-1).values.tolist() for x in logits]
     policies = {"the head's first guess (the default)": {}, "+ lookup after the head's guess": {"ext": 4},
                 "the head's top 2 as two branches": {"k": 2}, "the head's top 3": {"k": 3},
-                **{f"the head over a lookup block where its top-1 p > {t}": {"override": t} for t in (0.5, 0.7, 0.9)}}
+                **{f"the head over a lookup block where its top-1 p > {t}": {"override": t} for t in (0.5, 0.7, 0.9)},
+                **{f"lookup blocks of up to {n}": {"lookup": n} for n in (2, 3, 6, 8)}}
     for name, policy in policies.items():
         per_round, speedup = replay(rows, tops, probs, policy)
         print(f"{name}: tokens per round {per_round:.3f}, decode-only speedup {speedup:.3f}")

@@ -131,6 +131,17 @@ def _run_rows(p: Profile) -> list[str]:
     return rows
 
 
+def _lossless_line(lossless: bool, device: str, dtype: str) -> str:
+    """The greedy equality check, with what a failure means where it is expected (16-bit on CUDA)."""
+    line = f"Lossless (greedy outputs identical across ar/dual/chain): {lossless}"
+    if lossless:
+        return line
+    if device.startswith("cuda") and dtype in ("bfloat16", "float16"):
+        return line + (f" (expected in {dtype} on CUDA: a verification's rows take other GEMM kernels than a decode "
+                       "step, so near-ties can flip; the chain is exact in float32: docs/DECODE.md)")
+    return line + " (not expected on this device and dtype: please report it with this folder's manifest)"
+
+
 def verdict_markdown(p: Profile) -> str:
     """The verdict table: T, L, both conditions per insertion, predicted and measured speedups, with the stamps."""
     hw, sw = p.stamps.get("hardware", {}), p.stamps.get("software", {})
@@ -139,7 +150,7 @@ def verdict_markdown(p: Profile) -> str:
     for v in p.insertions:
         lines += _insertion_rows(p, v)
     lines += [_chosen_row(p), *_needed_row(p), *_run_rows(p)]
-    lines += ["", f"Lossless (greedy outputs identical across ar/dual/chain): {p.lossless_greedy}",
+    lines += ["", _lossless_line(p.lossless_greedy, str(p.device), str(p.dtype)),
               f"Hardware: {hw.get('cpu')}, {hw.get('logical_cores')} cores, CUDA "
               f"{'yes' if (hw.get('cuda') or {}).get('available') else 'no'}; load average "
               f"{p.stamps.get('load_average_before')} -> {p.stamps.get('load_average')}",

@@ -203,3 +203,13 @@ def test_export_stage_logs_the_chain_as_an_mlflow_model(parts, profile, tmp_path
     off = recipe.model_copy(update={"tracking": recipe.tracking.model_copy(update={"log_model": False})})
     export_stage(off, Tracker(), parts=parts, profile=profile, say=said.append)
     assert len(logged) == 1  # tracking.log_model: false
+
+
+def test_lossless_line_says_what_a_failed_greedy_check_means():
+    from polyspec.export.report import _lossless_line
+
+    assert _lossless_line(True, "cpu", "bfloat16").endswith(": True")
+    assert "expected in bfloat16 on CUDA" in _lossless_line(False, "cuda", "bfloat16")
+    assert "expected in float16 on CUDA" in _lossless_line(False, "cuda:1", "float16")
+    for device, dtype in (("cuda", "float32"), ("cpu", "bfloat16")):
+        assert "not expected" in _lossless_line(False, device, dtype)

@@ -251,10 +251,10 @@ def _script_cuda(ref, twin, runner, tol):
     _caches_equal(ref, twin, tol)
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_cuda_graph_chain_equals_ar_and_graphs_survive_generations(models):
-    from polyspec.decode.levels import HeadLevel, ModelLevel
+def _cuda_chain(models):
+    """The target, int4 copy and head on CUDA (the head sharing the target's embedding and lm_head), a prompt, and
+    the target's greedy ar answer to it."""
+    from polyspec.decode.levels import ModelLevel
 
     t = copy.deepcopy(models["target"]).cuda()
     q = copy.deepcopy(models["int4"]).cuda()
@@ -262,6 +262,15 @@ def test_cuda_graph_chain_equals_ar_and_graphs_survive_generations(models):
     h.embed_tokens, h.lm_head = t.embed_tokens, t.lm_head
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(copy.deepcopy(t), "t")], max_seq_len=64).generate(prompt, 20).token_ids
+    return t, q, h, prompt, ar
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_chain_equals_ar_and_graphs_survive_generations(models):
+    from polyspec.decode.levels import HeadLevel, ModelLevel
+
+    t, q, h, prompt, ar = _cuda_chain(models)
     n = cuda_graphs.enable_for_device({"t": t, "q": q, "h": h}, "cuda")
     assert n == 3
     dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], draft_k=3, mu=[4],
@@ -281,12 +290,7 @@ def test_cuda_prewarm_leaves_nothing_to_capture_or_compile(models):
 
     from polyspec.decode.levels import HeadLevel, ModelLevel
 
-    t = copy.deepcopy(models["target"]).cuda()
-    q = copy.deepcopy(models["int4"]).cuda()
-    h = copy.deepcopy(models["head"]).cuda()
-    h.embed_tokens, h.lm_head = t.embed_tokens, t.lm_head
-    prompt = [5, 17, 230, 9, 77, 3]
-    ar = ChainDecoder([ModelLevel(copy.deepcopy(t), "t")], max_seq_len=64).generate(prompt, 20).token_ids
+    t, q, h, prompt, ar = _cuda_chain(models)
     for m in (t, q, h):
         cuda_graphs.enable(m, graphs=True, max_width=16)
     assert cuda_graphs.prewarm([t, q, h]) == 3 * 5  # buckets 1, 2, 4, 8, 16 each
@@ -324,12 +328,7 @@ class _Ctx:
         return False
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monkeypatch, compiled):
-    """The graph path (warm-up, capture once per bucket, replay into static outputs, clones handed out, no re-capture
-    across generations) on the CPU, with torch.cuda's graph API replaced by a fake that re-runs the step on replay."""
-    from polyspec.decode.levels import ModelLevel
-
+def _fake_cuda_graph_api(monkeypatch):
     class _Stream:
         def wait_stream(self, other):
             pass
@@ -339,6 +338,15 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
     monkeypatch.setattr(torch.cuda, "stream", _Ctx)
     monkeypatch.setattr(torch.cuda, "graph", _Ctx)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monkeypatch, compiled):
+    """The graph path (warm-up, capture once per bucket, replay into static outputs, clones handed out, no re-capture
+    across generations) on the CPU, with torch.cuda's graph API replaced by a fake that re-runs the step on replay."""
+    from polyspec.decode.levels import ModelLevel
+
+    _fake_cuda_graph_api(monkeypatch)
     t = copy.deepcopy(models["target"])
     runner = cuda_graphs.StaticRunner(t, graphs=True, max_width=16, compiled=compiled)
     t.__dict__["_static_runner"] = runner
@@ -359,18 +367,6 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
         kept = a.clone()
         t(torch.tensor([2]))
     assert torch.equal(a, kept)
-
-
-def _fake_cuda_graph_api(monkeypatch):
-    class _Stream:
-        def wait_stream(self, other):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
-    monkeypatch.setattr(torch.cuda, "stream", _Ctx)
-    monkeypatch.setattr(torch.cuda, "graph", _Ctx)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
 
 
 def test_prewarm_captures_every_bucket_before_a_generation(models, monkeypatch):

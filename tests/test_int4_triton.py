@@ -39,10 +39,15 @@ print("parity ok")
 """
 
 
+def _interpreted(script: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh Python under Triton's interpreter (chosen when a kernel is defined, so not in here)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+
+
 @needs_triton
 def test_triton_kernel_matches_the_reference_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _PARITY], env=env, capture_output=True, text=True, timeout=600)
+    out = _interpreted(_PARITY)
     assert out.returncode == 0 and "parity ok" in out.stdout, out.stderr[-3000:]
 
 
@@ -65,8 +70,7 @@ print("compiled ok")
 @needs_triton
 def test_triton_op_traces_in_one_graph():
     """The compiled static step is compiled with fullgraph: the op must not break the graph."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _COMPILED], env=env, capture_output=True, text=True, timeout=600)
+    out = _interpreted(_COMPILED)
     assert out.returncode == 0 and "compiled ok" in out.stdout, out.stderr[-3000:]
 
 

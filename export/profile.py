@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from polyspec.errors import PolyspecError
@@ -34,6 +34,7 @@ from polyspec.export.verdict import (
     insertion_verdict,
     lengths_from_hist,
     predict,
+    runners_up,
     speedup_summary,
     tree_dict,
     variance_check,
@@ -56,6 +57,7 @@ class ProfileSettings:
     eos_ids: frozenset[int] = frozenset()
     ngram: bool = False  # also weigh prompt lookup (decode.ngram.NgramLevel) as the target's draft
     draft_lookups: tuple[int, ...] = ()  # dual with prompt-lookup blocks of up to N tokens (decode.draft_lookup)
+    confirm_duals: int = 0  # runner-up duals (by prediction) the final runs measure too; the fastest measured is kept
 
 
 @dataclass
@@ -195,16 +197,43 @@ class _Choice:
     tree_dual: Any
     tree_chain: Any
     best_ngram: GridRow | None = None
+    other_duals: list[GridRow] = field(default_factory=list)  # runner-ups the final runs measure beside best_dual
 
 
-def _choose(rows: list[GridRow], tree: Any) -> _Choice:
+def _choose(rows: list[GridRow], tree: Any, confirm: int = 0) -> _Choice:
     modes = ("chain", "dual", NGRAM_MODE)
     chosen, best_dual, best_chain = (choose_config(rows, m) for m in (modes, ("dual",), ("chain",)))
     best_ngram = choose_config(rows, (NGRAM_MODE,)) if any(r.mode == NGRAM_MODE for r in rows) else None
     chain_like = best_chain if chosen.mode != "chain" else chosen
     return _Choice(chosen=chosen, best_dual=best_dual, k_chain=chain_like.draft_k, mu=chain_like.mu[0],
                    tree_dual=tree if best_dual.tree else None, tree_chain=tree if chain_like.tree else None,
-                   best_ngram=best_ngram)
+                   best_ngram=best_ngram, other_duals=runners_up(rows, best_dual, confirm))
+
+
+def _dual_spec(ch: _Chain, row: GridRow, tree: Any) -> tuple:
+    """A final run's spec for the dual of grid row ``row``."""
+    lookup = row.draft_lookup
+    tag = _shape(tree) if row.tree else f"k={row.draft_k}" + (f" lookup={lookup}" if lookup else "")
+    return ([ch.levels[0], ch.levels[-1]], row.draft_k, None, f"dual {tag}", tree if row.tree else None, lookup)
+
+
+def _keep_fastest_dual(c: _Choice, final: dict[str, Run], tree: Any, say: Callable[[str], None]) -> dict[str, Any]:
+    """Among the best predicted dual and its runner-ups, measured on every prompt, keep the fastest as ``dual``
+    (and as the choice, where the choice was dual); the runner-ups' runs leave ``final``. Returns what was compared."""
+    rows = {"dual": c.best_dual, **{f"dual_alt{i}": r for i, r in enumerate(c.other_duals)}}
+    measured = {key: final[key].tokens_per_second for key in rows}
+    best = max(measured, key=lambda key: measured[key])
+    compared = {rows[key].label: round(tps, 2) for key, tps in measured.items()}  # grid labels: runs may be shared
+    if best != "dual":
+        say(f"profile: {rows[best].label} measured faster than {rows['dual'].label} on every prompt: kept")
+        if c.chosen is c.best_dual:
+            c.chosen = rows[best]
+        c.best_dual, c.tree_dual = rows[best], tree if rows[best].tree else None
+        final["dual"] = final[best]
+    for key in rows:
+        if key != "dual":
+            final.pop(key)
+    return {"duals_measured_tokens_per_second": compared, "dual_kept": c.best_dual.label}
 
 
 def _without(j: int, n: int) -> list[int]:
@@ -217,7 +246,7 @@ def _run_keys(ch: _Chain, j: int) -> tuple[str, str]:
     return before, "_over_".join(ch.tags[j:])
 
 
-def _final_runs(run: Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) -> dict[str, Run]:
+def _final_runs(run: Runner, ch: _Chain, prompts: list[list[int]], c: _Choice, tree: Any = None) -> dict[str, Run]:
     """The final runs on all prompts (see the module docstring), interleaved prompt by prompt."""
     n, top, bottom = len(ch.levels), ch.levels[0], ch.levels[-1]
     lookup = c.best_dual.draft_lookup
@@ -225,6 +254,7 @@ def _final_runs(run: Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) -
     tag_chain = _shape(c.tree_chain) or f"k={c.k_chain}"
     specs = {"ar": ([top], 1, None, "ar", None),
              "dual": ([top, bottom], c.best_dual.draft_k, None, f"dual {tag_dual}", c.tree_dual, lookup),
+             **{f"dual_alt{i}": _dual_spec(ch, r, tree) for i, r in enumerate(c.other_duals)},
              "chain": (ch.levels, c.k_chain, c.mu, f"chain {tag_chain} mu={c.mu}", c.tree_chain),
              "dual_at_chain_k": ([top, bottom], c.k_chain, None, f"dual {tag_chain}", c.tree_chain)}
     if c.best_ngram is not None:
@@ -359,8 +389,9 @@ def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettin
     costs = _costs(ch, grid, s, say)
     for r in grid:
         r.predicted = predict(r, costs)
-    c = _choose([grid_row(r) for r in grid], s.tree)
-    final = _final_runs(run, ch, prompts, c)
+    c = _choose([grid_row(r) for r in grid], s.tree, s.confirm_duals)
+    final = _final_runs(run, ch, prompts, c, s.tree)
+    confirmed = _keep_fastest_dual(c, final, s.tree, say)
     for r in final.values():
         r.predicted = predict(r, costs)
     insertions = [_insertion(ch, j, final, costs, c) for j in range(1, len(levels) - 1)]
@@ -378,4 +409,5 @@ def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettin
                 speedup=_speedups(final, ch.names[0]), variance={},
                 lossless_greedy=all(r.outputs == ref for r in final.values() if r.levels[0] == ch.names[0]))
     p.variance = _variance(p, c.k_chain, c.mu)
+    p.notes["confirm_duals"] = confirmed
     return p

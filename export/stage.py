@@ -281,7 +281,7 @@ def profile_folders(parts: Parts, out_dir: Path, settings: ProfileSettings, *, p
     for info, folder in zip(p.levels, folders, strict=True):
         info.folder = str(folder)
     p.key, p.device, p.dtype, p.torch_threads = key, lv.device, lv.dtype, threads_used
-    p.prompt_sources, p.notes, p.seconds = sources, dict(notes or {}), time.perf_counter() - t0
+    p.prompt_sources, p.notes, p.seconds = sources, {**p.notes, **(notes or {})}, time.perf_counter() - t0
     p.stamps = {**stamps(), "load_average_before": before["load_average"]}
     write_profile(out_dir, p)
     p.path = str(out_dir)
@@ -358,7 +358,7 @@ def _settings(recipe: Any, threads: int | None) -> tuple[ProfileSettings, dict[s
     grid_prompts = p.grid_prompts or max(1, p.prompts // 4)
     s = ProfileSettings(max_new_tokens=p.max_new_tokens, kv_length=p.kv_length, warmup=p.warmup, repeats=p.repeats,
                         draft_ks=tuple(p.draft_k_grid), mus=tuple(p.mu_grid), grid_prompts=grid_prompts, tree=tree,
-                        ngram=p.ngram, draft_lookups=tuple(p.draft_lookup_grid))
+                        ngram=p.ngram, draft_lookups=tuple(p.draft_lookup_grid), confirm_duals=p.confirm_duals)
     # the search settings key nothing the profile measures (and profiles made before them keep their keys)
     keyed = {"profile": p.model_dump(mode="json", exclude=SEARCH_KEYS), "device": _device(recipe), "dtype": recipe.target.dtype,
              "draft_ks": list(s.draft_ks), "mus": list(s.mus), "grid_prompts": grid_prompts,

@@ -36,7 +36,8 @@ from polyspec.theory import acceptance_length_moments, chain_time_per_token, ins
 
 DECISION_RULE = ("min over the grid of the Lemma 3.1 time per token (measured T at the run's own forward widths, "
                  "measured L_eff and beta), modes chain and dual, linear drafts and (when given) the draft tree, "
-                 "and (when weighed) dual over prompt lookup; "
+                 "and (when weighed) dual over prompt lookup; the best predicted dual and the next "
+                 "profile.confirm_duals measured on every prompt, the fastest kept; "
                  "mode ar when ar's predicted time beats the measured dual baseline and chosen chain, or when the "
                  "final runs measured ar at least as fast as the chosen configuration")
 
@@ -130,6 +131,12 @@ def choose_config(rows: Sequence[GridRow], modes: tuple[str, ...] = ("chain", "d
     if not cands:
         raise PolyspecError(f"no measured configuration of mode {'/'.join(modes)} to choose from")
     return min(cands, key=lambda r: r.predicted_time_per_token_s)
+
+
+def runners_up(rows: Sequence[GridRow], best: GridRow, n: int, modes: tuple[str, ...] = ("dual",)) -> list[GridRow]:
+    """The ``n`` rows of ``modes`` predicted fastest after ``best`` (the final runs measure them too)."""
+    cands = [r for r in rows if r.mode in modes and r.predicted_time_per_token_s is not None and r is not best]
+    return sorted(cands, key=lambda r: r.predicted_time_per_token_s)[:n]
 
 
 def decide(chosen: GridRow, final: dict[str, Run], *, mu: int, n_levels: int, grid: dict[str, Any]) -> Decision:

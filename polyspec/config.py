@@ -308,6 +308,9 @@ class ProfileConfig(Section):
     ngram: bool = Field(True, description="also weigh prompt lookup (n-gram drafts, no model) under the target")
     draft_lookup_grid: list[int] = Field(default_factory=lambda: [4], description="prompt-lookup block sizes "
                                          "(decode.draft_lookup) also tried with dual at every draft_k; [] = none")
+    confirm_duals: int = Field(2, ge=0, description="dual configurations after the best predicted that the final runs "
+                               "also measure on every prompt; the fastest measured dual is kept (a few grid prompts "
+                               "do not separate close configurations)")
     search: bool = Field(False, description="polyspec profile runs the chain search (docs/PROFILE.md) instead")
     search_max_levels: int = Field(4, ge=2, description="chain search: the longest chain, target included")
     search_mu: list[int] | None = Field(None, description="chain search: mu per insertion (default: mu_grid)")

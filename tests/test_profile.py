@@ -475,3 +475,42 @@ def test_forward_widths_take_turns_and_each_gets_its_repeats():
 
     with pytest.raises(PolyspecError, match="widths"):
         time_forwards(Level(), [], 8, hidden_size=5)
+
+
+def _row(label, mode, predicted, tree=None, lookup=0, k=1):
+    from polyspec.export.results import GridRow
+
+    return GridRow(label=label, mode=mode, draft_k=k, mu=[], tree=tree, L={}, L_eff={}, beta=1.0, T_s={},
+                   predicted_time_per_token_s=predicted, measured_tokens_per_second=0.0,
+                   measured_tokens_per_second_steady=0.0, new_tokens=0, draft_lookup=lookup)
+
+
+def test_runners_up_and_the_fastest_measured_dual_is_kept():
+    """The final runs measure the best predicted dual and its runner-ups; the fastest measured replaces the choice
+    (the demo's 4 grid prompts once put k=2 ahead of k=1, which the bench then measured 9 % slower)."""
+    from types import SimpleNamespace
+
+    from polyspec.export.profile import _Choice, _keep_fastest_dual
+    from polyspec.export.verdict import runners_up
+
+    rows = [_row("k=2 lookup=6", "dual", 1.0, lookup=6, k=2), _row("k=1 lookup=6", "dual", 1.1, lookup=6),
+            _row("tree", "dual", 1.2, tree={"top_k": 2}), _row("chain", "chain", 0.9), _row("k=1", "dual", 1.5)]
+    alts = runners_up(rows, rows[0], 2)
+    assert [r.label for r in alts] == ["k=1 lookup=6", "tree"]
+    assert runners_up(rows, rows[0], 0) == []
+    run = lambda label, tps: SimpleNamespace(label=label, tokens_per_second=tps)  # noqa: E731
+    c = _Choice(chosen=rows[0], best_dual=rows[0], k_chain=1, mu=4, tree_dual=None, tree_chain=None,
+                other_duals=alts)
+    final = {"ar": run("ar", 100.0), "dual": run("dual k=2", 140.0), "dual_alt0": run("dual k=1", 150.0),
+             "dual_alt1": run("dual tree", 145.0), "chain": run("chain", 90.0)}
+    notes = _keep_fastest_dual(c, final, "TREE", lambda _m: None)
+    assert c.chosen is rows[1] and c.best_dual is rows[1] and c.tree_dual is None
+    assert set(final) == {"ar", "dual", "chain"} and final["dual"].label == "dual k=1"
+    assert notes["dual_kept"] == "k=1 lookup=6" and notes["duals_measured_tokens_per_second"]["k=2 lookup=6"] == 140.0
+    # a chain choice stays; only the dual baseline moves (here to the tree, with its shape)
+    c = _Choice(chosen=rows[3], best_dual=rows[0], k_chain=1, mu=4, tree_dual=None, tree_chain=None,
+                other_duals=alts)
+    final = {"ar": run("ar", 100.0), "dual": run("dual k=2", 140.0), "dual_alt0": run("dual k=1", 120.0),
+             "dual_alt1": run("dual tree", 145.0)}
+    _keep_fastest_dual(c, final, "TREE", lambda _m: None)
+    assert c.chosen is rows[3] and c.best_dual is rows[2] and c.tree_dual == "TREE"

@@ -101,17 +101,6 @@ class EngineRunner:
         return Generation(list(res.token_ids), seconds, levels, accept)
 
 
-def _prewarm_static_steps(chain: Any, log: Any) -> None:
-    """Compile and capture every static-step width of every level now (CUDA): a warm-up generation does not reach
-    them all, and the first GPU bench timed seconds of compilation inside its first speculative mode."""
-    from polyspec.decode import cuda_graphs
-
-    t0 = time.perf_counter()
-    n = cuda_graphs.prewarm(chain.models.values())
-    if n:
-        log(f"bench: {n} static-step widths compiled and captured before timing ({time.perf_counter() - t0:.1f} s)")
-
-
 class HFRunner:
     """transformers ``generate`` on the target folder (optionally with an assistant model: assisted generation)."""
 
@@ -352,7 +341,10 @@ def run_benchmark(chain_dir: Path, questions: list[Any], settings: BenchSettings
     for mode in order:  # warm-up, untimed
         for _ in range(settings.warmup):
             runners[mode].generate(first, min(8, settings.max_new_tokens), sampling, settings.seed, eos)
-    _prewarm_static_steps(chain, log)
+    # CUDA: the warm-up generations reach only some static-step widths; the first GPU bench timed the compiler
+    from polyspec.decode import cuda_graphs
+
+    cuda_graphs.prewarm(chain.models.values(), say=lambda msg: log(f"bench: {msg}"))
 
     records: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []

@@ -31,6 +31,7 @@ attaching runners (the ordinary forward then runs everywhere).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -343,10 +344,15 @@ def enable(model: nn.Module, *, graphs: bool | None = None, max_width: int = 16,
     return runner
 
 
-def prewarm(models: Any, max_seq_len: int | None = None) -> int:
+def prewarm(models: Any, max_seq_len: int | None = None, say: Any = None) -> int:
     """:meth:`StaticRunner.prewarm` for each of ``models`` that has a runner (the others are skipped); returns the
-    buckets run in all. The bench and the profile call it before they time anything."""
-    return sum(r.prewarm(max_seq_len) for m in models if m is not None and (r := runner_of(m)) is not None)
+    buckets run in all, and tells ``say`` how many and how long when there were any. The bench and the profile call
+    it before they time anything, ``polyspec serve`` at start."""
+    t0 = time.perf_counter()
+    n = sum(r.prewarm(max_seq_len) for m in models if m is not None and (r := runner_of(m)) is not None)
+    if n and say is not None:
+        say(f"{n} static-step widths compiled and captured ({time.perf_counter() - t0:.1f} s)")
+    return n
 
 
 def disable(model: nn.Module) -> None:

@@ -198,6 +198,7 @@ class _Choice:
     tree_chain: Any
     best_ngram: GridRow | None = None
     other_duals: list[GridRow] = field(default_factory=list)  # runner-ups the final runs measure beside best_dual
+    tree: Any = None  # the grid's draft tree shape (what a tree row drafts with)
 
 
 def _choose(rows: list[GridRow], tree: Any, confirm: int = 0) -> _Choice:
@@ -207,17 +208,17 @@ def _choose(rows: list[GridRow], tree: Any, confirm: int = 0) -> _Choice:
     chain_like = best_chain if chosen.mode != "chain" else chosen
     return _Choice(chosen=chosen, best_dual=best_dual, k_chain=chain_like.draft_k, mu=chain_like.mu[0],
                    tree_dual=tree if best_dual.tree else None, tree_chain=tree if chain_like.tree else None,
-                   best_ngram=best_ngram, other_duals=runners_up(rows, best_dual, confirm))
+                   best_ngram=best_ngram, other_duals=runners_up(rows, best_dual, confirm), tree=tree)
 
 
 def _dual_spec(ch: _Chain, row: GridRow, tree: Any) -> tuple:
-    """A final run's spec for the dual of grid row ``row``."""
+    """A final run's spec for the dual of grid row ``row`` (``tree``: the grid's tree shape)."""
     lookup = row.draft_lookup
     tag = _shape(tree) if row.tree else f"k={row.draft_k}" + (f" lookup={lookup}" if lookup else "")
     return ([ch.levels[0], ch.levels[-1]], row.draft_k, None, f"dual {tag}", tree if row.tree else None, lookup)
 
 
-def _keep_fastest_dual(c: _Choice, final: dict[str, Run], tree: Any, say: Callable[[str], None]) -> dict[str, Any]:
+def _keep_fastest_dual(c: _Choice, final: dict[str, Run], say: Callable[[str], None]) -> dict[str, Any]:
     """Among the best predicted dual and its runner-ups, measured on every prompt, keep the fastest as ``dual``
     (and as the choice, where the choice was dual); the runner-ups' runs leave ``final``. Returns what was compared."""
     rows = {"dual": c.best_dual, **{f"dual_alt{i}": r for i, r in enumerate(c.other_duals)}}
@@ -228,7 +229,7 @@ def _keep_fastest_dual(c: _Choice, final: dict[str, Run], tree: Any, say: Callab
         say(f"profile: {rows[best].label} measured faster than {rows['dual'].label} on every prompt: kept")
         if c.chosen is c.best_dual:
             c.chosen = rows[best]
-        c.best_dual, c.tree_dual = rows[best], tree if rows[best].tree else None
+        c.best_dual, c.tree_dual = rows[best], c.tree if rows[best].tree else None
         final["dual"] = final[best]
     for key in rows:
         if key != "dual":
@@ -246,15 +247,13 @@ def _run_keys(ch: _Chain, j: int) -> tuple[str, str]:
     return before, "_over_".join(ch.tags[j:])
 
 
-def _final_runs(run: Runner, ch: _Chain, prompts: list[list[int]], c: _Choice, tree: Any = None) -> dict[str, Run]:
+def _final_runs(run: Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) -> dict[str, Run]:
     """The final runs on all prompts (see the module docstring), interleaved prompt by prompt."""
     n, top, bottom = len(ch.levels), ch.levels[0], ch.levels[-1]
-    lookup = c.best_dual.draft_lookup
-    tag_dual = _shape(c.tree_dual) or f"k={c.best_dual.draft_k}" + (f" lookup={lookup}" if lookup else "")
     tag_chain = _shape(c.tree_chain) or f"k={c.k_chain}"
     specs = {"ar": ([top], 1, None, "ar", None),
-             "dual": ([top, bottom], c.best_dual.draft_k, None, f"dual {tag_dual}", c.tree_dual, lookup),
-             **{f"dual_alt{i}": _dual_spec(ch, r, tree) for i, r in enumerate(c.other_duals)},
+             "dual": _dual_spec(ch, c.best_dual, c.tree),
+             **{f"dual_alt{i}": _dual_spec(ch, r, c.tree) for i, r in enumerate(c.other_duals)},
              "chain": (ch.levels, c.k_chain, c.mu, f"chain {tag_chain} mu={c.mu}", c.tree_chain),
              "dual_at_chain_k": ([top, bottom], c.k_chain, None, f"dual {tag_chain}", c.tree_chain)}
     if c.best_ngram is not None:
@@ -363,11 +362,9 @@ def _prewarm(levels: list[Any], prompts: list[list[int]], s: ProfileSettings, sa
     GPU run they did: 13.6 s for 4 prompts)."""
     from polyspec.decode import cuda_graphs
 
-    t0 = time.perf_counter()
     size = max(map(len, prompts), default=0) + s.max_new_tokens + cuda_graphs.BUCKETS[-1]
-    n = cuda_graphs.prewarm((getattr(lv, "model", None) or getattr(lv, "head", None) for lv in levels), size)
-    if n:
-        say(f"profile: {n} static-step widths compiled and captured ({time.perf_counter() - t0:.1f} s)")
+    cuda_graphs.prewarm((getattr(lv, "model", None) or getattr(lv, "head", None) for lv in levels), size,
+                        say=lambda msg: say(f"profile: {msg}"))
 
 
 def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettings, *,
@@ -390,8 +387,8 @@ def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettin
     for r in grid:
         r.predicted = predict(r, costs)
     c = _choose([grid_row(r) for r in grid], s.tree, s.confirm_duals)
-    final = _final_runs(run, ch, prompts, c, s.tree)
-    confirmed = _keep_fastest_dual(c, final, s.tree, say)
+    final = _final_runs(run, ch, prompts, c)
+    confirmed = _keep_fastest_dual(c, final, say)
     for r in final.values():
         r.predicted = predict(r, costs)
     insertions = [_insertion(ch, j, final, costs, c) for j in range(1, len(levels) - 1)]

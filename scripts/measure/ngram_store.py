@@ -13,8 +13,12 @@ docs/TRAIN.md, "Issue 15's goals re-measured (stop 29)".
 import collections
 import json
 import sys
+from pathlib import Path
 
-from polyspec.decode.ngram import lookup_run
+sys.path.insert(0, str(Path(__file__).parent))
+from replay_policies import accepted  # noqa: E402
+
+from polyspec.decode.ngram import lookup_run  # noqa: E402
 
 Table = dict[tuple[int, ...], tuple[int, int]]
 
@@ -39,13 +43,6 @@ def store_run(table: Table, ctx: list[int], n: int, size: int = 8, min_count: in
     return run
 
 
-def accepted(run: list[int], answer: list[int], i: int) -> int:
-    m = 0
-    while m < len(run) and i + m < len(answer) and run[m] == answer[i + m]:
-        m += 1
-    return m
-
-
 def replay(records: list[dict], table_for, n: int, min_count: int) -> collections.Counter:
     tot: collections.Counter = collections.Counter()
     for r in records:
@@ -58,7 +55,7 @@ def replay(records: list[dict], table_for, n: int, min_count: int) -> collection
             tot["no_lookup"] += 1
             run = store_run(table, ctx, n, min_count=min_count)
             if run:
-                a = accepted(run, answer, i)
+                a = accepted([run], answer, i)
                 tot["matched"] += 1
                 tot["first_right"] += a > 0
                 tot["accepted"] += a

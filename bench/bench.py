@@ -494,7 +494,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-lookup", type=int, default=None,
                    help="*-tree modes, greedy: up to N prompt-lookup tokens added to each tree as one more path")
     p.add_argument("--tree-lookup-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="*-tree modes, greedy, with --tree-lookup: where the last 2-3 tokens repeat, a round verifies "
+                   help="*-tree modes, greedy, with --tree-lookup: where the last 2+ tokens repeat, a round verifies "
                         "prompt lookup's tokens alone and drafts no tree")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the dtype the chain's profile chose, else float32 on CPU)")

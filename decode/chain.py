@@ -89,7 +89,7 @@ class TreeParams:
     at T = 0, up to this many prompt-lookup tokens grafted onto the tree as one more path from the root (0: none;
     :func:`_graft_lookup`). At T > 0 the tree is the draft's alone: exact verification of a node's children
     needs them drawn from one draft distribution, which a lookup token is not. lookup_first (with lookup, T = 0):
-    where the context's last 2-3 tokens occurred before, the round verifies prompt lookup's continuation alone, as
+    where the context's last 2+ tokens occurred before, the round verifies prompt lookup's continuation alone, as
     linear drafts with draft_lookup do (no draft forward, a narrower verification); elsewhere the draft's tree alone,
     nothing grafted (docs/DECODE.md, "Small trees on the CPU")."""
 
@@ -210,8 +210,8 @@ class ChainDecoder:
     draft_stop: a linear draft's block ends early once the product of the draft's probabilities of the tokens it
         drew falls below this (0 = never; the first token is always drawn); see :meth:`_Run._draft`.
     draft_lookup: where prompt lookup continues the context from a suffix of >= 2 tokens seen before, up to this
-        many of its tokens are the round's block instead of the draft's (0 = never; linear drafts only); see
-        :meth:`_Run._lookup_block`.
+        many of its tokens are the round's block instead of the draft's, or finish a block the draft began (0 = never;
+        linear drafts only); see :meth:`_Run._lookup_block` and :meth:`_Run._lookup_tail`.
     mu: one entry per verifier below the target, top first (n - 2 entries; none for ar/dual): level i asks the level
         below for blocks of >= mu[i] tokens, so mu[0] is the size of the blocks the target verifies. Default 8 each.
     max_seq_len: the longest prompt + max_new_tokens; every level's cache is set up for it here.
@@ -474,6 +474,8 @@ class _Run:
             if x in self.eos:
                 break
             full.append(x)
+            if self._lookup_tail(full, tokens, probs, q):
+                break
             if self.draft_stop > 0 and len(tokens) < k:
                 path *= self._draft_prob(logits[-1], q, x)
                 if path < self.draft_stop:
@@ -481,8 +483,29 @@ class _Run:
         self.stats[i].tokens_emitted += len(tokens)
         return tokens, (torch.stack(probs) if probs else None)
 
+    def _lookup_tail(self, full: list[int], tokens: list[int], probs: list[torch.Tensor], q: torch.Tensor) -> bool:
+        """With draft_lookup, once the draft's tokens make the text end in a 2+ token suffix seen before: prompt
+        lookup's continuation finishes the block (up to draft_lookup tokens in all), appended to tokens and probs
+        with one-hot rows shaped like the draft's row q. Whether and what lookup appends depends only on the tokens
+        before each position, as in _lookup_block, so the block stays exact. True where it appended."""
+        if not self.draft_lookup:
+            return False
+        run = lookup_run(full, min(self.draft_lookup - len(tokens), self.limit - len(full)), min_n=2)
+        run = self._cut(run, len(run))
+        if not run:
+            return False
+        hot = torch.tensor(run, device=q.device)
+        if self.sampling.temperature == 0:
+            probs += list(hot.to(q.dtype))
+        else:
+            probs += list(torch.zeros(len(run), q.shape[-1], dtype=q.dtype, device=q.device)
+                          .scatter_(1, hot[:, None], 1.0))
+        tokens += run
+        self.stats[self.n - 1].lookup_tokens += len(run)
+        return True
+
     def _lookup_block(self, ctx: list[int]) -> tuple[list[int], torch.Tensor] | None:
-        """With draft_lookup: prompt lookup's continuation of ctx (a suffix of 2-3 tokens seen before; up to
+        """With draft_lookup: prompt lookup's continuation of ctx (a suffix of 2+ tokens seen before; up to
         draft_lookup tokens, cut after an EOS) as the block, with one-hot draft rows (at T = 0 their hot indices);
         None where there is none (the draft proposes as usual). Which source proposes depends on ctx alone, so the
         block is still drawn from one well-defined distribution per position: exact at T = 0 and T > 0 (a one-hot
@@ -630,7 +653,7 @@ class _Run:
         return tree
 
     def _lookup_path(self, ctx: list[int], n: int) -> _Tree | None:
-        """tree.lookup_first: prompt lookup's continuation of a repeated 2-3 token suffix (as _lookup_block finds it)
+        """tree.lookup_first: prompt lookup's continuation of a repeated suffix of 2+ tokens (as _lookup_block finds it)
         as a one-path tree, or None where there is none. The draft's cache skips these positions and catches up
         with true features in its next forward."""
         run = lookup_run(ctx, n, min_n=2)

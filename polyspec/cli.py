@@ -220,7 +220,7 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-lookup", type=int, default=None,
                    help="greedy: up to N prompt-lookup tokens added to each tree as one more path (implies --tree)")
     p.add_argument("--tree-lookup-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="greedy, with --tree-lookup: where the last 2-3 tokens repeat, a round verifies prompt "
+                   help="greedy, with --tree-lookup: where the last 2+ tokens repeat, a round verifies prompt "
                         "lookup's tokens alone and drafts no tree (implies --tree)")
 
 
@@ -230,8 +230,8 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-stop", type=float, default=None,
                    help="end a linear draft once its probability falls below this (0 = never; default: the manifest's)")
     p.add_argument("--draft-lookup", type=int, default=None,
-                   help="up to N prompt-lookup tokens as a round's block where a 2-3 token suffix repeats, instead of "
-                        "the draft's (0 = off; default: the manifest's)")
+                   help="up to N prompt-lookup tokens as a round's block where a suffix of 2+ tokens repeats, "
+                        "instead of the draft's, or finishing it (0 = off; default: the manifest's)")
     p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
 
 

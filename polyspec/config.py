@@ -253,7 +253,7 @@ class TreeConfig(Section):
     total_tokens: int = Field(32, ge=1, description="most draft tokens in one tree (the root not counted)")
     lookup: int = Field(0, ge=0, description="greedy decoding: up to this many prompt-lookup tokens added to the "
                         "tree as one more path (0: none; docs/DECODE.md)")
-    lookup_first: bool = Field(False, description="greedy decoding, with lookup: where the last 2-3 tokens occurred "
+    lookup_first: bool = Field(False, description="greedy decoding, with lookup: where the last 2+ tokens occurred "
                                "before, the round verifies lookup's continuation alone (no draft forward); the tree is "
                                "drafted only where they did not (docs/DECODE.md, \"Small trees on the CPU\")")
 
@@ -267,8 +267,9 @@ class DecodeConfig(Section):
         0.0, ge=0, lt=1, description="a linear draft's block ends once the draft's probability of it falls below "
         "this (0 = always draft_k tokens; docs/DECODE.md, \"Confidence-cut drafts\")")
     draft_lookup: int = Field(
-        0, ge=0, description="where prompt lookup continues the text from a repeated 2-3 token suffix, up to this "
-        "many of its tokens are the round's block instead of the draft's (0 = off; linear drafts)")
+        0, ge=0, description="where prompt lookup continues the text from a repeated suffix of 2+ tokens, up to this "
+        "many of its tokens are the round's block instead of the draft's, or finish a block the draft began (0 = off; "
+        "linear drafts)")
     mu: list[int] = Field(
         default_factory=lambda: [8],
         description="per verifier above the draft, top first: the target verifies once the level below holds >= mu",

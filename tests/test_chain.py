@@ -16,6 +16,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
+from polyspec.decode import chain as chain_mod
 from polyspec.decode import sampling
 from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams, common_prefix
 from polyspec.decode.levels import TableLevel
@@ -148,7 +149,7 @@ def test_dual_none_accepted():
 
 def test_draft_lookup_proposes_the_repeated_text_the_draft_misses():
     # the target counts 0..7 over and over; the draft is always wrong; once the text repeats, prompt lookup's
-    # blocks (a 2-3 token suffix seen before) are the target's own continuation
+    # blocks (a suffix of 2+ tokens seen before) are the target's own continuation
     t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(2), "d")
     r = ChainDecoder([t, d], draft_k=1, draft_lookup=4, max_seq_len=64).generate([0], 40)
     assert r.token_ids == [i % 8 for i in range(1, 41)]
@@ -157,6 +158,19 @@ def test_draft_lookup_proposes_the_repeated_text_the_draft_misses():
     assert stats_of(r, 1).lookup_tokens > 0 and r.stats["levels"][1]["lookup_tokens"] == stats_of(r, 1).lookup_tokens
     r = ChainDecoder([t, d], draft_k=1, max_seq_len=64).generate([0], 40)
     assert stats_of(r, 0).accept_lengths == [1] * 40 and stats_of(r, 1).lookup_tokens == 0
+
+
+def test_draft_lookup_continues_the_drafts_block():
+    # [7, 1] never occurred before, so the round starts with the draft; its token 2 makes the text end in [1, 2],
+    # which the prompt holds, and prompt lookup finishes the block from there: 3, 4 (right), then 7 (wrong)
+    t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "d")
+    prompt = [1, 2, 3, 4, 7, 1]
+    r = ChainDecoder([t, d], draft_k=1, draft_lookup=4, max_seq_len=64).generate(prompt, 12)
+    assert r.token_ids == [(2 + i) % 8 for i in range(12)]
+    assert stats_of(r, 0).accept_lengths[0] == 4  # 2, 3, 4 accepted and the target's 5
+    assert stats_of(r, 1).lookup_tokens >= 3
+    r = ChainDecoder([t, d], draft_k=1, max_seq_len=64).generate(prompt, 12)
+    assert stats_of(r, 0).accept_lengths[0] == 2 and stats_of(r, 1).lookup_tokens == 0
 
 
 def test_draft_stop_ends_the_block_where_the_drafts_own_probability_falls_below_it():
@@ -399,6 +413,24 @@ def test_lookup_blocks_keep_the_distribution(n_levels, sp, mu):
     assert dec.generate(prompt, 6, sp, seed=3).level_stats[-1].lookup_tokens > 0
 
 
+@pytest.mark.parametrize("n_levels, sp, mu", [
+    (2, SamplingParams(temperature=1.0), None),
+    (3, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [2]),
+])
+def test_blocks_lookup_finishes_keep_the_distribution(n_levels, sp, mu, monkeypatch):
+    t, levels = dist_levels(n_levels)
+    # [2, 3] is new, so the round starts with the draft; its 0 or 1 makes [3, 0] or [3, 1], both in the prompt, and
+    # prompt lookup finishes the block
+    prompt = [3, 0, 3, 1, 2, 2, 3]
+    tails = []  # whether prompt lookup finished the draft's block (_Run._lookup_tail)
+    tail = chain_mod._Run._lookup_tail
+    monkeypatch.setattr(chain_mod._Run, "_lookup_tail", lambda self, *a: tails.append(tail(self, *a)) or tails[-1])
+    dec = ChainDecoder(levels, draft_k=1, mu=mu, max_seq_len=24, draft_lookup=3)
+    stat, crit = chi2_against(dec, t, prompt, sp, n=1000)
+    assert stat < crit, (stat, crit)
+    assert sum(tails) > 100
+
+
 @pytest.mark.parametrize("n_levels, mu", [(2, None), (3, [2])])
 def test_wrong_residual_fails_the_same_check(monkeypatch, n_levels, mu):
     """Resampling from p instead of normalise(max(0, p - q)) at a rejection biases the output: the test has power."""
@@ -473,7 +505,7 @@ def test_lookup_branch_accepts_what_the_draft_misses_when_the_text_repeats():
 
 
 def test_lookup_first_verifies_the_repeated_text_alone_and_drafts_no_tree_for_it():
-    """Where the last 2-3 tokens occurred before, a lookup_first round verifies prompt lookup's continuation without a
+    """Where the last 2+ tokens occurred before, a lookup_first round verifies prompt lookup's continuation without a
     draft forward; elsewhere the draft's tree alone. The output stays ar's, and the draft runs fewer forwards than
     the target verifies."""
     v = 12

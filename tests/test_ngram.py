@@ -10,7 +10,7 @@ from test_chain import V_DIST, chi2_against, dist_levels, tables
 
 from polyspec.decode.chain import ChainDecoder, SamplingParams
 from polyspec.decode.levels import TableLevel
-from polyspec.decode.ngram import NgramLevel
+from polyspec.decode.ngram import MAX_SUFFIX, NgramLevel, lookup_next, lookup_run
 from polyspec.errors import PolyspecError
 
 
@@ -23,6 +23,31 @@ def test_proposal_is_the_latest_continuation_of_the_longest_suffix():
     assert NgramLevel(50, max_n=3, min_n=2).proposal([4, 2, 8, 2, 6, 2]) is None  # 1-grams not allowed
     with pytest.raises(PolyspecError, match="min_n"):
         NgramLevel(50, max_n=1, min_n=2)
+
+
+def _reference_next(context: list[int], max_n: int, min_n: int) -> int | None:
+    """The definition, spelled out: longest suffix first, then its most recent earlier occurrence."""
+    for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
+        for end in range(len(context) - 1, n - 1, -1):
+            if context[end - n:end] == context[-n:]:
+                return context[end]
+    return None
+
+
+def test_lookup_matches_its_definition_on_random_text():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(3000):
+        n, vocab = int(torch.randint(0, 40, (1,), generator=gen)), (2, 3, 5, 20)[trial % 4]
+        context = torch.randint(vocab, (n,), generator=gen).tolist()
+        for max_n, min_n in ((1, 1), (3, 1), (3, 2), (MAX_SUFFIX, 1), (MAX_SUFFIX, 2)):
+            assert lookup_next(context, max_n, min_n) == _reference_next(context, max_n, min_n), (context, max_n)
+
+
+def test_a_longer_match_beats_a_newer_one():
+    # [5, 1, 2] recurs at two places; the older one is preceded by the same 6 tokens as the end of the text
+    text = [7, 8, 9, 4, 6, 5, 1, 2, 3] + [0, 5, 1, 2, 4] + [7, 8, 9, 4, 6, 5, 1, 2]
+    assert lookup_next(text, 3, 2) == 4  # three tokens tie: the newest
+    assert lookup_next(text) == 3 and lookup_run(text, 2, min_n=2) == [3, 0]
 
 
 def test_rows_are_one_hot_on_the_proposal_and_the_cache_rolls_back():

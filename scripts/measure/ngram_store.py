@@ -43,22 +43,50 @@ def store_run(table: Table, ctx: list[int], n: int, size: int = 8, min_count: in
     return run
 
 
-def replay(records: list[dict], table_for, n: int, min_count: int) -> collections.Counter:
-    tot: collections.Counter = collections.Counter()
-    for r in records:
-        table, answer = table_for(r), r["answer"]
+class Store:
+    """Per order (longest first) table_of's table, keeping the contexts whose next token followed them at least
+    min_count times; a run follows the longest order with a context kept."""
+
+    def __init__(self, seqs: list, orders: tuple[int, ...], min_count: int):
+        self.tables = [(n, {k: v for k, v in table_of(seqs, n).items() if v[1] >= min_count})
+                       for n in sorted(orders, reverse=True)]
+
+    def run(self, ctx: list[int], size: int = 8) -> list[int]:
+        out: list[int] = []
+        while len(out) < size:
+            nxt = next((r[0] for n, t in self.tables if (r := store_run(t, ctx + out, n, size=1))), None)
+            if nxt is None:
+                break
+            out.append(nxt)
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(t) for _, t in self.tables)
+
+
+def replay(records: list[dict], store_for, guesses: list | None = None, block: int = 8) -> dict:
+    """Per category: at the positions where prompt lookup finds nothing, how often store_for(record) proposes, its
+    first token's hits and the tokens a greedy verification accepts; with guesses (each record's head argmax per
+    answer position) also the head's hits there and where the store proposes."""
+    tot: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for j, r in enumerate(records):
+        store, answer, c = store_for(r), r["answer"], tot[r["category"]]
         for i in range(len(answer)):
             ctx = r["prompt"] + answer[:i]
-            tot["positions"] += 1
-            if lookup_run(ctx, 8, min_n=2):
+            c["positions"] += 1
+            if lookup_run(ctx, 1, min_n=2):
                 continue
-            tot["no_lookup"] += 1
-            run = store_run(table, ctx, n, min_count=min_count)
+            c["no_lookup"] += 1
+            head = guesses is not None and guesses[j][i] == answer[i]
+            c["head_right"] += head
+            run = store.run(ctx, block)
             if run:
                 a = accepted([run], answer, i)
-                tot["matched"] += 1
-                tot["first_right"] += a > 0
-                tot["accepted"] += a
+                c["store"] += 1
+                c["store_right"] += a > 0
+                c["store_accepted"] += a
+                c["head_right_there"] += head
+                c["both_right"] += a > 0 and head
     return tot
 
 
@@ -67,15 +95,18 @@ def main(records_path: str, store: str, split: str, n: int) -> None:
     if store == "sharegpt":
         import datasets
         ds = datasets.load_from_disk(split)
-        table = table_of(((row["input_ids"], row["loss_mask"]) for row in ds), n)
-        tot = replay(records, lambda r: table, n, min_count=2)
+        table = Store([(row["input_ids"], row["loss_mask"]) for row in ds], (n,), 2)
+        per = replay(records, lambda r: table)
     else:  # leave one question out: the store holds the answers to every other question
-        tables = {q: table_of([(x["answer"], [1] * len(x["answer"])) for x in records if x["question_id"] != q], n)
+        tables = {q: Store([(x["answer"], [1] * len(x["answer"])) for x in records if x["question_id"] != q], (n,), 1)
                   for q in {r["question_id"] for r in records}}
-        tot = replay(records, lambda r: tables[r["question_id"]], n, min_count=1)
-    m = max(tot["matched"], 1)
-    print(json.dumps({"store": store, "n": n, **tot, "first_token_accuracy": round(tot["first_right"] / m, 3),
-                      "mean_accepted": round(tot["accepted"] / m, 3)}))
+        per = replay(records, lambda r: tables[r["question_id"]])
+    tot = sum(per.values(), collections.Counter())
+    m = max(tot["store"], 1)
+    print(json.dumps({"store": store, "n": n, "positions": tot["positions"], "no_lookup": tot["no_lookup"],
+                      "matched": tot["store"], "first_right": tot["store_right"], "accepted": tot["store_accepted"],
+                      "first_token_accuracy": round(tot["store_right"] / m, 3),
+                      "mean_accepted": round(tot["store_accepted"] / m, 3)}))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,15 @@
-"""An n-gram store of the target's own answers (REST-style retrieval; ngram_store.py's tables, backing off from the
-longest order) replayed on the target's greedy answers
-(first_guess.py records) beside the head's first guess, per category, at the positions where prompt lookup finds
-nothing: how often the store proposes, how often its first token is right, the tokens a greedy verification of its
-run would accept, and the head's first-guess rate at the same positions.
+"""An n-gram store of the target's own answers (REST-style retrieval: ngram_store.Store, backing off from the
+longest order) replayed on the target's greedy answers (first_guess.py records) beside the head's first guess, per
+category, at the positions where prompt lookup finds nothing: how often the store proposes, how often its first
+token is right, the tokens a greedy verification of its run would accept, and the head's first-guess rate at the
+same positions.
 
     python scripts/measure/store_replay.py CHAIN RECORDS.json SPLIT 'ORDERS/MIN_COUNT ...' [BLOCK]
 
 SPLIT: a prepared data split (the data cache's train/ folder) of `data.responses: target` answers, or a regen
-cache folder (its shards); ORDERS e.g. 4,3.
-docs/TRAIN.md, "A store of the target's own answers (stop 30)".
+cache folder (its shards); ORDERS e.g. 4,3. docs/TRAIN.md, stop 30 (a store of the target's own answers).
 """
 
-import collections
 import json
 import sys
 import time
@@ -21,11 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from first_guess import first_guesses  # noqa: E402
-from ngram_store import store_run, table_of  # noqa: E402
-from replay_policies import accepted  # noqa: E402
+from ngram_store import Store, replay  # noqa: E402
 
 from polyspec.decode.generate import load_chain  # noqa: E402
-from polyspec.decode.ngram import lookup_run  # noqa: E402
 
 
 def sequences(source: str, tokenizer) -> list:
@@ -46,49 +42,6 @@ def sequences(source: str, tokenizer) -> list:
     return out
 
 
-class Store:
-    """Per order (longest first) ngram_store.table_of's table; a run follows the longest order with a context kept
-    (seen with the same next token at least min_count times)."""
-
-    def __init__(self, seqs: list, orders: tuple[int, ...], min_count: int):
-        self.tables = [(n, {k: v for k, v in table_of(seqs, n).items() if v[1] >= min_count})
-                       for n in sorted(orders, reverse=True)]
-
-    def run(self, ctx: list[int], size: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < size:
-            nxt = next((r[0] for n, t in self.tables if (r := store_run(t, ctx + out, n, size=1))), None)
-            if nxt is None:
-                break
-            out.append(nxt)
-        return out
-
-    def __len__(self) -> int:
-        return sum(len(t) for _, t in self.tables)
-
-
-def replay(records: list, guesses: list, store: Store, block: int) -> dict[str, collections.Counter]:
-    tot: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for row, guess in zip(records, guesses, strict=True):
-        answer, c = row["answer"], tot[row["category"]]
-        for i in range(len(answer)):
-            ctx = row["prompt"] + answer[:i]
-            c["positions"] += 1
-            if lookup_run(ctx, 1, min_n=2):
-                continue
-            c["no_lookup"] += 1
-            c["head_right"] += guess[i] == answer[i]
-            run = store.run(ctx, block)
-            if run:
-                a = accepted([run], answer, i)
-                c["store"] += 1
-                c["store_right"] += a > 0
-                c["store_accepted"] += a
-                c["head_right_there"] += guess[i] == answer[i]
-                c["both_right"] += a > 0 and guess[i] == answer[i]
-    return tot
-
-
 def main(chain_dir: str, records_file: str, split: str, configs: str, block: str = "8") -> None:
     """configs: ORDERS/MIN_COUNT, several separated by spaces, e.g. '4,3/2 4/3'."""
     chain = load_chain(Path(chain_dir), device="cpu")
@@ -103,7 +56,7 @@ def main(chain_dir: str, records_file: str, split: str, configs: str, block: str
         t0 = time.perf_counter()
         store = Store(seqs, tuple(int(n) for n in orders.split(",")), int(min_count))
         print(f"store {config}: {len(store)} contexts, built in {time.perf_counter() - t0:.1f} s", flush=True)
-        for cat, c in sorted(replay(records, guesses, store, int(block)).items()):
+        for cat, c in sorted(replay(records, lambda r, s=store: s, guesses, int(block)).items()):
             m, n = max(c["store"], 1), max(c["no_lookup"], 1)
             print(" ", cat, json.dumps({**c, "store_share": round(c["store"] / n, 3),
                                         "store_first": round(c["store_right"] / m, 3),

@@ -1,10 +1,10 @@
 """A draft level with no model: prompt lookup (n-gram) proposals from the text so far.
 
-At each position the level finds the most recent earlier occurrence of the longest suffix of the sequence (prompt +
-generated tokens) of ``max_n`` down to ``min_n`` tokens and proposes the token that followed it. Its distribution is
-one-hot on that token (logits 0 there, -inf elsewhere), so warped at any temperature it stays one-hot and exact
-speculative sampling keeps it with probability p(x) and otherwise draws from p without x: the chain stays exactly
-lossless at T = 0 and T > 0 (``tests/test_ngram.py``).
+At each position the level finds the earlier occurrence of the longest suffix of the sequence (prompt + generated
+tokens) of ``max_n`` down to ``min_n`` tokens (of equally long ones, the most recent) and proposes the token that
+followed it. Its distribution is one-hot on that token (logits 0 there, -inf elsewhere), so warped at any
+temperature it stays one-hot and exact speculative sampling keeps it with probability p(x) and otherwise draws from p
+without x: the chain stays exactly lossless at T = 0 and T > 0 (``tests/test_ngram.py``).
 
 Where the sequence has no such suffix the level has no proposal (:meth:`NgramLevel.has_proposal` is False): the
 decoder's draft loop stops there, so a round with nothing to propose is a plain decoding step of the level above,
@@ -80,9 +80,9 @@ class NgramLevel(TokenCache):
         self._last: tuple[list[int], int | None] = ([], None)  # the last context searched and its proposal
 
     def proposal(self, context: list[int]) -> int | None:
-        """The token after the most recent earlier occurrence of the longest matching suffix of ``context``. The draft
-        loop asks twice per position (has_proposal, then forward), so the last answer is kept: a list comparison
-        instead of a second search."""
+        """The token after the earlier occurrence of the longest matching suffix of ``context`` (lookup_next). The
+        draft loop asks twice per position (has_proposal, then forward), so the last answer is kept: a list
+        comparison instead of a second search."""
         if context == self._last[0]:
             return self._last[1]
         found = self._search(context)

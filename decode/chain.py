@@ -458,6 +458,7 @@ class _Run:
         greedy = self.sampling.temperature == 0
         proposes = getattr(self.levels[i], "has_proposal", None)  # a level that may have nothing to propose (n-gram)
         path = 1.0  # the draft's probability of the block so far
+        looked = 0  # tokens prompt lookup appended (not the draft's own: not in its tokens_emitted)
         for _ in range(k):
             if proposes is not None and not proposes(full):
                 break
@@ -474,26 +475,27 @@ class _Run:
             if x in self.eos:
                 break
             full.append(x)
-            if self._lookup_tail(full, tokens, probs, q):
+            looked = self._lookup_tail(full, tokens, probs, q)
+            if looked:
                 break
             if self.draft_stop > 0 and len(tokens) < k:
                 path *= self._draft_prob(logits[-1], q, x)
                 if path < self.draft_stop:
                     break
-        self.stats[i].tokens_emitted += len(tokens)
+        self.stats[i].tokens_emitted += len(tokens) - looked
         return tokens, (torch.stack(probs) if probs else None)
 
-    def _lookup_tail(self, full: list[int], tokens: list[int], probs: list[torch.Tensor], q: torch.Tensor) -> bool:
+    def _lookup_tail(self, full: list[int], tokens: list[int], probs: list[torch.Tensor], q: torch.Tensor) -> int:
         """With draft_lookup, once the draft's tokens make the text end in a 2+ token suffix seen before: prompt
         lookup's continuation finishes the block (up to draft_lookup tokens in all), appended to tokens and probs
         with one-hot rows shaped like the draft's row q. Whether and what lookup appends depends only on the tokens
-        before each position, as in _lookup_block, so the block stays exact. True where it appended."""
+        before each position, as in _lookup_block, so the block stays exact. Returns how many it appended."""
         if not self.draft_lookup:
-            return False
+            return 0
         run = lookup_run(full, min(self.draft_lookup - len(tokens), self.limit - len(full)), min_n=2)
         run = self._cut(run, len(run))
         if not run:
-            return False
+            return 0
         hot = torch.tensor(run, device=q.device)
         if self.sampling.temperature == 0:
             probs += list(hot.to(q.dtype))
@@ -502,7 +504,7 @@ class _Run:
                           .scatter_(1, hot[:, None], 1.0))
         tokens += run
         self.stats[self.n - 1].lookup_tokens += len(run)
-        return True
+        return len(run)
 
     def _lookup_block(self, ctx: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """With draft_lookup: prompt lookup's continuation of ctx (a suffix of 2+ tokens seen before; up to

@@ -22,7 +22,7 @@ from polyspec.errors import PolyspecError
 
 # The longest suffix matched. Where a 2-3 token suffix recurs at several places, the one whose preceding tokens match
 # the context further back continues it more often: 8 raised replayed tokens per round by ~2 % over 3 on the target's
-# own answers (docs/DECODE.md, "Prompt lookup: the longest suffix"); past 8 nothing changed.
+# own answers (docs/DECODE.md, "Prompt lookup: the longest suffix"); past 8 little changed.
 MAX_SUFFIX = 8
 
 
@@ -30,7 +30,7 @@ def lookup_next(context: list[int], max_n: int = MAX_SUFFIX, min_n: int = 1) -> 
     """The token after the earlier occurrence of the longest suffix of ``context`` of ``max_n`` down to ``min_n``
     tokens (of equally long ones, the most recent); None where no such suffix occurs earlier."""
     n = len(context)
-    if n < 2:
+    if n < 2 or max_n < max(min_n, 1):
         return None
     # earlier positions of the last token, found by list.index (C speed): a decoding round calls this on every
     # round, and most rounds find nothing

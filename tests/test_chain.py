@@ -173,6 +173,18 @@ def test_draft_lookup_continues_the_drafts_block():
     assert stats_of(r, 0).accept_lengths[0] == 2 and stats_of(r, 1).lookup_tokens == 0
 
 
+def test_lookup_finishing_a_block_stops_at_an_eos_and_the_budget():
+    # as above: the draft's 2 lets lookup continue with 3, 4, 7; an EOS (4) or the end of the budget cuts that run
+    t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "d")
+    prompt = [1, 2, 3, 4, 7, 1]
+    dec = ChainDecoder([t, d], draft_k=1, draft_lookup=4, max_seq_len=64)
+    r = dec.generate(prompt, 12, eos_token_ids={4})
+    assert r.token_ids == [2, 3, 4] and stats_of(r, 1).lookup_tokens == 2  # 3 and the EOS, not the 7 after it
+    r = dec.generate(prompt, 3)
+    assert r.token_ids == [2, 3, 4] and stats_of(r, 1).lookup_tokens == 2  # room for 3 new tokens: 2, then 3, 4
+    assert stats_of(r, 1).tokens_emitted == 1  # the draft's own token only
+
+
 def test_draft_stop_ends_the_block_where_the_drafts_own_probability_falls_below_it():
     # the draft's softmax gives its token e^5 / (e^5 + 7) = 0.955 over 8 tokens: the block's probability is 0.955,
     # 0.912, 0.871 after 1, 2, 3 tokens, so a cut at 0.9 ends every block after its third token
@@ -429,6 +441,22 @@ def test_blocks_lookup_finishes_keep_the_distribution(n_levels, sp, mu, monkeypa
     stat, crit = chi2_against(dec, t, prompt, sp, n=1000)
     assert stat < crit, (stat, crit)
     assert sum(tails) > 100
+
+
+def test_lookup_rows_that_are_not_one_hot_fail_the_same_check(monkeypatch):
+    """The lookup tokens verified against the draft's own row instead of their one-hot rows: the test has power."""
+    t, levels = dist_levels(2)
+    tail = chain_mod._Run._lookup_tail
+
+    def wrong(self, full, tokens, probs, q):
+        n = tail(self, full, tokens, probs, q)
+        probs[len(probs) - n:] = [q] * n
+        return n
+
+    monkeypatch.setattr(chain_mod._Run, "_lookup_tail", wrong)
+    dec = ChainDecoder(levels, draft_k=1, max_seq_len=24, draft_lookup=3)
+    stat, crit = chi2_against(dec, t, [3, 0, 3, 1, 2, 2, 3], SamplingParams(temperature=1.0), n=1000)
+    assert stat > crit, (stat, crit)
 
 
 @pytest.mark.parametrize("n_levels, mu", [(2, None), (3, [2])])

@@ -496,12 +496,7 @@ class _Run:
         run = self._cut(run, len(run))
         if not run:
             return 0
-        hot = torch.tensor(run, device=q.device)
-        if self.sampling.temperature == 0:
-            probs += list(hot.to(q.dtype))
-        else:
-            probs += list(torch.zeros(len(run), q.shape[-1], dtype=q.dtype, device=q.device)
-                          .scatter_(1, hot[:, None], 1.0))
+        probs += list(self._lookup_rows(run, q.shape[-1] if q.dim() else 0, q.device, q.dtype))
         tokens += run
         self.stats[self.n - 1].lookup_tokens += len(run)
         return len(run)
@@ -520,10 +515,15 @@ class _Run:
         if not run:
             return None
         self.stats[self.n - 1].lookup_tokens += len(run)
-        hot = torch.tensor(run)
+        greedy = self.sampling.temperature == 0
+        return run, self._lookup_rows(run, self.vocab, torch.device("cpu"), torch.long if greedy else torch.float32)
+
+    def _lookup_rows(self, run: list[int], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The draft rows of prompt-lookup tokens: at T = 0 their hot indices [n], else one-hot rows [n, vocab]."""
+        hot = torch.tensor(run, device=device)
         if self.sampling.temperature == 0:
-            return run, hot
-        return run, torch.zeros(len(run), self.vocab).index_put_((torch.arange(len(run)), hot), torch.tensor(1.0))
+            return hot.to(dtype)
+        return torch.zeros(len(run), vocab, dtype=dtype, device=device).scatter_(1, hot[:, None], 1.0)
 
     def _draft_prob(self, logits: torch.Tensor, q: torch.Tensor, x: int) -> float:
         """The draft's probability of the token x it drew: under the warped distribution it was drawn from, or at

@@ -105,6 +105,10 @@ def training_unroll(head: nn.Module, input_ids: torch.Tensor, hidden: torch.Tens
     return out
 
 
+def _no_logits(x: torch.Tensor) -> None:
+    return None
+
+
 class EagleHead(CachedDecoder):
     """fc(concat(embed(x_{t+1}), f_t)) -> one DecoderLayer -> target lm_head."""
 
@@ -199,6 +203,14 @@ class EagleHead(CachedDecoder):
             return self.lm_head(x).float() if vocab_ids is None else subset_logits(self.lm_head, x, vocab_ids)
 
         return training_unroll(self, input_ids, features, steps, logits)
+
+    def unrolled_states(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """:meth:`unroll`'s outputs [B, T, H] alone, one per step (training computes the logits of the rows that
+        count itself: polyspec.train.losses.step_rows); one step is the plain causal pass."""
+        if steps == 1:
+            return [self._run_layers(self._embed(torch.as_tensor(input_ids).long(), features), [self.layer], None,
+                                     None)]
+        return [out for _, out in training_unroll(self, input_ids, features, steps, _no_logits)]
 
     def _layers(self) -> list[nn.Module]:
         return [self.layer]

@@ -203,6 +203,11 @@ class Eagle3Head(CachedDecoder):
         aux [B, T, A H] (row t: the target's aux states at t) -> per step (draft logits [B, T, Vd], hidden [B, T, H])."""
         return training_unroll(self, input_ids, self.fuse(aux), steps, self.draft_logits)
 
+    def unrolled_states(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """:meth:`unroll`'s hidden states [B, T, H] alone, one per step (training computes the logits of the rows
+        that count itself: polyspec.train.losses.step_rows)."""
+        return [out for _, out in training_unroll(self, input_ids, self.fuse(aux), steps, lambda x: None)]
+
 
 def init_from_target(head: Eagle3Head, target: nn.Module, draft_ids: torch.Tensor) -> Eagle3Head:
     """Start a new head from its target: the vocabulary maps from ``draft_ids``, lm_head = the target's rows of those

@@ -18,6 +18,7 @@ from polyspec.config import validate_tree
 from polyspec.errors import PolyspecError
 from polyspec.train.ckpt_io import load_tree, save_tree
 from polyspec.train.losses import (
+    eagle3_losses,
     eagle_losses,
     eagle_unrolled_losses,
     expected_acceptance_length,
@@ -79,7 +80,7 @@ def test_shift_for_head_follows_the_eagle_alignment():
     assert s["head_ids"].tolist() == [[11, 12, 13, 14], [21, 22, 0, 0]]  # row t reads x_{t+1}
     assert s["head_features"][0, :, 0].tolist() == [0, 1, 2, 3]  # ... and f_t
     assert s["target_features"][0, :, 0].tolist() == [1, 2, 3, 4]  # predicts f_{t+1}
-    assert torch.equal(s["target_logits"][0], logits[0, 1:])  # teacher's distribution of x_{t+2}
+    assert torch.equal(s["target_states"][0], logits[0, 1:])  # the teacher's state whose logits give x_{t+2}
     # row t counts when x_{t+2} is an assistant token; the last real row takes the mask of the last token
     assert s["weight"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
 
@@ -525,21 +526,70 @@ def test_a_damaged_feature_cache_is_named_and_extracted_again(tmp_path, tiny_mod
 
 def test_unrolled_losses_compare_step_k_with_the_targets_k_rows_later():
     """Step 0 of the unrolled loss is eagle_losses itself; step k's rows 0..N-1-k are scored against rows k..N-1 of
-    the targets; the steps are summed with weights decay ** k of (feature weight * feature + token weight * token)."""
+    the targets; the steps are summed with weights decay ** k of (feature weight * feature + token weight * token).
+    The reference computes the logits of every row; the loss computes them on the rows that count only."""
     g = torch.Generator().manual_seed(0)
     b, n, h, v = 2, 6, 8, 11
-    steps = [(torch.randn(b, n, v, generator=g), torch.randn(b, n, h, generator=g)) for _ in range(3)]
-    feats, logits = torch.randn(b, n, h, generator=g), torch.randn(b, n, v, generator=g)
+    w_head, w_teacher = torch.randn(h, v, generator=g), torch.randn(h, v, generator=g)
+    calls = []
+
+    def head_logits(x):
+        calls.append(x.shape[0])
+        return x @ w_head
+
+    outs = [torch.randn(b, n, h, generator=g) for _ in range(3)]
+    feats, states = torch.randn(b, n, h, generator=g), torch.randn(b, n, h, generator=g)
     weight = (torch.rand(b, n, generator=g) > 0.3).float()
-    got = eagle_unrolled_losses(steps, feats, logits, weight, decay=0.5, feature_weight=2.0, token_weight=0.25)
+    teacher_rows = []
+
+    def teacher_logits(x):
+        teacher_rows.append(x.shape[0])
+        return x @ w_teacher
+
+    got = eagle_unrolled_losses(outs, feats, states, weight, decay=0.5, feature_weight=2.0, token_weight=0.25,
+                                head_logits=head_logits, teacher_logits=teacher_logits)
+    assert teacher_rows == [int(weight.sum())]  # the teacher's logits once, on step 0's counted rows
+    logits = states @ w_teacher
     want = 0.0
-    for k, (lg, out) in enumerate(steps):
-        p = eagle_losses(lg[:, :n - k], out[:, :n - k], feats[:, k:], logits[:, k:], weight[:, k:])
+    for k, out in enumerate(outs):
+        p = eagle_losses(out[:, :n - k] @ w_head, out[:, :n - k], feats[:, k:], logits[:, k:], weight[:, k:])
         want += 0.5 ** k * (2.0 * p["feature"] + 0.25 * p["token"])
         assert float(got["step_correct"][k]) == float(p["correct"]) and float(got["step_count"][k]) == float(p["count"])
-    first = eagle_losses(*steps[0], feats, logits, weight)
+        assert calls[k] == int(weight[:, k:].sum())  # logits of the counted rows only
+    first = eagle_losses(outs[0] @ w_head, outs[0], feats, logits, weight)
     torch.testing.assert_close(got["loss"], torch.as_tensor(want, dtype=torch.float32))
-    assert float(got["token"]) == float(first["token"]) and float(got["correct"]) == float(first["correct"])
+    torch.testing.assert_close(got["token"], first["token"])
+    assert float(got["correct"]) == float(first["correct"])
+
+
+def test_eagle3_losses_on_counted_rows_equal_the_dense_definition():
+    """eagle3_losses against its definition written out on every row: per step k, the cross-entropy against the
+    teacher renormalised on the draft vocabulary over the weighted rows whose teacher argmax is in it, decayed sums,
+    and agreement in target ids over every weighted row."""
+    g = torch.Generator().manual_seed(1)
+    b, n, h, v, decay = 2, 7, 8, 13, 0.8
+    draft_ids = torch.tensor([0, 2, 3, 5, 8, 9])
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[draft_ids] = True
+    w_head, w_teacher = torch.randn(h, len(draft_ids), generator=g), torch.randn(h, v, generator=g)
+    outs = [torch.randn(b, n, h, generator=g) for _ in range(3)]
+    states = torch.randn(b, n, h, generator=g)
+    weight = (torch.rand(b, n, generator=g) > 0.3).float()
+    got = eagle3_losses(outs, states, weight, draft_ids, t2d, decay, head_logits=lambda x: x @ w_head,
+                        teacher_logits=lambda x: x @ w_teacher)
+    tl_all, want = states @ w_teacher, 0.0
+    for k, out in enumerate(outs):
+        tl, lg, w = tl_all[:, k:], out[:, :n - k] @ w_head, weight[:, k:]
+        best = tl.argmax(-1)
+        w_in = w * t2d[best].float()
+        ce = -(torch.softmax(tl[..., draft_ids], -1) * torch.log_softmax(lg, -1)).sum(-1)
+        step = (ce * w_in).sum() / w_in.sum().clamp(min=1.0)
+        want += decay ** k * step
+        if k == 0:
+            torch.testing.assert_close(got["token"], step)
+        assert float(got["step_correct"][k]) == float(((draft_ids[lg.argmax(-1)] == best).float() * w).sum())
+        assert float(got["step_count"][k]) == float(w.sum())
+    torch.testing.assert_close(got["loss"], torch.as_tensor(want, dtype=torch.float32))
 
 
 def _key_before_the_ttt_options(cfg, runtime) -> str:

@@ -11,18 +11,21 @@ assistant turn keeps its last prediction. Padding rows count nowhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 
-def shift_for_head(input_ids: torch.Tensor, features: torch.Tensor, teacher_logits: torch.Tensor,
+def shift_for_head(input_ids: torch.Tensor, features: torch.Tensor, teacher_states: torch.Tensor,
                    loss_mask: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
     """Teacher outputs on a padded batch -> the head's inputs and targets (rows t = 0..T-2).
 
-    input_ids [B, T], features [B, T, H], teacher_logits [B, T, V], loss_mask [B, T] (1 on assistant tokens),
-    lengths [B] (real tokens per row; the rest is padding) ->
-    ``head_ids`` [B, T-1] (x_{t+1}), ``head_features`` [B, T-1, H] (f_t), ``target_features`` [B, T-1, H] (f_{t+1}),
-    ``target_logits`` [B, T-1, V] (teacher logits at t+1, predicting x_{t+2}), ``weight`` [B, T-1] float (0/1).
+    input_ids [B, T], features [B, T, H], teacher_states [B, T, H'] (the teacher's lm_head input: its logits are
+    the teacher's next-token distribution), loss_mask [B, T] (1 on assistant tokens), lengths [B] (real tokens per
+    row; the rest is padding) -> ``head_ids`` [B, T-1] (x_{t+1}), ``head_features`` [B, T-1, H] (f_t),
+    ``target_features`` [B, T-1, H] (f_{t+1}), ``target_states`` [B, T-1, H'] (the teacher's state at t+1, whose
+    logits predict x_{t+2}), ``weight`` [B, T-1] float (0/1).
     """
     b, t = input_ids.shape
     pos = torch.arange(t - 1, device=input_ids.device)  # [T-1]
@@ -35,7 +38,7 @@ def shift_for_head(input_ids: torch.Tensor, features: torch.Tensor, teacher_logi
         "head_ids": input_ids[:, 1:],
         "head_features": features[:, :-1],
         "target_features": features[:, 1:],
-        "target_logits": teacher_logits[:, 1:],
+        "target_states": teacher_states[:, 1:],
         "weight": (real & pred_mask).float(),
     }
 
@@ -53,7 +56,7 @@ def eagle_losses(head_logits: torch.Tensor, head_hidden: torch.Tensor, target_fe
     """Masked EAGLE losses and agreement counts (all computed in float32).
 
     head_logits [B, N, V], head_hidden [B, N, H], target_features [B, N, H], target_logits [B, N, V], weight [B, N]
-    -> ``feature`` (SmoothL1 of head_hidden vs target_features, mean over H, weighted mean over rows), ``token``
+    (or any other leading shape: :func:`eagle_unrolled_losses` passes the rows that count, [R, ...]) -> ``feature`` (SmoothL1 of head_hidden vs target_features, mean over H, weighted mean over rows), ``token``
     (cross-entropy against the teacher's distribution softmax(target_logits), weighted mean over rows),
     ``correct`` (rows where argmax head == argmax teacher, weighted sum) and ``count`` (sum of weights).
     """
@@ -73,22 +76,50 @@ def eagle_losses(head_logits: torch.Tensor, head_hidden: torch.Tensor, target_fe
     }
 
 
-def eagle_unrolled_losses(steps: list[tuple[torch.Tensor, torch.Tensor]], target_features: torch.Tensor,
-                          target_logits: torch.Tensor, weight: torch.Tensor, *, decay: float, feature_weight: float,
-                          token_weight: float) -> dict[str, torch.Tensor]:
-    """The EAGLE-1/2 loss over training-time-test steps (:meth:`polyspec.decode.head.EagleHead.unroll`).
+def step_rows(weight: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [B, N - k]: the rows of unroll step k that count, i.e. whose targets (``k`` rows later) have weight > 0.
 
-    steps: per step k (head logits [B, N, V], head output [B, N, H]); row t of step k predicts what row t + k of
-    step 0 would, so it is compared with the targets and weights of rows k..N-1 (:func:`eagle_losses` on them).
-    ``loss`` = sum over k of decay ** k * (feature_weight * feature + token_weight * token). ``feature``,
-    ``token``, ``correct``, ``count`` are step 0's; ``step_correct`` / ``step_count`` [K] every step's.
+    The losses compute logits on these rows alone: the lm_head over the loss vocabulary and the softmaxes behind the
+    token loss are most of a training step, and a third of a ShareGPT batch's rows (user turns, padding) count for
+    nothing (docs/TRAIN.md, "Logits on the rows that count")."""
+    return weight[:, k:] > 0
+
+
+def counted_teacher_logits(target_states: torch.Tensor, weight: torch.Tensor,
+                           teacher_logits: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+    """The teacher's logits of the rows that count, computed once per batch (no grad): returns ``rows_of(k)``, the
+    logits [R_k, V] of unroll step k's rows (:func:`step_rows`), which are all among step 0's."""
+    counted = weight > 0  # [B, N]
+    with torch.no_grad():
+        logits = teacher_logits(target_states[counted])  # [R_0, V]
+    index = torch.full(weight.shape, -1, dtype=torch.long, device=weight.device)  # [B, N]: row in ``logits``
+    index[counted] = torch.arange(logits.shape[0], device=weight.device)
+    return lambda k: logits[index[:, k:][step_rows(weight, k)]]
+
+
+def eagle_unrolled_losses(outs: list[torch.Tensor], target_features: torch.Tensor, target_states: torch.Tensor,
+                          weight: torch.Tensor, *, decay: float, feature_weight: float, token_weight: float,
+                          head_logits: Callable[[torch.Tensor], torch.Tensor],
+                          teacher_logits: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The EAGLE-1/2 loss of a head unrolled ``len(outs)`` steps deep (one step: the plain EAGLE loss).
+
+    outs: per step k the head's output [B, N, H] (:func:`polyspec.decode.head.training_unroll`; row t of step k
+    predicts what row t + k of step 0 would, so it is compared with the targets and weights of rows k..N-1);
+    target_features [B, N, H] (f_{t+1}), target_states [B, N, H] (the teacher's lm_head input at t + 1) and weight
+    [B, N] as :func:`shift_for_head` returns them; ``head_logits`` / ``teacher_logits`` map rows [R, H] to logits
+    [R, V] over the loss vocabulary. Equal to :func:`eagle_losses` on every row (tests/test_train.py), computed on
+    the rows that count (:func:`step_rows`). ``loss`` = sum over k of decay ** k * (feature_weight * feature +
+    token_weight * token). ``feature``, ``token``, ``correct``, ``count`` are step 0's; ``step_correct`` /
+    ``step_count`` [K] every step's.
     """
     n = weight.shape[1]
     loss = weight.new_zeros((), dtype=torch.float32)
     per_step = []
-    for k, (logits, out) in enumerate(steps[:n]):
-        p = eagle_losses(logits[:, :n - k], out[:, :n - k], target_features[:, k:], target_logits[:, k:],
-                         weight[:, k:])
+    teacher = counted_teacher_logits(target_states, weight, teacher_logits)
+    for k, out in enumerate(outs[:n]):
+        rows = step_rows(weight, k)  # [B, N-k]
+        x = out[:, :n - k][rows]  # [R, H]
+        p = eagle_losses(head_logits(x), x, target_features[:, k:][rows], teacher(k), weight[:, k:][rows])
         loss = loss + decay ** k * (feature_weight * p["feature"] + token_weight * p["token"])
         per_step.append(p)
     first = per_step[0]
@@ -97,34 +128,38 @@ def eagle_unrolled_losses(steps: list[tuple[torch.Tensor, torch.Tensor]], target
             "step_count": torch.stack([p["count"] for p in per_step])}
 
 
-def eagle3_losses(step_logits: list[torch.Tensor], target_logits: torch.Tensor, weight: torch.Tensor,
-                  draft_ids: torch.Tensor, t2d: torch.Tensor, decay: float) -> dict[str, torch.Tensor]:
+def eagle3_losses(outs: list[torch.Tensor], target_states: torch.Tensor, weight: torch.Tensor,
+                  draft_ids: torch.Tensor, t2d: torch.Tensor, decay: float, *,
+                  head_logits: Callable[[torch.Tensor], torch.Tensor],
+                  teacher_logits: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
     """The EAGLE-3 training-time-test loss over unroll steps (all in float32).
 
-    step_logits: per step k, the head's draft-vocabulary logits [B, N, Vd] (Eagle3Head.unroll; row t of step k
-    predicts what row t + k of step 0 would); target_logits [B, N, V] and weight [B, N] as :func:`eagle_losses` takes
-    them (row t: the teacher's distribution of x_{t+2}); draft_ids [Vd] ascending target ids; t2d bool [V].
-    Step k compares its rows 0..N-1-k with the targets and weights of rows k..N-1. Its cross-entropy is against the
-    teacher's distribution renormalised on the draft vocabulary, over the rows whose teacher argmax is in it
-    (SpecForge's rule: a token the draft can never propose teaches it nothing); the step losses are summed with
-    weights ``decay ** k``. Returns ``loss``; ``token`` (step 0's cross-entropy), ``correct`` / ``count`` (step 0's
-    argmax agreement in target ids over every weighted row, the draft vocabulary's misses included) and
-    ``step_correct`` / ``step_count`` [K] for every step.
+    outs: per step k, the head's output [B, N, H] (Eagle3Head.unroll; row t of step k predicts what row t + k of
+    step 0 would); ``head_logits`` maps rows [R, H] to the head's draft-vocabulary logits [R, Vd];
+    target_states [B, N, H] (the teacher's lm_head input) and weight [B, N] as :func:`shift_for_head` returns them,
+    ``teacher_logits`` mapping rows [R, H] to the teacher's logits [R, V] (row t: its distribution of x_{t+2});
+    draft_ids [Vd] ascending target ids; t2d bool [V]. Step k compares its rows 0..N-1-k with the targets and
+    weights of rows k..N-1, on the rows that count (:func:`step_rows`). Its cross-entropy is against the teacher's
+    distribution renormalised on the draft vocabulary, over the rows whose teacher argmax is in it (SpecForge's
+    rule: a token the draft can never propose teaches it nothing); the step losses are summed with weights
+    ``decay ** k``. Returns ``loss``; ``token`` (step 0's cross-entropy), ``correct`` / ``count`` (step 0's argmax
+    agreement in target ids over every weighted row, the draft vocabulary's misses included) and ``step_correct`` /
+    ``step_count`` [K] for every step.
     """
     n = weight.shape[1]
     loss = weight.new_zeros((), dtype=torch.float32)
     token = loss
     correct, count = [], []
-    for k, logits in enumerate(step_logits):
-        if k >= n:
-            break
-        tl = target_logits[:, k:].float()  # [B, N-k, V]
-        lg = logits[:, :n - k].float()  # [B, N-k, Vd]
-        w = weight[:, k:].float()  # [B, N-k]
-        best = tl.argmax(-1)  # [B, N-k]
+    teacher = counted_teacher_logits(target_states, weight, teacher_logits)
+    for k, out in enumerate(outs[:n]):
+        rows = step_rows(weight, k)  # [B, N-k]
+        tl = teacher(k).float()  # [R, V]
+        lg = head_logits(out[:, :n - k][rows]).float()  # [R, Vd]
+        w = weight[:, k:][rows].float()  # [R]
+        best = tl.argmax(-1)  # [R]
         w_in = w * t2d[best].float()
-        p = torch.softmax(tl.index_select(-1, draft_ids), dim=-1)  # [B, N-k, Vd]
-        ce = -(p * torch.log_softmax(lg, dim=-1)).sum(-1)  # [B, N-k]
+        p = torch.softmax(tl.index_select(-1, draft_ids), dim=-1)  # [R, Vd]
+        ce = -(p * torch.log_softmax(lg, dim=-1)).sum(-1)  # [R]
         step = (ce * w_in).sum() / w_in.sum().clamp(min=1.0)
         loss = loss + decay ** k * step
         token = step if k == 0 else token
@@ -187,5 +222,5 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b) if b else 0
 
 
-__all__ = ["shift_for_head", "uniform_noise", "eagle_losses", "eagle_unrolled_losses", "eagle3_losses", "expected_acceptance_length", "warmup_linear_decay",
+__all__ = ["shift_for_head", "uniform_noise", "eagle_losses", "step_rows", "counted_teacher_logits", "eagle_unrolled_losses", "eagle3_losses", "expected_acceptance_length", "warmup_linear_decay",
            "padded_batch", "tokens_in", "ceil_div"]

@@ -17,10 +17,9 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from polyspec.decode.head import subset_logits
 from polyspec.train.ckpt_io import load_tree, save_tree
-from polyspec.train.features import teacher_outputs
+from polyspec.train.features import teacher_aux_and_final, teacher_hidden
 from polyspec.train.losses import (
     eagle3_losses,
-    eagle_losses,
     eagle_unrolled_losses,
     expected_acceptance_length,
     shift_for_head,
@@ -31,11 +30,13 @@ from polyspec.train.losses import (
 
 class HeadModule(L.LightningModule):
     """Trains an :class:`~polyspec.decode.head.EagleHead` (or an EAGLE-3
-    :class:`~polyspec.decode.head3.Eagle3Head`, online only) against a frozen teacher.
+    :class:`~polyspec.decode.head3.Eagle3Head`) against a frozen teacher.
 
-    ``teacher`` (online mode) is kept out of the module's parameters and checkpoints (it is moved to the module's
-    device on first use); in offline mode batches carry ``hidden`` and the teacher's logits are recomputed with the
-    head's frozen lm_head. Checkpoints hold only what the head folder holds (``head.trainable_state_dict()``).
+    ``teacher`` (online mode, and offline EAGLE-3 for its lm_head) is kept out of the module's parameters and
+    checkpoints (it is moved to the module's device on first use); in offline mode batches carry ``hidden`` (and,
+    EAGLE-3, ``final``). The teacher's logits come from its lm_head on the rows the loss counts only
+    (:func:`polyspec.train.losses.step_rows`), as do the head's. Checkpoints hold only what the head folder holds
+    (``head.trainable_state_dict()``).
     """
 
     def __init__(self, head: torch.nn.Module, cfg: Any, *, draft_k: int, teacher: torch.nn.Module | None = None,
@@ -62,22 +63,36 @@ class HeadModule(L.LightningModule):
     # -- teacher -------------------------------------------------------------------------------------------------
 
     def _teacher_signal(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(teacher logits [B, T, V], features [B, T, H]) for a batch, online or from the cache."""
+        """(the teacher's lm_head input [B, T, H], the head's input features [B, T, H] or, EAGLE-3, the aux states
+        [B, T, A H]) for a batch, online or from the cache. No logits here: the losses compute them on the rows
+        that count (losses.step_rows), through :meth:`_teacher_logits`."""
         with torch.no_grad():
-            ids = self.loss_ids
-            if "final" in batch:  # offline EAGLE-3: the teacher's logits from its lm_head over the cached final state
-                lm_head = self._teacher_on_device().lm_head
-                logits = lm_head(batch["final"].to(lm_head.weight.dtype)).float()  # [B, T, V]
-                return (logits if ids is None else logits.index_select(-1, ids.to(logits.device))), batch["hidden"]
-            if "hidden" in batch:  # offline: logits from the same frozen lm_head the teacher has
-                hidden = batch["hidden"]
-                w = self.head.lm_head.weight
-                if ids is not None:
-                    return subset_logits(self.head.lm_head, hidden, ids), hidden  # [B, T, Vd]
-                logits = self.head.lm_head(hidden.to(w.dtype)).float()  # [B, T, V]
-                return logits, hidden
-            logits, hidden = teacher_outputs(self._teacher_on_device(), batch["input_ids"], self._aux)
-            return (logits if ids is None else logits.index_select(-1, ids.to(logits.device))), hidden
+            if "final" in batch:  # offline EAGLE-3
+                return batch["final"], batch["hidden"]
+            if "hidden" in batch:  # offline EAGLE-1/2: the cached feature is the lm_head input itself
+                return batch["hidden"], batch["hidden"]
+            teacher = self._teacher_on_device()
+            if self.eagle3:
+                aux, final = teacher_aux_and_final(teacher, batch["input_ids"], self._aux)
+                return final, aux
+            hidden = teacher_hidden(teacher, batch["input_ids"])
+            return hidden, hidden
+
+    def _teacher_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """The teacher's logits [R, V] (EAGLE-1/2 with train.loss_vocab: [R, Vd]) of lm_head inputs [R, H]. An
+        EAGLE-1/2 head shares the teacher's frozen lm_head; an EAGLE-3 head has its own, so the teacher's is read."""
+        if self.eagle3:
+            lm_head = self._teacher_on_device().lm_head
+            return lm_head(states.to(lm_head.weight.dtype)).float()
+        return self._head_logits(states)
+
+    def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's logits [R, V or Vd] of its outputs [R, H] (EAGLE-1/2: over train.loss_vocab's ids if set)."""
+        if self.eagle3:
+            return self.head.draft_logits(x)
+        if self.loss_ids is not None:
+            return subset_logits(self.head.lm_head, x, self.loss_ids)
+        return self.head.lm_head(x.to(self.head.lm_head.weight.dtype)).float()
 
     def _teacher_on_device(self) -> torch.nn.Module:
         teacher = self._teacher[0]
@@ -94,23 +109,20 @@ class HeadModule(L.LightningModule):
 
     def _losses(self, batch: dict[str, torch.Tensor], noise: float, steps: int = 1) -> dict[str, torch.Tensor]:
         """The loss parts of a batch with the head unrolled ``steps`` deep; ``loss`` is what the optimizer minimises."""
-        logits_t, hidden = self._teacher_signal(batch)  # EAGLE-3: hidden is the aux concatenation [B, T, A H]
-        s = shift_for_head(batch["input_ids"], hidden, logits_t, batch["loss_mask"], batch["lengths"])
+        states, hidden = self._teacher_signal(batch)  # EAGLE-3: hidden is the aux concatenation [B, T, A H]
+        s = shift_for_head(batch["input_ids"], hidden, states, batch["loss_mask"], batch["lengths"])
         if self.eagle3:  # no feature noise: the training-time test already feeds the head its own states
-            unrolled = self.head.unroll(s["head_ids"], s["head_features"].float(), steps)
-            parts = eagle3_losses([lg for lg, _ in unrolled], s["target_logits"], s["weight"], self.head.draft_ids,
-                                  self.head.t2d, self.cfg.ttt_decay)
+            outs = self.head.unrolled_states(s["head_ids"], s["head_features"].float(), steps)
+            parts = eagle3_losses(outs, s["target_states"], s["weight"], self.head.draft_ids, self.head.t2d,
+                                  self.cfg.ttt_decay, head_logits=self._head_logits,
+                                  teacher_logits=self._teacher_logits)
             return {**parts, "feature": torch.zeros_like(parts["loss"])}
         feats = uniform_noise(s["head_features"].float(), noise)  # [B, T-1, H]; step 0's input only
-        if steps > 1:
-            unrolled = self.head.unroll(s["head_ids"], feats, steps, vocab_ids=self.loss_ids)
-            return eagle_unrolled_losses(unrolled, s["target_features"], s["target_logits"], s["weight"],
-                                         decay=self.cfg.ttt_decay, feature_weight=self.cfg.feature_loss_weight,
-                                         token_weight=self.cfg.token_loss_weight)
-        logits, out = self.head(s["head_ids"], feats, vocab_ids=self.loss_ids)  # [B, T-1, V or Vd], [B, T-1, H]
-        parts = eagle_losses(logits, out, s["target_features"], s["target_logits"], s["weight"])
-        parts["loss"] = self.cfg.feature_loss_weight * parts["feature"] + self.cfg.token_loss_weight * parts["token"]
-        return parts
+        outs = self.head.unrolled_states(s["head_ids"], feats, steps)
+        return eagle_unrolled_losses(outs, s["target_features"], s["target_states"], s["weight"],
+                                     decay=self.cfg.ttt_decay, feature_weight=self.cfg.feature_loss_weight,
+                                     token_weight=self.cfg.token_loss_weight, head_logits=self._head_logits,
+                                     teacher_logits=self._teacher_logits)
 
     # -- training --------------------------------------------------------------------------------------------------
 

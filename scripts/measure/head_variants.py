@@ -64,7 +64,7 @@ def teacher_losses(t: float):
 
 
 def train(variant: str, recipe_path: str, *overrides: str) -> None:
-    import polyspec.train.module as module
+    import polyspec.train.losses as losses
     import polyspec.train.stage as stage
     from polyspec.config import load_recipe
 
@@ -73,7 +73,7 @@ def train(variant: str, recipe_path: str, *overrides: str) -> None:
         new_head = stage._new_head
         stage._new_head = lambda cfg, teacher, counts: stacked(new_head(cfg, teacher, counts), int(value))
     elif name == "teacher_t":
-        module.eagle_losses = teacher_losses(float(value))
+        losses.eagle_losses = teacher_losses(float(value))  # what eagle_unrolled_losses calls
     else:
         raise SystemExit(f"unknown variant {variant!r}: layers=N or teacher_t=T")
     t0 = time.time()

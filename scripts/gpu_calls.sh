@@ -110,7 +110,7 @@ call_e() {
     # shellcheck disable=SC2086
     step train_cpu_recipe "${E_LIMIT:-540}" polyspec train --no-progress recipes/smollm2_cpu.yaml workdir=$w \
         target.device=cuda target.dtype=bfloat16 tracking.enabled=false data.source=.gpu/sharegpt_cpu.json \
-        train.batch_size="${E_BATCH:-16}" train.max_steps="${E_STEPS:-5000}" train.max_minutes="${E_MIN:-7}" ${EXTRA:-}
+        train.batch_size="${E_BATCH:-16}" train.max_steps="${E_STEPS:-7500}" train.max_minutes="${E_MIN:-7}" ${EXTRA:-}
     local head
     head=$(ls -d $w/head/*/ 2>/dev/null | head -n 1)
     # a file over 16 MiB does not come back from $OUT, and the head's weights are 16.04 MiB in float32: halves,

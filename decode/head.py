@@ -85,7 +85,7 @@ def training_unroll(head: nn.Module, input_ids: torch.Tensor, hidden: torch.Tens
     """The training-time test of an EAGLE head (either kind): ``steps`` passes over a batch without a cache.
 
     input_ids [B, T] (row t: x_{t+1}), hidden [B, T, H] (row t: the feature the head reads at t, already fused for
-    an EAGLE-3 head) -> per step k (``logits_fn(out)``, out [B, T, H]). Step k row t reads token x_{t+1+k} (ground
+    an EAGLE-3 head) -> per step k (``logits_fn(out)``, or None without a logits_fn; out [B, T, H]). Step k row t reads token x_{t+1+k} (ground
     truth; 0 past the end) and the output row t had at step k - 1 (``hidden`` at step 0), at RoPE position t + k,
     attending as :func:`ttt_mask` says: exactly what the head computes when it drafts k tokens past row t.
     """
@@ -101,12 +101,8 @@ def training_unroll(head: nn.Module, input_ids: torch.Tensor, hidden: torch.Tens
         scratch = ScratchKV(past)
         hidden = head.layer(x, cos, sin, ttt_mask(t, k, x.device), scratch, 0, k * t)  # [B, T, H]
         past = scratch
-        out.append((logits_fn(hidden), hidden))
+        out.append((logits_fn(hidden) if logits_fn is not None else None, hidden))
     return out
-
-
-def _no_logits(x: torch.Tensor) -> None:
-    return None
 
 
 class EagleHead(CachedDecoder):
@@ -210,7 +206,7 @@ class EagleHead(CachedDecoder):
         if steps == 1:
             return [self._run_layers(self._embed(torch.as_tensor(input_ids).long(), features), [self.layer], None,
                                      None)]
-        return [out for _, out in training_unroll(self, input_ids, features, steps, _no_logits)]
+        return [out for _, out in training_unroll(self, input_ids, features, steps, None)]
 
     def _layers(self) -> list[nn.Module]:
         return [self.layer]

@@ -206,7 +206,7 @@ class Eagle3Head(CachedDecoder):
     def unrolled_states(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """:meth:`unroll`'s hidden states [B, T, H] alone, one per step (training computes the logits of the rows
         that count itself: polyspec.train.losses.step_rows)."""
-        return [out for _, out in training_unroll(self, input_ids, self.fuse(aux), steps, lambda x: None)]
+        return [out for _, out in training_unroll(self, input_ids, self.fuse(aux), steps, None)]
 
 
 def init_from_target(head: Eagle3Head, target: nn.Module, draft_ids: torch.Tensor) -> Eagle3Head:

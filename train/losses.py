@@ -56,7 +56,8 @@ def eagle_losses(head_logits: torch.Tensor, head_hidden: torch.Tensor, target_fe
     """Masked EAGLE losses and agreement counts (all computed in float32).
 
     head_logits [B, N, V], head_hidden [B, N, H], target_features [B, N, H], target_logits [B, N, V], weight [B, N]
-    (or any other leading shape: :func:`eagle_unrolled_losses` passes the rows that count, [R, ...]) -> ``feature`` (SmoothL1 of head_hidden vs target_features, mean over H, weighted mean over rows), ``token``
+    (or any other leading shape: :func:`eagle_unrolled_losses` passes the rows that count, [R, ...]) ->
+    ``feature`` (SmoothL1 of head_hidden vs target_features, mean over H, weighted mean over rows), ``token``
     (cross-entropy against the teacher's distribution softmax(target_logits), weighted mean over rows),
     ``correct`` (rows where argmax head == argmax teacher, weighted sum) and ``count`` (sum of weights).
     """

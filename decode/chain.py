@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from polyspec.decode.levels import Level
-from polyspec.decode.ngram import lookup_run
+from polyspec.decode.ngram import RUN_PER_MATCH, lookup_run
 from polyspec.decode.sampling import (
     accept_prefix,
     argmax_rows,
@@ -89,9 +89,9 @@ class TreeParams:
     at T = 0, up to this many prompt-lookup tokens grafted onto the tree as one more path from the root (0: none;
     :func:`_graft_lookup`). At T > 0 the tree is the draft's alone: exact verification of a node's children
     needs them drawn from one draft distribution, which a lookup token is not. lookup_first (with lookup, T = 0):
-    where the context's last 2+ tokens occurred before, the round verifies prompt lookup's continuation alone, as
-    linear drafts with draft_lookup do (no draft forward, a narrower verification); elsewhere the draft's tree alone,
-    nothing grafted (docs/DECODE.md, "Small trees on the CPU")."""
+    where the context's last 2+ tokens occurred before, the round verifies prompt lookup's continuation alone, cut
+    as linear drafts' lookup blocks are (ngram.RUN_PER_MATCH; no draft forward, a narrower verification); elsewhere
+    the draft's tree alone, nothing grafted (docs/DECODE.md, "Small trees on the CPU")."""
 
     top_k: int = 8
     depth: int = 5
@@ -211,7 +211,8 @@ class ChainDecoder:
         drew falls below this (0 = never; the first token is always drawn); see :meth:`_Run._draft`.
     draft_lookup: where prompt lookup continues the context from a suffix of >= 2 tokens seen before, up to this
         many of its tokens are the round's block instead of the draft's, or finish a block the draft began (0 = never;
-        linear drafts only); see :meth:`_Run._lookup_block` and :meth:`_Run._lookup_tail`.
+        linear drafts only), and at most ngram.RUN_PER_MATCH per token of the suffix matched; see
+        :meth:`_Run._lookup_block` and :meth:`_Run._lookup_tail`.
     mu: one entry per verifier below the target, top first (n - 2 entries; none for ar/dual): level i asks the level
         below for blocks of >= mu[i] tokens, so mu[0] is the size of the blocks the target verifies. Default 8 each.
     max_seq_len: the longest prompt + max_new_tokens; every level's cache is set up for it here.
@@ -492,7 +493,8 @@ class _Run:
         before each position, as in _lookup_block, so the block stays exact. Returns how many it appended."""
         if not self.draft_lookup:
             return 0
-        run = lookup_run(full, min(self.draft_lookup - len(tokens), self.limit - len(full)), min_n=2)
+        run = lookup_run(full, min(self.draft_lookup - len(tokens), self.limit - len(full)), min_n=2,
+                         per_match=RUN_PER_MATCH)
         run = self._cut(run, len(run))
         if not run:
             return 0
@@ -510,7 +512,7 @@ class _Run:
         catches up with true features in its next forward."""
         if not self.draft_lookup or self.vocab is None:  # vocab: known after the first verification
             return None
-        run = lookup_run(ctx, min(self.draft_lookup, self.limit - len(ctx)), min_n=2)
+        run = lookup_run(ctx, min(self.draft_lookup, self.limit - len(ctx)), min_n=2, per_match=RUN_PER_MATCH)
         run = self._cut(run, len(run))
         if not run:
             return None
@@ -658,7 +660,7 @@ class _Run:
         """tree.lookup_first: prompt lookup's continuation of a repeated suffix of 2+ tokens (as _lookup_block finds it)
         as a one-path tree, or None where there is none. The draft's cache skips these positions and catches up
         with true features in its next forward."""
-        run = lookup_run(ctx, n, min_n=2)
+        run = lookup_run(ctx, n, min_n=2, per_match=RUN_PER_MATCH)
         if not run:
             return None
         tree = _Tree([], [], [], {}, {})

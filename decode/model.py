@@ -311,10 +311,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if small and not (torch.is_grad_enabled() or torch.compiler.is_compiling()) and (
             mask is None or mask.dim() == 2 or mask.shape[1] == 1):
         return attend_matmul(q, k, v, mask)
-    out = cpu_kernels.attention(q, k, v, mask) if q.is_cpu and q.shape[2] > SMALL_ATTENTION_ROWS else None
-    if out is not None:  # a prompt on the CPU: the layer kernel's attention, a third of torch's fused one's time
+    out = _kernel_attention(q, k, v, mask) if q.is_cpu and q.shape[2] > SMALL_ATTENTION_ROWS else None
+    if out is not None:  # prompts on the CPU: the layer kernel's attention, a third of torch's fused one's time
         return out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`polyspec.decode.cpu_kernels.attention` one sequence at a time (it takes one): a batch of prompts (the
+    teacher's features for training, docs/TRAIN.md) gets each row's result as that row alone would; None where the
+    kernel does not apply. A batch's stateless K/V are views into the fused projection, so they are copied into the
+    kernel's layout first (a few percent of the attention's time)."""
+    if q.shape[0] == 1:
+        return cpu_kernels.attention(q, k, v, mask)
+    if mask is not None and mask.dim() != 2 or torch.is_grad_enabled():
+        return None
+    outs = []
+    for i in range(q.shape[0]):
+        out = cpu_kernels.attention(q[i:i + 1], k[i:i + 1].contiguous(), v[i:i + 1].contiguous(), mask)
+        if out is None:
+            return None
+        outs.append(out)
+    return torch.cat(outs)
 
 
 def attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from polyspec.decode import chain as chain_mod
 from polyspec.decode import sampling
 from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams, common_prefix
 from polyspec.decode.levels import TableLevel
+from polyspec.decode.ngram import RUN_PER_MATCH
 from polyspec.decode.sampling import warp
 from polyspec.errors import PolyspecError
 
@@ -158,6 +159,17 @@ def test_draft_lookup_proposes_the_repeated_text_the_draft_misses():
     assert stats_of(r, 1).lookup_tokens > 0 and r.stats["levels"][1]["lookup_tokens"] == stats_of(r, 1).lookup_tokens
     r = ChainDecoder([t, d], draft_k=1, max_seq_len=64).generate([0], 40)
     assert stats_of(r, 0).accept_lengths == [1] * 40 and stats_of(r, 1).lookup_tokens == 0
+
+
+def test_lookup_blocks_grow_with_the_suffix_they_match():
+    # counting 0..7 over and over: the first repeat matches 2 tokens ([0, 1] after [7]: nothing before the first 0),
+    # so its block is RUN_PER_MATCH * 2 tokens; later the text matches 8 tokens and the blocks reach draft_lookup
+    t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(2), "d")
+    r = ChainDecoder([t, d], draft_k=1, draft_lookup=20, max_seq_len=128).generate([0], 100)
+    assert r.token_ids == [i % 8 for i in range(1, 101)]
+    lens = stats_of(r, 0).accept_lengths
+    looked = [n for n in lens if n > 1]
+    assert looked[0] == 2 * RUN_PER_MATCH + 1 and max(lens) == 21  # the bonus token on top of each block
 
 
 def test_draft_lookup_continues_the_drafts_block():

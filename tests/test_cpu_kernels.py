@@ -628,3 +628,33 @@ def test_prompt_attention_matches_torch_and_a_decode_step(dtype, d):
             assert torch.equal(one[:, :, 0], out[:, :, row]), row
     with torch.enable_grad():
         assert ck.attention(q.requires_grad_(), k, v, mask) is None  # training keeps torch's attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_batch_of_prompts_attends_row_by_row_through_the_kernel(dtype):
+    """model.attend on a batch of stateless prompts (the teacher's feature extraction): the kernel once per row, each
+    row bitwise the kernel's result for that row alone, close to torch's SDPA; under autograd, SDPA itself."""
+    from polyspec.decode import model
+
+    b, h, kv, t, d = 3, 6, 2, 40, 64
+    qkv = torch.randn(b, t, (h + 2 * kv) * d, generator=_gen(43)).to(dtype)  # one projection, as Attention.qkv
+    q = qkv[..., :h * d].view(b, t, h, d).transpose(1, 2)
+    k = qkv[..., h * d:(h + kv) * d].view(b, t, kv, d).transpose(1, 2)  # views: not the kernel's layout
+    v = qkv[..., (h + kv) * d:].view(b, t, kv, d).transpose(1, 2)
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    calls = []
+    real = ck.attention
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "attention", lambda *a: calls.append(1) or real(*a))
+        out = model.attend(q, k, v, mask)
+        assert len(calls) == b
+        for i in range(b):
+            one = real(q[i:i + 1], k[i:i + 1].contiguous(), v[i:i + 1].contiguous(), mask)
+            assert torch.equal(out[i:i + 1], one), i
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    calls.clear()
+    with torch.enable_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "attention", lambda *a: calls.append(1) or real(*a))
+        model.attend(q.clone().requires_grad_(), k, v, mask)
+        assert not calls  # training keeps torch's attention

@@ -10,7 +10,7 @@ from test_chain import V_DIST, chi2_against, dist_levels, tables
 
 from polyspec.decode.chain import ChainDecoder, SamplingParams
 from polyspec.decode.levels import TableLevel
-from polyspec.decode.ngram import MAX_SUFFIX, NgramLevel, lookup_next, lookup_run
+from polyspec.decode.ngram import MAX_SUFFIX, NgramLevel, lookup_match, lookup_next, lookup_run
 from polyspec.errors import PolyspecError
 
 
@@ -41,6 +41,27 @@ def test_lookup_matches_its_definition_on_random_text():
         context = torch.randint(vocab, (n,), generator=gen).tolist()
         for max_n, min_n in ((1, 1), (3, 1), (3, 2), (MAX_SUFFIX, 1), (MAX_SUFFIX, 2)):
             assert lookup_next(context, max_n, min_n) == _reference_next(context, max_n, min_n), (context, max_n)
+
+
+def test_lookup_match_gives_the_length_of_the_suffix_it_matched():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        context = torch.randint(3, (int(torch.randint(2, 30, (1,), generator=gen)),), generator=gen).tolist()
+        found = lookup_match(context, MAX_SUFFIX, 1)
+        longest = max((n for n in range(1, min(MAX_SUFFIX, len(context) - 1) + 1)
+                       if _reference_next(context, n, n) is not None), default=None)
+        assert (found is None) == (longest is None), context
+        if found is not None:
+            assert found == (_reference_next(context, MAX_SUFFIX, 1), longest), context
+
+
+def test_a_run_is_cut_at_per_match_tokens_per_matched_token():
+    text = list(range(20)) + [50, 51, 0, 1]  # [0, 1] recurs (2 tokens matched): 0..19 would follow
+    assert lookup_run(text, 12, min_n=2) == list(range(2, 14))
+    assert lookup_run(text, 12, min_n=2, per_match=3) == list(range(2, 8))  # 3 per matched token: 6
+    text = list(range(20)) + [50] + list(range(5))  # [0..4] recurs: 5 tokens matched
+    assert lookup_run(text, 12, min_n=2, per_match=3) == list(range(5, 17))  # 15 allowed, 12 asked
+    assert lookup_run(text, 12, min_n=2, per_match=2) == list(range(5, 15))
 
 
 def test_a_longer_match_beats_a_newer_one():

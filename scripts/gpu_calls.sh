@@ -96,9 +96,9 @@ call_d() {  # resume: the same run (finished stages are skipped while the machin
     grep -E "^== |verdict|speedup|chose|overall|MT-bench|HumanEval|ShareGPT|Error|error" "$LOG" | tail -n 80
 }
 
-# Issue 15: is the CPU recipe's head limited by its 2-core budget? Its own data (the 5,400 conversations of
-# recipes/smollm2_cpu.yaml, from the 40 MiB slice make gpu-prep writes) trained with E_BATCH x E_STEPS sequences
-# (default 4x the recipe's 20,000); the head folder comes back in $OUT to be benched on the CPU (docs/GPU.md).
+# Issue 15: is the CPU recipe's head limited by its 2-core budget? Its own data (the 6,500 conversations of
+# recipes/smollm2_cpu.yaml, from the 48 MiB slice make gpu-prep writes) trained with E_BATCH x E_STEPS sequences
+# (default 4x the recipe's 30,000); the head folder comes back in $OUT to be benched on the CPU (docs/GPU.md).
 # SmolLM2 must already be installed in /tmp/site: run it right after call c or d, while the machine is warm.
 call_e() {
     install

@@ -1,0 +1,187 @@
+"""Linear drafts with prompt-lookup blocks, replayed on the target's own greedy answers: tokens per target
+verification, rows verified per round, and decode time per token estimated from the target's forward cost by width.
+
+    python scripts/measure/linear_replay.py records CHAIN PROMPTS OUT LIMIT [SKIP [CATEGORIES]]
+    python scripts/measure/linear_replay.py replay CHAIN RECORDS [LOOKUP/PER_MATCH ...]   # e.g. 8/- 15/3 15/4
+    python scripts/measure/linear_replay.py matches RECORDS
+    python scripts/measure/linear_replay.py widths CHAIN W [W ...]
+
+``records``: `ar` answers (bf16, 96 new tokens, both turns) to PROMPTS ('builtin' or a Spec-Bench question.jsonl),
+LIMIT per category after the first SKIP, CATEGORIES comma-separated (all by default). ``replay``: the chain's head
+drafts k = 4 tokens from the training unroll (EagleHead.unroll: teacher-forced on the target's features, which is
+what the decoder computes for every prefix the target accepts), on the chain's draft vocabulary; a round is
+prompt lookup's run where the context ends in a 2+ token suffix seen before (ngram.lookup_run, up to LOOKUP tokens,
+at most PER_MATCH per matched token; '-': no such cut), else the head's tokens, which lookup finishes once the text
+ends in such a suffix, as decode/chain.py does. 'oracle' takes, per round, whichever of the two accepts more.
+``matches``: lookup runs of up to 32 (no cut) at every round start of a one-token walk over each answer, by the
+length of the suffix they matched: how often the first token is rejected, how often 8+ are accepted.
+``widths``: the target's forward (bf16) over W new tokens after 250 cached ones, medians of 8; the table COST_MS
+below is its output on the 2-core VM. docs/DECODE.md, "Lookup runs as long as their match" (stop 32).
+"""
+
+import json
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from polyspec.bench.prompts import head_data_split, load_prompts
+from polyspec.decode.acceptance import kept_caches
+from polyspec.decode.generate import encode_messages, generate_text, load_chain
+from polyspec.decode.ngram import lookup_match, lookup_run
+
+K = 4  # the linear draft of issue 15's goal
+DRAFT_VOCAB = 8192  # issue 15's bench: --draft-vocab 8192
+COST_MS = {1: 7.16, 2: 7.08, 4: 7.6, 5: 7.56, 8: 8.47, 9: 9.04, 12: 10.3, 13: 10.82, 16: 12.08, 17: 12.7,
+           18: 12.97, 20: 14.19, 24: 16.34, 33: 22.06}  # `widths` on the idle VM, stop 32
+HEAD_MS, ROUND_MS = 0.6, 0.2  # a head step; the decoder's own work per round (docs/BENCHMARKS.md, stop 27)
+
+
+def records(chain_dir: str, prompts: str, out: str, limit: str, skip: str = "0", cats: str = "") -> None:
+    chain = load_chain(Path(chain_dir), device="cpu", dtype="bfloat16")
+    data_cfg, _ = head_data_split(Path(chain_dir))
+    seen: dict[str, int] = {}
+    rows = []
+    for q in load_prompts(prompts, categories=[c for c in cats.split(",") if c] or None,
+                          limit=int(skip) + int(limit), data_cfg=data_cfg):
+        seen[q.category] = seen.get(q.category, 0) + 1
+        if seen[q.category] <= int(skip):
+            continue
+        messages: list[dict[str, str]] = []
+        for turn in q.turns[:2]:
+            messages.append({"role": "user", "content": turn})
+            r = generate_text(chain, None, messages=messages, mode="ar", max_new_tokens=96)
+            rows.append({"category": q.category, "question_id": q.question_id,
+                         "prompt": encode_messages(chain.tokenizer, messages), "answer": r["token_ids"]})
+            messages.append({"role": "assistant", "content": r["text"]})
+    Path(out).write_text(json.dumps(rows))
+    print(f"{len(rows)} answers, {sum(len(r['answer']) for r in rows)} tokens -> {out}")
+
+
+def head_drafts(chain, rows: list[dict]) -> list[list[list[int]]]:
+    """Per record, per unroll step k, the head's token at every row t (step k at row t drafts token t + 2 + k)."""
+    target, head = chain.models[chain.order[0]], chain.models[chain.order[-1]]
+    out = []
+    for row in rows:
+        seq = torch.tensor(row["prompt"] + row["answer"])
+        with kept_caches(target, head), torch.no_grad():
+            target._cache = head._cache = None
+            _, hidden = target(seq)
+            steps = head.unroll(seq[1:][None], hidden[:-1][None], K, vocab_ids=head.draft_ids)
+        ids = head.draft_ids if head.draft_ids is not None else torch.arange(steps[0][0].shape[-1])
+        out.append([ids[logits[0].argmax(-1)].tolist() for logits, _ in steps])
+    return out
+
+
+def cost_ms(width: int) -> float:
+    """COST_MS interpolated (the widest entry beyond it)."""
+    keys = sorted(COST_MS)
+    for a, b in zip(keys, keys[1:], strict=False):
+        if a <= width <= b:
+            return COST_MS[a] + (COST_MS[b] - COST_MS[a]) * (width - a) / (b - a)
+    return COST_MS[keys[-1]]
+
+
+def accepted(block: list[int], answer: list[int], i: int) -> int:
+    n = 0
+    while n < len(block) and i + n < len(answer) and block[n] == answer[i + n]:
+        n += 1
+    return n
+
+
+def round_block(ctx: list[int], drafts: list[list[int]], p: int, lookup: int, per_match: int | None,
+                answer: list[int], i: int, oracle: bool) -> tuple[list[int], int]:
+    """The block a round verifies and the head steps it took."""
+    run = lookup_run(ctx, min(lookup, len(answer) - i), min_n=2, per_match=per_match)
+    if run and not oracle:
+        return run, 0
+    block: list[int] = []
+    for k in range(K):
+        block.append(drafts[k][p - 2])
+        tail = lookup_run(ctx + block, lookup - len(block), min_n=2, per_match=per_match)
+        if tail:
+            break
+    steps = len(block)
+    block += tail
+    if run and accepted(run, answer, i) >= accepted(block, answer, i):
+        return run, 0
+    return block, steps
+
+
+def replay_one(rows: list[dict], drafts: list, lookup: int, per_match: int | None, oracle: bool) -> dict:
+    tokens = rounds = rows_verified = 0
+    ms = 0.0
+    for row, dr in zip(rows, drafts, strict=True):
+        ctx, answer, i = list(row["prompt"]), row["answer"], 0
+        while i < len(answer):
+            block, steps = round_block(ctx, dr, len(ctx), lookup, per_match, answer, i, oracle)
+            n = accepted(block, answer, i)
+            got = min(n + 1, len(answer) - i)
+            ctx += answer[i:i + got]
+            i, tokens, rounds = i + got, tokens + got, rounds + 1
+            rows_verified += len(block) + 1
+            ms += cost_ms(len(block) + 1) + HEAD_MS * steps + ROUND_MS
+    return {"tokens_per_verification": round(tokens / rounds, 3), "rows_per_round": round(rows_verified / rounds, 2),
+            "est_ms_per_token": round(ms / tokens, 3)}
+
+
+def replay(chain_dir: str, records_file: str, *policies: str) -> None:
+    rows = json.loads(Path(records_file).read_text())
+    cache = Path(f"{records_file}.{Path(chain_dir).name}.drafts.pkl")  # the head's drafts, reused across runs
+    if cache.is_file():
+        drafts = pickle.loads(cache.read_bytes())
+    else:
+        drafts = head_drafts(load_chain(Path(chain_dir), device="cpu", dtype="bfloat16", draft_vocab=DRAFT_VOCAB),
+                             rows)
+        cache.write_bytes(pickle.dumps(drafts))
+    cats = sorted({r["category"] for r in rows})
+    for spec in policies or ("8/-", "15/3", "oracle:8/-"):
+        oracle = spec.startswith("oracle:")
+        lookup, pm = spec.removeprefix("oracle:").split("/")
+        for cat in [*cats, "all"] if len(cats) > 1 else cats:
+            idx = [j for j, r in enumerate(rows) if cat in ("all", r["category"])]
+            res = replay_one([rows[j] for j in idx], [drafts[j] for j in idx], int(lookup),
+                             None if pm == "-" else int(pm), oracle)
+            print(spec, cat, json.dumps(res), flush=True)
+
+
+def matches(records_file: str) -> None:
+    by_len: dict[int, list[int]] = {}
+    for row in json.loads(Path(records_file).read_text()):
+        ctx, answer = list(row["prompt"]), row["answer"]
+        for i in range(len(answer)):
+            found = lookup_match(ctx + answer[:i], min_n=2)
+            if found is not None:
+                run = lookup_run(ctx + answer[:i], min(32, len(answer) - i), min_n=2)
+                by_len.setdefault(found[1], []).append(accepted(run, answer, i))
+    for m, acc in sorted(by_len.items()):
+        print(f"matched {m}: {len(acc)} runs, first token rejected {sum(a == 0 for a in acc) / len(acc):.2f}, "
+              f"8+ accepted {sum(a >= 8 for a in acc) / len(acc):.2f}")
+
+
+def widths(chain_dir: str, *ws: str) -> None:
+    chain = load_chain(Path(chain_dir), device="cpu", dtype="bfloat16")
+    model = chain.models[chain.order[0]]
+    prompt = torch.randint(0, model.args.vocab_size, (250,), generator=torch.Generator().manual_seed(0))
+    model.setup_cache(512)
+    times: dict[int, list[float]] = {}
+    with torch.no_grad():
+        model(prompt)
+        for rep in range(9):
+            for w in map(int, ws):
+                ids = torch.randint(0, model.args.vocab_size, (w,))
+                t0 = time.perf_counter()
+                model(ids)
+                dt = time.perf_counter() - t0
+                model.truncate(250)
+                if rep:  # the first pass warms up
+                    times.setdefault(w, []).append(dt)
+    for w, v in times.items():
+        print(f"width {w}: {sorted(v)[len(v) // 2] * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    {"records": records, "replay": replay, "matches": matches, "widths": widths}[sys.argv[1]](*sys.argv[2:])

@@ -319,13 +319,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor | None:
-    """:func:`polyspec.decode.cpu_kernels.attention` one sequence at a time (it takes one): a batch of prompts (the
-    teacher's features for training, docs/TRAIN.md) gets each row's result as that row alone would; None where the
-    kernel does not apply. A batch's stateless K/V are views into the fused projection, so they are copied into the
-    kernel's layout first (a few percent of the attention's time)."""
+    """:func:`polyspec.decode.cpu_kernels.attention` one sequence at a time (it takes one): each prompt of a batch
+    (the teacher's features for training, docs/TRAIN.md) gets the result it would get alone; None where the kernel
+    does not apply. Stateless K/V are views into the fused projection, so they are copied into the kernel's layout
+    first (a few percent of the attention's time); a KV cache's views already have it."""
+    declined = torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling()
     if q.shape[0] == 1:
-        return cpu_kernels.attention(q, k, v, mask)
-    if mask is not None and mask.dim() != 2 or torch.is_grad_enabled():
+        out = cpu_kernels.attention(q, k, v, mask)  # a KV cache's views are in the kernel's layout: no copy
+        if out is not None or declined:
+            return out
+        return cpu_kernels.attention(q, k.contiguous(), v.contiguous(), mask)
+    if declined or (mask is not None and mask.dim() != 2):
         return None
     outs = []
     for i in range(q.shape[0]):

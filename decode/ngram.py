@@ -73,6 +73,8 @@ def lookup_run(context: list[int], n_tokens: int, max_n: int = MAX_SUFFIX, min_n
     """Up to ``n_tokens`` tokens of prompt lookup continuing ``context``, each looked up after the ones before it.
     ``per_match``: also at most this many tokens per token of the suffix the run starts from (RUN_PER_MATCH where
     the run is the block a verification reads: a copy that starts from a longer match goes on longer)."""
+    if per_match is not None and per_match < 1:
+        raise PolyspecError(f"lookup_run: per_match must be >= 1 (or None: no cut), got {per_match}")
     run: list[int] = []
     while len(run) < n_tokens:
         found = lookup_match(context + run, max_n, min_n)

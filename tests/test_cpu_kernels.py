@@ -653,6 +653,7 @@ def test_a_batch_of_prompts_attends_row_by_row_through_the_kernel(dtype):
             assert torch.equal(out[i:i + 1], one), i
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
         torch.testing.assert_close(out.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+        assert torch.equal(model.attend(q[:1], k[:1], v[:1], mask), out[:1])  # a batch of one: the same kernel
     calls.clear()
     with torch.enable_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(ck, "attention", lambda *a: calls.append(1) or real(*a))

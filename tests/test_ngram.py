@@ -62,6 +62,8 @@ def test_a_run_is_cut_at_per_match_tokens_per_matched_token():
     text = list(range(20)) + [50] + list(range(5))  # [0..4] recurs: 5 tokens matched
     assert lookup_run(text, 12, min_n=2, per_match=3) == list(range(5, 17))  # 15 allowed, 12 asked
     assert lookup_run(text, 12, min_n=2, per_match=2) == list(range(5, 15))
+    with pytest.raises(PolyspecError, match="per_match"):
+        lookup_run(text, 12, min_n=2, per_match=0)
 
 
 def test_a_longer_match_beats_a_newer_one():

@@ -19,6 +19,7 @@ length of the suffix they matched: how often the first token is rejected, how of
 below is its output on the 2-core VM. docs/DECODE.md, "Lookup runs as long as their match" (stop 32).
 """
 
+import hashlib
 import json
 import pickle
 import sys
@@ -100,7 +101,8 @@ def round_block(ctx: list[int], drafts: list[list[int]], p: int, lookup: int, pe
     block: list[int] = []
     for k in range(K):
         block.append(drafts[k][p - 2])
-        tail = lookup_run(ctx + block, lookup - len(block), min_n=2, per_match=per_match)
+        room = min(lookup, len(answer) - i) - len(block)  # as the decoder's budget cuts it
+        tail = lookup_run(ctx + block, room, min_n=2, per_match=per_match)
         if tail:
             break
     steps = len(block)
@@ -129,7 +131,9 @@ def replay_one(rows: list[dict], drafts: list, lookup: int, per_match: int | Non
 
 def replay(chain_dir: str, records_file: str, *policies: str) -> None:
     rows = json.loads(Path(records_file).read_text())
-    cache = Path(f"{records_file}.{Path(chain_dir).name}.drafts.pkl")  # the head's drafts, reused across runs
+    head_json = next(Path(chain_dir).glob("**/training.json"), None)  # the head's drafts, reused for the same head
+    tag = hashlib.sha256((str(Path(chain_dir).resolve()) + (head_json.read_text() if head_json else "")).encode())
+    cache = Path(f"{records_file}.{tag.hexdigest()[:12]}.drafts.pkl")
     if cache.is_file():
         drafts = pickle.loads(cache.read_bytes())
     else:

@@ -331,9 +331,10 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return cpu_kernels.attention(q, k.contiguous(), v.contiguous(), mask)
     if declined or (mask is not None and mask.dim() != 2):
         return None
+    k, v = k.contiguous(), v.contiguous()  # each row's slice of these is in the kernel's layout
     outs = []
     for i in range(q.shape[0]):
-        out = cpu_kernels.attention(q[i:i + 1], k[i:i + 1].contiguous(), v[i:i + 1].contiguous(), mask)
+        out = cpu_kernels.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask)
         if out is None:
             return None
         outs.append(out)

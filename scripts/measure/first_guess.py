@@ -38,12 +38,19 @@ def records(chain_dir: str, out: str, per_category: str = "10", recipe: str = "-
     data_cfg, note = (load_recipe(Path(recipe)).data, None) if recipe != "-" else head_data_split(Path(chain_dir))
     if note:
         print(f"note: {note}", file=sys.stderr)
+    questions = load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"],
+                             limit=int(skip) + int(per_category), data_cfg=data_cfg)
+    write_answers(chain, questions, int(skip), out)
+
+
+def write_answers(chain, questions: list, skip: int, out: str) -> None:
+    """The target's greedy answers (``ar``, 96 new tokens, each question's first two turns, its own earlier answer in
+    the history) to ``questions`` past the first ``skip`` of each category, written to ``out`` as records."""
     seen: collections.Counter = collections.Counter()
     rows = []
-    for q in load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"],
-                          limit=int(skip) + int(per_category), data_cfg=data_cfg):
+    for q in questions:
         seen[q.category] += 1
-        if seen[q.category] <= int(skip):
+        if seen[q.category] <= skip:
             continue
         messages: list[dict[str, str]] = []
         for turn in q.turns[:2]:

@@ -30,8 +30,11 @@ import torch
 
 from polyspec.bench.prompts import head_data_split, load_prompts
 from polyspec.decode.acceptance import kept_caches
-from polyspec.decode.generate import encode_messages, generate_text, load_chain
+from polyspec.decode.generate import load_chain
 from polyspec.decode.ngram import lookup_match, lookup_run
+
+sys.path.insert(0, str(Path(__file__).parent))
+from first_guess import write_answers  # noqa: E402
 
 K = 4  # the linear draft of issue 15's goal
 DRAFT_VOCAB = 8192  # issue 15's bench: --draft-vocab 8192
@@ -43,22 +46,9 @@ HEAD_MS, ROUND_MS = 0.6, 0.2  # a head step; the decoder's own work per round (d
 def records(chain_dir: str, prompts: str, out: str, limit: str, skip: str = "0", cats: str = "") -> None:
     chain = load_chain(Path(chain_dir), device="cpu", dtype="bfloat16")
     data_cfg, _ = head_data_split(Path(chain_dir))
-    seen: dict[str, int] = {}
-    rows = []
-    for q in load_prompts(prompts, categories=[c for c in cats.split(",") if c] or None,
-                          limit=int(skip) + int(limit), data_cfg=data_cfg):
-        seen[q.category] = seen.get(q.category, 0) + 1
-        if seen[q.category] <= int(skip):
-            continue
-        messages: list[dict[str, str]] = []
-        for turn in q.turns[:2]:
-            messages.append({"role": "user", "content": turn})
-            r = generate_text(chain, None, messages=messages, mode="ar", max_new_tokens=96)
-            rows.append({"category": q.category, "question_id": q.question_id,
-                         "prompt": encode_messages(chain.tokenizer, messages), "answer": r["token_ids"]})
-            messages.append({"role": "assistant", "content": r["text"]})
-    Path(out).write_text(json.dumps(rows))
-    print(f"{len(rows)} answers, {sum(len(r['answer']) for r in rows)} tokens -> {out}")
+    questions = load_prompts(prompts, categories=[c for c in cats.split(",") if c] or None,
+                             limit=int(skip) + int(limit), data_cfg=data_cfg)
+    write_answers(chain, questions, int(skip), out)
 
 
 def head_drafts(chain, rows: list[dict]) -> list[list[list[int]]]:

@@ -3,6 +3,7 @@ verification, rows verified per round, and decode time per token estimated from 
 
     python scripts/measure/linear_replay.py records CHAIN PROMPTS OUT LIMIT [SKIP [CATEGORIES]]
     python scripts/measure/linear_replay.py replay CHAIN RECORDS [LOOKUP/PER_MATCH ...]   # e.g. 8/- 15/3 15/4
+    python scripts/measure/linear_replay.py select CHAIN RECORDS A/B/MMAX ...                  # e.g. 0.05/0.4/4
     python scripts/measure/linear_replay.py matches RECORDS
     python scripts/measure/linear_replay.py widths CHAIN W [W ...]
 
@@ -13,6 +14,8 @@ what the decoder computes for every prefix the target accepts), on the chain's d
 prompt lookup's run where the context ends in a 2+ token suffix seen before (ngram.lookup_run, up to LOOKUP tokens,
 at most PER_MATCH per matched token; '-': no such cut), else the head's tokens, which lookup finishes once the text
 ends in such a suffix, as decode/chain.py does. 'oracle' takes, per round, whichever of the two accepts more.
+``select``: 15/3, except that where lookup's run starts from a match of at most MMAX tokens, the round takes the head's
+block if the head's first draft gives lookup's first token probability < A and its own guess > B (stop 33).
 ``matches``: lookup runs of up to 32 (no cut) at every round start of a one-token walk over each answer, by the
 length of the suffix they matched: how often the first token is rejected, how often 8+ are accepted.
 ``widths``: the target's forward (bf16) over W new tokens after 250 cached ones, medians of 8; the table COST_MS
@@ -66,6 +69,22 @@ def head_drafts(chain, rows: list[dict]) -> list[list[list[int]]]:
     return out
 
 
+def head_first(chain, rows: list[dict]) -> list[tuple[list[list[int]], list[list[float]]]]:
+    """Per record, the head's first draft (step 0) at every row t as its 16 likeliest tokens and their probabilities
+    (on the draft vocabulary)."""
+    target, head = chain.models[chain.order[0]], chain.models[chain.order[-1]]
+    out = []
+    for row in rows:
+        seq = torch.tensor(row["prompt"] + row["answer"])
+        with kept_caches(target, head), torch.no_grad():
+            target._cache = head._cache = None
+            _, hidden = target(seq)
+            logits, _ = head.unroll(seq[1:][None], hidden[:-1][None], 1, vocab_ids=head.draft_ids)[0]
+        top = logits[0].float().softmax(-1).topk(16, -1)
+        out.append((head.draft_ids[top.indices].tolist(), top.values.tolist()))
+    return out
+
+
 def cost_ms(width: int) -> float:
     """COST_MS interpolated (the widest entry beyond it)."""
     keys = sorted(COST_MS)
@@ -88,6 +107,15 @@ def round_block(ctx: list[int], drafts: list[list[int]], p: int, lookup: int, pe
     run = lookup_run(ctx, min(lookup, len(answer) - i), min_n=2, per_match=per_match)
     if run and not oracle:
         return run, 0
+    block, steps = head_block(ctx, drafts, p, lookup, per_match, answer, i)
+    if run and accepted(run, answer, i) >= accepted(block, answer, i):
+        return run, 0
+    return block, steps
+
+
+def head_block(ctx: list[int], drafts: list[list[int]], p: int, lookup: int, per_match: int | None,
+               answer: list[int], i: int) -> tuple[list[int], int]:
+    """The head's k = 4 tokens, finished by lookup once the text ends in a repeated suffix, and its head steps."""
     block: list[int] = []
     for k in range(K):
         block.append(drafts[k][p - 2])
@@ -95,11 +123,7 @@ def round_block(ctx: list[int], drafts: list[list[int]], p: int, lookup: int, pe
         tail = lookup_run(ctx + block, room, min_n=2, per_match=per_match)
         if tail:
             break
-    steps = len(block)
-    block += tail
-    if run and accepted(run, answer, i) >= accepted(block, answer, i):
-        return run, 0
-    return block, steps
+    return block + tail, len(block)
 
 
 def replay_one(rows: list[dict], drafts: list, lookup: int, per_match: int | None, oracle: bool) -> dict:
@@ -119,17 +143,24 @@ def replay_one(rows: list[dict], drafts: list, lookup: int, per_match: int | Non
             "est_ms_per_token": round(ms / tokens, 3)}
 
 
+def drafts_tag(chain_dir: str) -> str:
+    """The head's caches are reused for the same head (its folder and training record)."""
+    head_json = next(Path(chain_dir).glob("**/training.json"), None)
+    tag = hashlib.sha256((str(Path(chain_dir).resolve()) + (head_json.read_text() if head_json else "")).encode())
+    return tag.hexdigest()[:12]
+
+
+def cached_drafts(chain_dir: str, records_file: str, rows: list[dict]) -> list:
+    cache = Path(f"{records_file}.{drafts_tag(chain_dir)}.drafts.pkl")
+    if not cache.is_file():
+        chain = load_chain(Path(chain_dir), device="cpu", dtype="bfloat16", draft_vocab=DRAFT_VOCAB)
+        cache.write_bytes(pickle.dumps(head_drafts(chain, rows)))
+    return pickle.loads(cache.read_bytes())
+
+
 def replay(chain_dir: str, records_file: str, *policies: str) -> None:
     rows = json.loads(Path(records_file).read_text())
-    head_json = next(Path(chain_dir).glob("**/training.json"), None)  # the head's drafts, reused for the same head
-    tag = hashlib.sha256((str(Path(chain_dir).resolve()) + (head_json.read_text() if head_json else "")).encode())
-    cache = Path(f"{records_file}.{tag.hexdigest()[:12]}.drafts.pkl")
-    if cache.is_file():
-        drafts = pickle.loads(cache.read_bytes())
-    else:
-        drafts = head_drafts(load_chain(Path(chain_dir), device="cpu", dtype="bfloat16", draft_vocab=DRAFT_VOCAB),
-                             rows)
-        cache.write_bytes(pickle.dumps(drafts))
+    drafts = cached_drafts(chain_dir, records_file, rows)
     cats = sorted({r["category"] for r in rows})
     for spec in policies or ("8/-", "15/3", "oracle:8/-"):
         oracle = spec.startswith("oracle:")
@@ -139,6 +170,44 @@ def replay(chain_dir: str, records_file: str, *policies: str) -> None:
             res = replay_one([rows[j] for j in idx], [drafts[j] for j in idx], int(lookup),
                              None if pm == "-" else int(pm), oracle)
             print(spec, cat, json.dumps(res), flush=True)
+
+
+def select_one(rows: list[dict], drafts: list, firsts: list, rule: tuple[float, float, int]) -> dict:
+    """15/3 lookup, except that a round whose run starts from a match of at most MMAX tokens takes the head's block
+    where the head gives lookup's first token less than A and its own first guess more than B (one head step more
+    where it is asked and not taken)."""
+    a, b, mmax = rule
+    tokens = rounds = taken = 0
+    ms = 0.0
+    for row, dr, (ids, probs) in zip(rows, drafts, firsts, strict=True):
+        ctx, answer, i = list(row["prompt"]), row["answer"], 0
+        while i < len(answer):
+            p, asked, use_head = len(ctx), False, False
+            run = lookup_run(ctx, min(15, len(answer) - i), min_n=2, per_match=3)
+            if run and lookup_match(ctx, min_n=2)[1] <= mmax:
+                asked = True
+                first = dict(zip(ids[p - 2], probs[p - 2], strict=True))
+                use_head = first.get(run[0], 0.0) < a and probs[p - 2][0] > b
+            block, steps = head_block(ctx, dr, p, 15, 3, answer, i) if use_head or not run else (run, 0)
+            got = min(accepted(block, answer, i) + 1, len(answer) - i)
+            ctx += answer[i:i + got]
+            i, tokens, rounds, taken = i + got, tokens + got, rounds + 1, taken + use_head
+            ms += cost_ms(len(block) + 1) + HEAD_MS * (steps + (asked and not use_head)) + ROUND_MS
+    return {"tokens_per_verification": round(tokens / rounds, 3), "head_taken": taken,
+            "est_ms_per_token": round(ms / tokens, 3)}
+
+
+def select(chain_dir: str, records_file: str, *rules: str) -> None:
+    rows = json.loads(Path(records_file).read_text())
+    drafts = cached_drafts(chain_dir, records_file, rows)
+    cache = Path(f"{records_file}.{drafts_tag(chain_dir)}.first.pkl")
+    if not cache.is_file():
+        cache.write_bytes(pickle.dumps(head_first(
+            load_chain(Path(chain_dir), device="cpu", dtype="bfloat16", draft_vocab=DRAFT_VOCAB), rows)))
+    firsts = pickle.loads(cache.read_bytes())
+    for spec in rules:
+        a, b, mmax = spec.split("/")
+        print(spec, json.dumps(select_one(rows, drafts, firsts, (float(a), float(b), int(mmax)))), flush=True)
 
 
 def matches(records_file: str) -> None:
@@ -178,4 +247,5 @@ def widths(chain_dir: str, *ws: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"records": records, "replay": replay, "matches": matches, "widths": widths}[sys.argv[1]](*sys.argv[2:])
+    {"records": records, "replay": replay, "select": select, "matches": matches,
+     "widths": widths}[sys.argv[1]](*sys.argv[2:])

@@ -54,34 +54,36 @@ def records(chain_dir: str, prompts: str, out: str, limit: str, skip: str = "0",
     write_answers(chain, questions, int(skip), out)
 
 
-def head_drafts(chain, rows: list[dict]) -> list[list[list[int]]]:
-    """Per record, per unroll step k, the head's token at every row t (step k at row t drafts token t + 2 + k)."""
+def unrolled(chain, row: dict, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The head's unroll over one record (logits [T, Vd] per step; step k at row t drafts token t + 2 + k),
+    teacher-forced on the target's features, and the draft vocabulary's ids."""
     target, head = chain.models[chain.order[0]], chain.models[chain.order[-1]]
+    seq = torch.tensor(row["prompt"] + row["answer"])
+    with kept_caches(target, head), torch.no_grad():
+        target._cache = head._cache = None
+        _, hidden = target(seq)
+        out = head.unroll(seq[1:][None], hidden[:-1][None], steps, vocab_ids=head.draft_ids)
+    ids = head.draft_ids if head.draft_ids is not None else torch.arange(out[0][0].shape[-1])
+    return [logits[0] for logits, _ in out], ids
+
+
+def head_drafts(chain, rows: list[dict]) -> list[list[list[int]]]:
+    """Per record, per unroll step k, the head's token at every row t."""
     out = []
     for row in rows:
-        seq = torch.tensor(row["prompt"] + row["answer"])
-        with kept_caches(target, head), torch.no_grad():
-            target._cache = head._cache = None
-            _, hidden = target(seq)
-            steps = head.unroll(seq[1:][None], hidden[:-1][None], K, vocab_ids=head.draft_ids)
-        ids = head.draft_ids if head.draft_ids is not None else torch.arange(steps[0][0].shape[-1])
-        out.append([ids[logits[0].argmax(-1)].tolist() for logits, _ in steps])
+        steps, ids = unrolled(chain, row, K)
+        out.append([ids[logits.argmax(-1)].tolist() for logits in steps])
     return out
 
 
 def head_first(chain, rows: list[dict]) -> list[tuple[list[list[int]], list[list[float]]]]:
     """Per record, the head's first draft (step 0) at every row t as its 16 likeliest tokens and their probabilities
     (on the draft vocabulary)."""
-    target, head = chain.models[chain.order[0]], chain.models[chain.order[-1]]
     out = []
     for row in rows:
-        seq = torch.tensor(row["prompt"] + row["answer"])
-        with kept_caches(target, head), torch.no_grad():
-            target._cache = head._cache = None
-            _, hidden = target(seq)
-            logits, _ = head.unroll(seq[1:][None], hidden[:-1][None], 1, vocab_ids=head.draft_ids)[0]
-        top = logits[0].float().softmax(-1).topk(16, -1)
-        out.append((head.draft_ids[top.indices].tolist(), top.values.tolist()))
+        (logits,), ids = unrolled(chain, row, 1)
+        top = logits.float().softmax(-1).topk(16, -1)
+        out.append((ids[top.indices].tolist(), top.values.tolist()))
     return out
 
 

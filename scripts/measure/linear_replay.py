@@ -13,7 +13,8 @@ drafts k = 4 tokens from the training unroll (EagleHead.unroll: teacher-forced o
 what the decoder computes for every prefix the target accepts), on the chain's draft vocabulary; a round is
 prompt lookup's run where the context ends in a 2+ token suffix seen before (ngram.lookup_run, up to LOOKUP tokens,
 at most PER_MATCH per matched token; '-': no such cut), else the head's tokens, which lookup finishes once the text
-ends in such a suffix, as decode/chain.py does. 'oracle' takes, per round, whichever of the two accepts more.
+ends in such a suffix, as decode/chain.py does. 'oracle' takes, per round, whichever of the two accepts more (and
+counts, by matched length, the lookup rounds where the head's block won).
 ``select``: 15/3, except that where lookup's run starts from a match of at most MMAX tokens, the round takes the head's
 block if the head's first draft gives lookup's first token probability < A and its own guess > B (stop 33).
 ``matches``: lookup runs of up to 32 (no cut) at every round start of a one-token walk over each answer, by the
@@ -131,18 +132,24 @@ def head_block(ctx: list[int], drafts: list[list[int]], p: int, lookup: int, per
 def replay_one(rows: list[dict], drafts: list, lookup: int, per_match: int | None, oracle: bool) -> dict:
     tokens = rounds = rows_verified = 0
     ms = 0.0
+    wins: dict[int, list[int]] = {}  # oracle: by matched length (5 = 5+), [rounds the head's block won, lookup rounds]
     for row, dr in zip(rows, drafts, strict=True):
         ctx, answer, i = list(row["prompt"]), row["answer"], 0
         while i < len(answer):
             block, steps = round_block(ctx, dr, len(ctx), lookup, per_match, answer, i, oracle)
+            found = lookup_match(ctx, min_n=2) if oracle else None
+            if found is not None:
+                tally = wins.setdefault(min(found[1], 5), [0, 0])
+                tally[0], tally[1] = tally[0] + (steps > 0), tally[1] + 1
             n = accepted(block, answer, i)
             got = min(n + 1, len(answer) - i)
             ctx += answer[i:i + got]
             i, tokens, rounds = i + got, tokens + got, rounds + 1
             rows_verified += len(block) + 1
             ms += cost_ms(len(block) + 1) + HEAD_MS * steps + ROUND_MS
-    return {"tokens_per_verification": round(tokens / rounds, 3), "rows_per_round": round(rows_verified / rounds, 2),
-            "est_ms_per_token": round(ms / tokens, 3)}
+    out = {"tokens_per_verification": round(tokens / rounds, 3), "rows_per_round": round(rows_verified / rounds, 2),
+           "est_ms_per_token": round(ms / tokens, 3)}
+    return out | ({"head_won_by_match": dict(sorted(wins.items()))} if oracle else {})
 
 
 def drafts_tag(chain_dir: str) -> str:

@@ -81,13 +81,14 @@ class ScratchKV:
 
 
 def training_unroll(head: nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int,
-                    logits_fn: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    logits_fn: Any, layer: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The training-time test of an EAGLE head (either kind): ``steps`` passes over a batch without a cache.
 
     input_ids [B, T] (row t: x_{t+1}), hidden [B, T, H] (row t: the feature the head reads at t, already fused for
     an EAGLE-3 head) -> per step k (``logits_fn(out)``, or None without a logits_fn; out [B, T, H]). Step k row t reads token x_{t+1+k} (ground
     truth; 0 past the end) and the output row t had at step k - 1 (``hidden`` at step 0), at RoPE position t + k,
     attending as :func:`ttt_mask` says: exactly what the head computes when it drafts k tokens past row t.
+    ``layer``: what runs ``head.layer``'s maths (training passes its compiled form: train.compile); None: the layer.
     """
     if head._cache is not None:
         raise PolyspecError("a head's training unroll runs without a KV cache (training); do not call setup_cache")
@@ -99,7 +100,7 @@ def training_unroll(head: nn.Module, input_ids: torch.Tensor, hidden: torch.Tens
         x = head._embed(ids_k, hidden)  # [B, T, H] (EAGLE-3: [B, T, 2H])
         cos, sin = rope_cos_sin(head.inv_freq, torch.arange(t, device=x.device) + k, x.dtype)  # [T, D]
         scratch = ScratchKV(past)
-        hidden = head.layer(x, cos, sin, ttt_mask(t, k, x.device), scratch, 0, k * t)  # [B, T, H]
+        hidden = (head.layer if layer is None else layer)(x, cos, sin, ttt_mask(t, k, x.device), scratch, 0, k * t)
         past = scratch
         out.append((logits_fn(hidden) if logits_fn is not None else None, hidden))
     return out
@@ -200,13 +201,15 @@ class EagleHead(CachedDecoder):
 
         return training_unroll(self, input_ids, features, steps, logits)
 
-    def unrolled_states(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unrolled_states(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int,
+                        layer: Any = None) -> list[torch.Tensor]:
         """:meth:`unroll`'s outputs [B, T, H] alone, one per step (training computes the logits of the rows that
-        count itself: polyspec.train.losses.step_rows); one step is the plain causal pass."""
-        if steps == 1:
+        count itself: polyspec.train.losses.step_rows); one step is the plain causal pass. ``layer``: as in
+        :func:`training_unroll` (its step 0 is that causal pass)."""
+        if steps == 1 and layer is None:
             return [self._run_layers(self._embed(torch.as_tensor(input_ids).long(), features), [self.layer], None,
                                      None)]
-        return [out for _, out in training_unroll(self, input_ids, features, steps, None)]
+        return [out for _, out in training_unroll(self, input_ids, features, steps, None, layer)]
 
     def _layers(self) -> list[nn.Module]:
         return [self.layer]
@@ -421,11 +424,19 @@ def top_token_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
-def subset_logits(lm_head: nn.Module, x: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+def subset_logits(lm_head: nn.Module, x: torch.Tensor, vocab_ids: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """lm_head's logits of ``vocab_ids`` [Vd] only: x [.., H] -> [.., Vd] float32 (a frozen lm_head's rows; the
-    gradient flows to x). Training on a draft vocabulary reads a sixth of SmolLM2's lm_head at 8,192 tokens."""
-    w = lm_head.weight.index_select(0, vocab_ids.to(lm_head.weight.device))  # [Vd, H]
+    gradient flows to x). Training on a draft vocabulary reads a sixth of SmolLM2's lm_head at 8,192 tokens.
+    ``rows``: those rows of the weight [Vd, H] already gathered (:func:`subset_weight`; training keeps them)."""
+    w = subset_weight(lm_head, vocab_ids) if rows is None else rows  # [Vd, H]
     return torch.nn.functional.linear(x.to(w.dtype), w).float()
+
+
+def subset_weight(lm_head: nn.Module, vocab_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The rows [Vd, H] of lm_head's weight for ``vocab_ids`` (in ``dtype``: default the weight's), detached."""
+    w = lm_head.weight.detach().index_select(0, vocab_ids.to(lm_head.weight.device))
+    return w if dtype is None else w.to(dtype)
 
 
 def count_tokens(token_ids: Any, loss_masks: Any, vocab_size: int) -> torch.Tensor:

@@ -25,6 +25,8 @@ verification and residual rule are unchanged and stay exactly lossless.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -203,10 +205,11 @@ class Eagle3Head(CachedDecoder):
         aux [B, T, A H] (row t: the target's aux states at t) -> per step (draft logits [B, T, Vd], hidden [B, T, H])."""
         return training_unroll(self, input_ids, self.fuse(aux), steps, self.draft_logits)
 
-    def unrolled_states(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unrolled_states(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int,
+                        layer: Any = None) -> list[torch.Tensor]:
         """:meth:`unroll`'s hidden states [B, T, H] alone, one per step (training computes the logits of the rows
-        that count itself: polyspec.train.losses.step_rows)."""
-        return [out for _, out in training_unroll(self, input_ids, self.fuse(aux), steps, None)]
+        that count itself: polyspec.train.losses.step_rows); ``layer`` as in :func:`training_unroll`."""
+        return [out for _, out in training_unroll(self, input_ids, self.fuse(aux), steps, None, layer)]
 
 
 def init_from_target(head: Eagle3Head, target: nn.Module, draft_ids: torch.Tensor) -> Eagle3Head:

@@ -668,3 +668,41 @@ def test_tiny_eagle_training_with_an_unroll_logs_each_step_and_decodes_losslessl
     ar = ChainDecoder([ModelLevel(target, "t")], max_seq_len=64).generate(prompt, 16).token_ids
     assert ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=3,
                         max_seq_len=64).generate(prompt, 16).token_ids == ar
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_compiled_training_step_matches_the_eager_reference(tmp_path, tiny_model, steps):
+    """train.compile: the training step's layer pass and row losses through torch.compile (inductor) give the eager
+    reference's losses and gradients, one step deep and unrolled; validation stays eager. The loss vocabulary's
+    lm_head rows are gathered once and give subset_logits' logits."""
+    from polyspec.decode.head import EagleHead, subset_logits, top_token_ids
+    from polyspec.decode.model import Transformer
+    from polyspec.train.module import HeadModule
+    from polyspec.train.stage import head_settings
+
+    target = Transformer.from_pretrained(tiny_model)
+    torch.manual_seed(0)
+    head = EagleHead(target.args, target.embed_tokens, target.lm_head).float()
+    ids = top_token_ids(torch.arange(target.args.vocab_size).flip(0), 40)
+    extra = {"ttt_steps": steps, "ttt_start": 0.5} if steps > 1 else {}
+    cfg = head_settings(_recipe(tmp_path, tiny_model, compile=True, loss_vocab=40, **extra).train)
+    module = HeadModule(head, cfg, draft_k=3, loss_ids=ids)
+    g = torch.Generator().manual_seed(1)
+    b, t, h = 3, 24, target.args.hidden_size
+    batch = {"input_ids": torch.randint(0, target.args.vocab_size, (b, t), generator=g),
+             "loss_mask": (torch.rand(b, t, generator=g) > 0.3).long(), "lengths": torch.tensor([24, 20, 13]),
+             "hidden": torch.randn(b, t, h, generator=g)}
+    x = torch.randn(5, h, generator=g)
+    torch.testing.assert_close(module._head_logits(x), subset_logits(head.lm_head, x, ids))
+    results = []
+    for fast in ({}, module._compiled()):
+        parts = module._losses(batch, 0.0, steps, fast)
+        grads = torch.autograd.grad(parts["loss"], [p for p in head.parameters() if p.requires_grad])
+        results.append((parts, grads))
+    (eager, g_eager), (compiled, g_compiled) = results
+    assert set(module._compiled()) == {"layer", "row_losses"}
+    for key in ("loss", "feature", "token", "correct", "count"):
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-5)
+    for got, want in zip(g_compiled, g_eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    assert HeadModule(head, cfg.model_copy(update={"compile": False}), draft_k=3)._compiled() == {}

@@ -95,13 +95,15 @@ def counted_teacher_logits(target_states: torch.Tensor, weight: torch.Tensor,
         logits = teacher_logits(target_states[counted])  # [R_0, V]
     index = torch.full(weight.shape, -1, dtype=torch.long, device=weight.device)  # [B, N]: row in ``logits``
     index[counted] = torch.arange(logits.shape[0], device=weight.device)
-    return lambda k: logits[index[:, k:][step_rows(weight, k)]]
+    return lambda k: logits if k == 0 else logits[index[:, k:][step_rows(weight, k)]]  # step 0: all, in order
 
 
 def eagle_unrolled_losses(outs: list[torch.Tensor], target_features: torch.Tensor, target_states: torch.Tensor,
                           weight: torch.Tensor, *, decay: float, feature_weight: float, token_weight: float,
                           head_logits: Callable[[torch.Tensor], torch.Tensor],
-                          teacher_logits: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+                          teacher_logits: Callable[[torch.Tensor], torch.Tensor],
+                          row_losses: Callable[..., dict[str, torch.Tensor]] = eagle_losses
+                          ) -> dict[str, torch.Tensor]:
     """The EAGLE-1/2 loss of a head unrolled ``len(outs)`` steps deep (one step: the plain EAGLE loss).
 
     outs: per step k the head's output [B, N, H] (:func:`polyspec.decode.head.training_unroll`; row t of step k
@@ -111,7 +113,7 @@ def eagle_unrolled_losses(outs: list[torch.Tensor], target_features: torch.Tenso
     [R, V] over the loss vocabulary. Equal to :func:`eagle_losses` on every row (tests/test_train.py), computed on
     the rows that count (:func:`step_rows`). ``loss`` = sum over k of decay ** k * (feature_weight * feature +
     token_weight * token). ``feature``, ``token``, ``correct``, ``count`` are step 0's; ``step_correct`` /
-    ``step_count`` [K] every step's.
+    ``step_count`` [K] every step's. ``row_losses``: :func:`eagle_losses`, or its compiled form (train.compile).
     """
     n = weight.shape[1]
     loss = weight.new_zeros((), dtype=torch.float32)
@@ -120,7 +122,7 @@ def eagle_unrolled_losses(outs: list[torch.Tensor], target_features: torch.Tenso
     for k, out in enumerate(outs[:n]):
         rows = step_rows(weight, k)  # [B, N-k]
         x = out[:, :n - k][rows]  # [R, H]
-        p = eagle_losses(head_logits(x), x, target_features[:, k:][rows], teacher(k), weight[:, k:][rows])
+        p = row_losses(head_logits(x), x, target_features[:, k:][rows], teacher(k), weight[:, k:][rows])
         loss = loss + decay ** k * (feature_weight * p["feature"] + token_weight * p["token"])
         per_step.append(p)
     first = per_step[0]

@@ -15,11 +15,12 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from polyspec.decode.head import subset_logits
+from polyspec.decode.head import subset_logits, subset_weight
 from polyspec.train.ckpt_io import load_tree, save_tree
 from polyspec.train.features import teacher_aux_and_final, teacher_hidden
 from polyspec.train.losses import (
     eagle3_losses,
+    eagle_losses,
     eagle_unrolled_losses,
     expected_acceptance_length,
     shift_for_head,
@@ -59,6 +60,7 @@ class HeadModule(L.LightningModule):
         self._aux = tuple(head.aux_layers) if self.eagle3 else ()
         self._kept = {"head." + k for k in head.trainable_state_dict()}  # what checkpoints hold
         self._unroll_from = 0.0  # optimizer step from which training unrolls the head (configure_optimizers)
+        self._fast: dict[Any, Any] = {}  # compiled pieces (_compiled), gathered rows (_loss_rows); kept unregistered
 
     # -- teacher -------------------------------------------------------------------------------------------------
 
@@ -91,8 +93,19 @@ class HeadModule(L.LightningModule):
         if self.eagle3:
             return self.head.draft_logits(x)
         if self.loss_ids is not None:
-            return subset_logits(self.head.lm_head, x, self.loss_ids)
+            return subset_logits(self.head.lm_head, x, self.loss_ids, self._loss_rows())
         return self.head.lm_head(x.to(self.head.lm_head.weight.dtype)).float()
+
+    def _loss_rows(self) -> torch.Tensor:
+        """train.loss_vocab's rows of the frozen lm_head, gathered once per device and compute dtype (inside
+        autocast its dtype, which the product would cast them to anyway) instead of in every call."""
+        weight = self.head.lm_head.weight
+        autocast = torch.is_autocast_enabled(weight.device.type)
+        dtype = torch.get_autocast_dtype(weight.device.type) if autocast else weight.dtype
+        key = ("loss_rows", weight.device, dtype)
+        if key not in self._fast:
+            self._fast[key] = subset_weight(self.head.lm_head, self.loss_ids, dtype)
+        return self._fast[key]
 
     def _teacher_on_device(self) -> torch.nn.Module:
         teacher = self._teacher[0]
@@ -107,27 +120,43 @@ class HeadModule(L.LightningModule):
         train.ttt_start share of the fit's optimizer steps, set with the schedule in configure_optimizers)."""
         return self.cfg.ttt_steps if self.global_step >= self._unroll_from else 1
 
-    def _losses(self, batch: dict[str, torch.Tensor], noise: float, steps: int = 1) -> dict[str, torch.Tensor]:
-        """The loss parts of a batch with the head unrolled ``steps`` deep; ``loss`` is what the optimizer minimises."""
+    def _compiled(self) -> dict[str, Any]:
+        """train.compile's fast path (training steps only): the head's decoder layer and the EAGLE-1/2 row losses
+        through ``torch.compile`` (inductor, dynamic shapes: batches differ in length and in the rows that count),
+        built on first use. Same maths as the eager reference, fused (tests/test_train.py checks the losses and
+        gradients against it); validation and the acceptance probe stay eager. {} when train.compile is off."""
+        if not self.cfg.compile:
+            return {}
+        if "layer" not in self._fast:
+            self._fast["layer"] = torch.compile(self.head.layer, dynamic=True)
+            self._fast["row_losses"] = torch.compile(eagle_losses, dynamic=True)
+        return {k: self._fast[k] for k in ("layer", "row_losses")}
+
+    def _losses(self, batch: dict[str, torch.Tensor], noise: float, steps: int = 1,
+                fast: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """The loss parts of a batch with the head unrolled ``steps`` deep; ``loss`` is what the optimizer minimises.
+        ``fast``: :meth:`_compiled`'s pieces, or None / {} for the eager reference."""
+        fast = fast or {}
         states, hidden = self._teacher_signal(batch)  # EAGLE-3: hidden is the aux concatenation [B, T, A H]
         s = shift_for_head(batch["input_ids"], hidden, states, batch["loss_mask"], batch["lengths"])
         if self.eagle3:  # no feature noise: the training-time test already feeds the head its own states
-            outs = self.head.unrolled_states(s["head_ids"], s["head_features"].float(), steps)
+            outs = self.head.unrolled_states(s["head_ids"], s["head_features"].float(), steps, fast.get("layer"))
             parts = eagle3_losses(outs, s["target_states"], s["weight"], self.head.draft_ids, self.head.t2d,
                                   self.cfg.ttt_decay, head_logits=self._head_logits,
                                   teacher_logits=self._teacher_logits)
             return {**parts, "feature": torch.zeros_like(parts["loss"])}
         feats = uniform_noise(s["head_features"].float(), noise)  # [B, T-1, H]; step 0's input only
-        outs = self.head.unrolled_states(s["head_ids"], feats, steps)
+        outs = self.head.unrolled_states(s["head_ids"], feats, steps, fast.get("layer"))
         return eagle_unrolled_losses(outs, s["target_features"], s["target_states"], s["weight"],
                                      decay=self.cfg.ttt_decay, feature_weight=self.cfg.feature_loss_weight,
                                      token_weight=self.cfg.token_loss_weight, head_logits=self._head_logits,
-                                     teacher_logits=self._teacher_logits)
+                                     teacher_logits=self._teacher_logits,
+                                     row_losses=fast.get("row_losses", eagle_losses))
 
     # -- training --------------------------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        parts = self._losses(batch, self.cfg.feature_noise, self._unroll_steps())
+        parts = self._losses(batch, self.cfg.feature_noise, self._unroll_steps(), self._compiled())
         loss = parts["loss"]
         self.tokens_seen += int(batch["lengths"].sum())
         count = float(parts["count"])

@@ -38,7 +38,7 @@ TRAINING_JSON = "training.json"
 LOG_EVERY = 10  # optimizer steps between MLflow logs of loss components, lr and tokens/s
 # train settings that do not change the trained weights (left out of the key)
 OPERATIONAL_KEYS = ("checkpoint_every", "num_workers", "cache_budget_gb", "eval_every", "accept_prompts",
-                    "accept_tokens")
+                    "accept_tokens", "compile")
 
 
 def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:

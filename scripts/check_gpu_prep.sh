@@ -88,7 +88,8 @@ import polyspec.config, polyspec.manifest, polyspec.data.sharegpt, polyspec.pipe
 print("imports ok: datasets", datasets.__version__, "pydantic", pydantic.VERSION)'
 run polyspec validate recipes/smollm2_chain.yaml tracking.enabled=false quantize.method=rtn quantize.devices=cuda >/dev/null
 run polyspec validate recipes/smollm2_cpu.yaml target.device=cuda target.dtype=bfloat16 tracking.enabled=false \
-    data.source=.gpu/sharegpt_cpu.json train.batch_size=16 train.max_steps=7500 train.max_minutes=7 >/dev/null
+    data.source=.gpu/sharegpt_cpu.json train.batch_size=16 train.max_steps=7500 train.max_minutes=7 train.compile=false \
+    >/dev/null
 python3 - <<'EOF'
 from pathlib import Path
 from polyspec.bench.gpu_probe import wheel_requirements

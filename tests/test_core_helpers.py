@@ -76,3 +76,38 @@ def test_in_fresh_process_returns_raises_and_reports_a_dead_child(tmp_path):
     with pytest.raises(PolyspecError, match="exit: its worker process died") as e:
         in_fresh_process("exit", os._exit, 3)
     assert e.value.exit_code == 1
+
+
+def test_heap_kept_serves_large_allocations_from_the_heap_and_restores_glibcs_defaults():
+    """polyspec.device.heap_kept: inside, a 64 MB allocation comes from the heap (no new mmap'd bytes); before and
+    after, glibc maps it (its default above 32 MB). Skipped where the C library is not glibc."""
+    import ctypes
+
+    from polyspec.device import _glibc, heap_kept
+
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 64 << 20
+
+    def mapped_by_one_allocation() -> int:
+        before = libc.mallinfo2().hblkhd
+        p = libc.malloc(size)
+        assert p
+        mapped = libc.mallinfo2().hblkhd - before
+        libc.free(p)
+        return mapped
+
+    assert mapped_by_one_allocation() >= size
+    with heap_kept() as applied:
+        assert applied
+        assert mapped_by_one_allocation() == 0
+    assert mapped_by_one_allocation() >= size

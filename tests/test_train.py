@@ -706,3 +706,18 @@ def test_compiled_training_step_matches_the_eager_reference(tmp_path, tiny_model
     for got, want in zip(g_compiled, g_eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
     assert HeadModule(head, cfg.model_copy(update={"compile": False}), draft_k=3)._compiled() == {}
+
+
+def test_compile_without_a_cpp_compiler_is_refused_before_any_work(tmp_path, tiny_model, monkeypatch):
+    """train.compile=true on the CPU needs inductor's C++ compiler: without one, one clear error before anything is
+    prepared (not a traceback at the first step, after the feature extraction)."""
+    import polyspec.train.stage as stage
+
+    recipe = _recipe(tmp_path, tiny_model, compile=True)
+    monkeypatch.setattr(stage, "_cpp_compiler", lambda: False)
+    with pytest.raises(PolyspecError, match="train.compile=false"):
+        stage.train_stage(recipe, progress=False)
+    assert not (tmp_path / "wd").exists()
+    monkeypatch.setattr(stage, "_cpp_compiler", lambda: True)
+    assert stage.runtime_settings(recipe.train, "cpu")["device"] == "cpu"
+    assert stage.runtime_settings(_recipe(tmp_path, tiny_model).train, "cpu")["device"] == "cpu"

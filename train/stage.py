@@ -16,6 +16,7 @@ writes the head.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_ONLY, EAGLE_DEFAULTS, TTT_KEYS, Recipe, TrainConfig
-from polyspec.device import device_name, fast_bf16_matmul, is_global_rank_zero, resolve_dtype
+from polyspec.device import device_name, fast_bf16_matmul, heap_kept, is_global_rank_zero, resolve_dtype
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.fsutil import atomic_file, atomic_folder, damage_note, verify_output, write_file_hashes
 
@@ -67,6 +68,10 @@ def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
         precision = "bf16-mixed" if fast_bf16_matmul("cuda" if cuda else "cpu") else "32-true"
     if precision == "16-mixed" and not cuda:
         raise PolyspecError("train.precision=16-mixed needs a GPU; use 32-true or bf16-mixed on CPU", exit_code=2)
+    if cfg.compile and not cuda and not _cpp_compiler():
+        raise PolyspecError("train.compile=true on the CPU needs a C++ compiler for torch.compile (inductor) and "
+                            "none was found (g++ or clang++, or $CXX); install one or set train.compile=false",
+                            exit_code=2)
     devices: int | str = cfg.devices
     if devices == "auto":
         devices = "auto" if cuda else (2 if cfg.strategy == "ddp" else 1)
@@ -75,6 +80,22 @@ def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
     # strategy names pass through: Lightning picks the gloo backend for ddp on CPU
     return {"accelerator": "gpu" if cuda else "cpu", "devices": devices, "strategy": cfg.strategy,
             "precision": precision, "device": "cuda" if cuda else "cpu"}
+
+
+def _host_memory(runtime: dict[str, Any]) -> Any:
+    """The C heap kept through the CPU's extraction and fit (:func:`polyspec.device.heap_kept`: steps reallocate
+    the same large buffers); nothing changes where the tensors live on a GPU."""
+    return heap_kept() if runtime["device"] == "cpu" else contextlib.nullcontext()
+
+
+def _cpp_compiler() -> bool:
+    """Whether inductor finds the C++ compiler its CPU code needs (asked before any work, not at the first step)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return bool(get_cpp_compiler())
+    except Exception:  # inductor's own search raises when nothing is found
+        return False
 
 
 def train_key(target_id: str, teacher_id: str, data_key: str, cfg: TrainConfig, runtime: dict[str, Any]) -> str:
@@ -222,13 +243,15 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
 
     cache_info: dict[str, Any] = {}
     if cfg.features == "offline":
-        cache_info = _offline_cache(recipe, teacher, prepared, teacher_id=teacher_id, data_key=data_key,
-                                    teacher_dtype=teacher_dtype, extract_device=extract_device, rank0=rank0,
-                                    progress=progress, decoder=decoder)
+        with _host_memory(runtime):
+            cache_info = _offline_cache(recipe, teacher, prepared, teacher_id=teacher_id, data_key=data_key,
+                                        teacher_dtype=teacher_dtype, extract_device=extract_device, rank0=rank0,
+                                        progress=progress, decoder=decoder)
     probe = _acceptance_probe(recipe, decoder, prepared, tokenizer) if rank0 else None
     counts = _token_counts(prepared, teacher.args.vocab_size)
-    result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every,
-                  probe, counts)
+    with _host_memory(runtime):
+        result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every,
+                      probe, counts)
     head = result.pop("_head")
     if not rank0:
         return out_dir

@@ -95,19 +95,21 @@ def is_global_rank_zero() -> bool:
 
 
 # glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-_GLIBC_MMAP_MAX, _GLIBC_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults, restored on exit
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+# restored on exit: glibc's default mmap count, and the thresholds its dynamic rule reaches once blocks of 32 MB have
+# been freed (any torch workload gets there); setting a threshold turns that rule off, so these are set explicitly
+_GLIBC_MMAP_MAX, _GLIBC_MMAP_THRESHOLD, _GLIBC_TRIM_THRESHOLD = 65536, 32 << 20, 64 << 20
 
 
 @contextlib.contextmanager
 def heap_kept() -> Iterator[bool]:
     """Within the block, the C heap serves large allocations and keeps what is freed (glibc: no mmap per
-    allocation, no trimming); afterwards glibc's defaults are back and the heap is trimmed. Yields whether it applied
-    (False where the C library has no ``mallopt``).
+    allocation, no trimming); afterwards glibc's adapted defaults are back and the heap is trimmed. Yields whether it
+    applied (False where the C library is not glibc).
 
     Why: a CPU training step allocates and frees the same buffers every step (logits over the loss vocabulary are
     ~34 MB, above glibc's largest mmap threshold, 32 MB), and each mmap'd one is faulted in page by page again: on
-    the 2-core CPU the fit ran 1.24x faster with the heap kept, bitwise the same head (docs/TRAIN.md, stop 34)."""
+    the 2-core CPU the fit ran 1.14-1.24x faster with the heap kept, bitwise the same head (docs/TRAIN.md, stop 34)."""
     libc = _glibc()
     if libc is None:
         yield False
@@ -118,6 +120,7 @@ def heap_kept() -> Iterator[bool]:
         yield True
     finally:
         libc.mallopt(_M_MMAP_MAX, _GLIBC_MMAP_MAX)
+        libc.mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD)
         libc.mallopt(_M_TRIM_THRESHOLD, _GLIBC_TRIM_THRESHOLD)
         libc.malloc_trim(0)
 

@@ -174,7 +174,7 @@ class TrainConfig(Section):
     num_workers: int = Field(0, ge=0)
     compile: bool = Field(
         False, description="training steps run the head's layer and its losses through torch.compile (inductor, "
-        "needs a C++ compiler on the CPU): the same maths fused, about 1.3x faster per step on a 2-core CPU "
+        "needs a C++ compiler on the CPU): the same maths fused, about 1.07x faster per step on a 2-core CPU "
         "(docs/TRAIN.md); the first steps pay the compilation"
     )
     seed: int = 0

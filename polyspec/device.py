@@ -7,6 +7,7 @@ torch is imported inside the functions, so the CLI and the recipe schema can imp
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -125,8 +126,10 @@ def heap_kept() -> Iterator[bool]:
         libc.malloc_trim(0)
 
 
+@functools.cache
 def _glibc() -> Any:
-    """The process's C library when it is glibc (it has mallopt and malloc_trim), else None."""
+    """The process's C library when it is glibc (it has mallopt and malloc_trim), else None; looked up once
+    (``find_library`` runs ldconfig)."""
     import ctypes
     import ctypes.util
 

@@ -1,6 +1,6 @@
 """``polyspec bench``: AR, dual EAGLE, the polybasic chain and transformers side by side, on the same prompts.
 
-    polyspec bench CHAIN --prompts FILE|builtin [--modes ar,dual,chain,hf,hf-assisted] [--max-new-tokens N]
+    polyspec bench CHAIN --prompts FILE|builtin [--modes ar default dual:k=1,lookup=6 hf] [--max-new-tokens N]
                    [--temperature T] [--repeats R] [--limit N] [--categories C ...] [--json OUT] [--plot OUT.png]
                    [--forward-times]
 
@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polyspec.chain_spec import DraftSpec, add_draft_flags, check_draft_flags
 from polyspec.errors import PolyspecError
-from polyspec.modes import DUAL_NGRAM
 from polyspec.modes import MODES as DECODE_MODES
 
-# *-tree: the EAGLE-2 draft tree at the bottom; dual-ngram: the target over prompt lookup (decode/ngram.py);
-# default: what the chain's manifest chose (its mode, draft_k, mu, tree on or off, prompt lookup or not)
+# default: what the chain's manifest chose (its mode, what drafts, mu); ar / dual / chain draft as --draft says over
+# the manifest's draft, and MODE:SPEC (e.g. dual:tree=2x1x2,lookup=6) as SPEC says over it
 DEFAULT = "default"
-ENGINE_MODES = (*DECODE_MODES, "dual-tree", "chain-tree", DUAL_NGRAM, DEFAULT)
+ENGINE_MODES = (*DECODE_MODES, DEFAULT)
 MODES = (*ENGINE_MODES, "hf", "hf-assisted")
 
 
@@ -66,22 +66,16 @@ class NotApplicable(Exception):
 class EngineRunner:
     """ar / dual / chain through polyspec's ChainDecoder; the loaded models are shared by all engine modes."""
 
-    def __init__(self, chain: Any, mode: str, *, draft_k: int | None = None, mu: list[int] | None = None,
-                 tree: Any = False, draft_stop: float | None = None, draft_lookup: int | None = None):
-        """mode: ar, dual, chain, or dual-tree / chain-tree with ``tree`` (TreeParams, or True for the manifest's
-        shape), dual-ngram, or default (the manifest's choice: its tree and prompt-lookup settings too)."""
-        base = chain.mode if mode == DEFAULT else mode.removesuffix("-tree").removesuffix("-ngram")
+    def __init__(self, chain: Any, mode: str, *, draft: DraftSpec | None = None, mu: list[int] | None = None):
+        """mode: ar, dual, chain (drafting as ``draft``, None: the manifest's) or default (the manifest's choice
+        whole: its mode, draft and mu)."""
+        base = chain.mode if mode == DEFAULT else mode
+        self.draft, self.mu = (None, None) if mode == DEFAULT else (draft, mu)
         try:
-            chain.levels_for(base)
+            chain.levels_for(base, self.draft)
         except PolyspecError as exc:
             raise NotApplicable(str(exc)) from None
         self.chain, self.mode = chain, base
-        # default runs the manifest's choice whole: the command's draft settings are for the other modes
-        self.draft_k, self.mu = (None, None) if mode == DEFAULT else (draft_k, mu)
-        self.draft_stop = None if mode == DEFAULT else draft_stop
-        self.draft_lookup = None if mode == DEFAULT else draft_lookup
-        self.tree = None if mode == DEFAULT else tree  # None / ngram None: as the manifest says
-        self.ngram = None if mode == DEFAULT else mode == DUAL_NGRAM
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: Any, seed: int,
                  eos: set[int]) -> Generation:
@@ -89,9 +83,7 @@ class EngineRunner:
         from polyspec.decode.timing import timed
 
         size = cache_size(self.chain, len(prompt_ids), max_new_tokens)
-        dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft_k=self.draft_k, mu=self.mu,
-                            tree=self.tree, ngram=self.ngram, draft_stop=self.draft_stop,
-                            draft_lookup=self.draft_lookup)
+        dec = build_decoder(self.chain, self.mode, max_seq_len=size, draft=self.draft, mu=self.mu)
         device = next(self.chain.models[self.chain.order[0]].parameters()).device
         res, seconds = timed(lambda: dec.generate(prompt_ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos),
                              device)
@@ -256,25 +248,36 @@ class BenchSettings:
     repeats: int = 1
     seed: int = 0
     warmup: int = 1
-    draft_k: int | None = None
-    draft_stop: float | None = None
-    draft_lookup: int | None = None
+    draft: str | None = None  # --draft: DraftSpec text over the manifest's draft, for the ar / dual / chain modes
     mu: list[int] | None = None
-    tree: dict[str, int] | None = None  # shape overrides for the *-tree modes (on the manifest's tree or defaults)
     device: str = "auto"
     dtype: str | None = None
     chat: bool = True
 
 
-def parse_modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+def parse_modes(items: list[str] | str) -> list[str]:
+    """--modes: names (space or comma separated) from MODES, and MODE:SPEC items (a DraftSpec text after an engine
+    mode, e.g. ``dual:tree=2x1x2,lookup=6``: its commas belong to the spec)."""
+    modes: list[str] = []
+    for item in [items] if isinstance(items, str) else items:
+        modes += [item.strip()] if ":" in item else [m.strip() for m in item.split(",") if m.strip()]
+    bad = [m for m in modes if m.split(":")[0] not in MODES or (":" in m and m.split(":")[0] not in DECODE_MODES)]
     if bad or not modes:
-        raise PolyspecError(f"--modes {text!r}: unknown mode(s) {bad}; choose from {', '.join(MODES)} "
-                            "(comma-separated)")
+        raise PolyspecError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}, or ar/dual/chain:SPEC "
+                            "with a draft spec (e.g. dual:k=1,lookup=6)")
+    for m in modes:
+        if ":" in m:
+            DraftSpec.parse(m.split(":", 1)[1])  # one clear error before any weights load
     if len(set(modes)) != len(modes):
-        raise PolyspecError(f"--modes {text!r} names a mode twice")
+        raise PolyspecError(f"--modes names a mode twice: {modes}")
     return modes
+
+
+def engine_draft(mode: str, chain: Any, s: BenchSettings) -> tuple[str, DraftSpec | None]:
+    """(engine mode, its draft): MODE:SPEC over the manifest's draft, --draft over it for plain modes."""
+    base, _, spec = mode.partition(":")
+    text = spec or s.draft
+    return base, (DraftSpec.parse(text, chain.decode.draft) if text else None)
 
 
 def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[dict[str, Any], dict[str, str]]:
@@ -283,12 +286,9 @@ def _load_runners(chain_dir: Path, chain: Any, s: BenchSettings, log) -> tuple[d
     hf_model = None
     for mode in s.modes:
         try:
-            if mode in ENGINE_MODES:
-                from polyspec.decode.generate import resolve_tree
-
-                tree = resolve_tree(s.tree or True, chain.tree_shape) if mode.endswith("-tree") else False
-                runners[mode] = EngineRunner(chain, mode, draft_k=s.draft_k, mu=s.mu, tree=tree,
-                                             draft_stop=s.draft_stop, draft_lookup=s.draft_lookup)
+            if mode.split(":")[0] in ENGINE_MODES:
+                base, draft = engine_draft(mode, chain, s)
+                runners[mode] = EngineRunner(chain, base, draft=draft, mu=s.mu)
                 continue
             if hf_model is None:
                 from polyspec.device import resolve_device, resolve_dtype
@@ -456,10 +456,12 @@ def forward_times(chain: Any, *, widths: list[int], prefix: int = 128, repeats: 
     }
 
 
-def default_widths(chain: Any, draft_k: int | None, mu: list[int] | None) -> list[int]:
-    """T = 1 (a decode step), draft_k + 1 (verifying a draft block) and mu[0] + 1 (the target verifying a block)."""
-    k = draft_k or chain.draft_k
-    m = (mu or list(chain.mu) or [8])[0]
+def default_widths(chain: Any, mu: list[int] | None) -> list[int]:
+    """T = 1 (a decode step), k + 1 (verifying the manifest's draft block) and mu[0] + 1 (the target verifying a
+    block)."""
+    d = chain.decode.draft
+    k = max(d.depth, d.lookup, 1)
+    m = (mu or list(chain.decode.mu) or [8])[0]
     return sorted({1, k + 1, m + 1})
 
 
@@ -472,7 +474,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("chain", type=Path, help="chain folder (with manifest.json)")
     p.add_argument("--prompts", help="a Spec-Bench question.jsonl (question_id, category, turns) or 'builtin' "
                    "(MT-bench, HumanEval, Python FAQ, Python-doc summarisation, held-out ShareGPT)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (default: all)")
+    p.add_argument("--modes", nargs="+", default=[",".join(MODES)],
+                   help=f"from {', '.join(MODES)} (space or comma separated; default: all), and ar/dual/chain:SPEC "
+                        "(a draft spec over the manifest's, e.g. dual:tree=2x1x2,lookup=6)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then outputs are checked vs ar)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -482,20 +486,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="at most N questions per category")
     p.add_argument("--categories", nargs="+", default=None, help="only these categories (space or comma separated)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode (default 1)")
-    from polyspec.cli import add_draft_arguments  # the flags generate takes too
-
-    add_draft_arguments(p)
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft head's logits over the N most frequent training tokens (0 = full; default: manifest's)")
-    p.add_argument("--tree-top-k", type=int, default=None, help="*-tree modes: children per expanded node "
-                   "(default: the manifest's decode.tree, else 8)")
-    p.add_argument("--tree-depth", type=int, default=None, help="*-tree modes: draft forwards per tree")
-    p.add_argument("--tree-tokens", type=int, default=None, help="*-tree modes: most draft tokens per tree")
-    p.add_argument("--tree-lookup", type=int, default=None,
-                   help="*-tree modes, greedy: up to N prompt-lookup tokens added to each tree as one more path")
-    p.add_argument("--tree-lookup-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="*-tree modes, greedy, with --tree-lookup: where the last 2+ tokens repeat, a round verifies "
-                        "prompt lookup's tokens alone and drafts no tree")
+    add_draft_flags(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the dtype the chain's profile chose, else float32 on CPU)")
     p.add_argument("--recipe", type=Path, default=None,
@@ -507,7 +498,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="speedup-by-category PNG here, acceptance-length histograms next to it (*_accept.png)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--forward-times", action="store_true",
-                   help="also time one forward of every level at T = 1, draft_k + 1 and mu + 1 tokens")
+                   help="also time one forward of every level at each --widths (default: 1, the manifest's draft "
+                        "block + 1 and mu + 1 tokens)")
+    p.add_argument("--widths", type=int, nargs="+", default=None, help="--forward-times: the widths (new tokens)")
     p.add_argument("--roofline", action="store_true",
                    help="also measure the device's read bandwidth and report the target's batch-1 memory roofline "
                         "(weight bytes / bandwidth) and the fraction of it ar reaches")
@@ -539,70 +532,33 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PolyspecError(f"--threads must be >= 1, got {args.threads}")
     if args.warmup < 0:
         raise PolyspecError(f"--warmup must be >= 0, got {args.warmup}")
-    if getattr(args, "draft_vocab", None) is not None and args.draft_vocab < 0:
-        raise PolyspecError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
-    from polyspec.cli import check_draft_arguments
-
-    check_draft_arguments(args)
+    if args.widths is not None and min(args.widths) < 1:
+        raise PolyspecError(f"--widths must be >= 1, got {args.widths}")
+    check_draft_flags(args)
     if args.prompts is None and not args.forward_times:
         raise PolyspecError("give --prompts FILE|builtin (or --forward-times alone for level timings)")
 
 
-def tree_shape(args: argparse.Namespace) -> dict[str, int | bool] | None:
-    """The --tree-top-k / --tree-depth / --tree-tokens / --tree-lookup / --tree-lookup-first given (None if none),
-    checked."""
-    shape: dict[str, int | bool] = {k: v for k, v in (("top_k", args.tree_top_k), ("depth", args.tree_depth),
-                                                       ("total_tokens", args.tree_tokens),
-                                                       ("lookup", args.tree_lookup)) if v is not None}
-    bad = [f"{k}={v}" for k, v in shape.items() if v < (0 if k == "lookup" else 1)]
-    if bad:
-        raise PolyspecError(f"tree shape values must be integers >= 1 (--tree-lookup >= 0), got {', '.join(bad)}")
-    if getattr(args, "tree_lookup_first", None) is not None:
-        shape["lookup_first"] = args.tree_lookup_first
-    return shape or None
-
-
-def run(args: argparse.Namespace) -> int:
-    """Benchmark ar, dual, chain, hf and hf-assisted on the same prompts, interleaved; JSON, table and plots."""
+def _questions(args: argparse.Namespace, notes: list[str]) -> list[Any]:
+    """The prompts --prompts names (none for --forward-times alone), notes on the held-out split added."""
     from polyspec.bench.prompts import load_prompts
-    from polyspec.bench.report import print_report, write_json, write_plots
-    from polyspec.decode.cpu_kernels import state as cpu_kernel_state
-    from polyspec.decode.cuda_graphs import runner_of
-    from polyspec.stamp import command_line, hardware_stamp, software_stamp
 
-    _check_args(args)
-    modes = parse_modes(args.modes)
-    notes: list[str] = []
-    questions: list[Any] = []
-    if args.prompts is not None:
-        cats = [c for item in (args.categories or []) for c in item.split(",") if c]
-        data_cfg, split_note = _heldout_split(args)
-        questions = load_prompts(args.prompts, categories=cats or None, limit=args.limit, data_cfg=data_cfg,
-                                 notes=notes)
-        if split_note and any(q.category == "sharegpt" for q in questions):
-            notes.append(split_note)
-        for n in notes:
-            print(f"note: {n}", file=sys.stderr)
-    from polyspec.decode.generate import load_chain
+    if args.prompts is None:
+        return []
+    cats = [c for item in (args.categories or []) for c in item.split(",") if c]
+    data_cfg, split_note = _heldout_split(args)
+    questions = load_prompts(args.prompts, categories=cats or None, limit=args.limit, data_cfg=data_cfg, notes=notes)
+    if split_note and any(q.category == "sharegpt" for q in questions):
+        notes.append(split_note)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    return questions
 
-    settings = BenchSettings(modes=modes, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, top_k=args.top_k, repeats=args.repeats, seed=args.seed,
-                             warmup=args.warmup, draft_k=args.draft_k, draft_stop=args.draft_stop,
-                             draft_lookup=args.draft_lookup, mu=args.mu,
-                             tree=tree_shape(args), device=args.device, dtype=args.dtype, chat=not args.raw)
-    if args.threads is not None:
-        import torch
 
-        torch.set_num_threads(args.threads)
-    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
-    chain = load_chain(args.chain, device=args.device, dtype=args.dtype, draft_vocab=args.draft_vocab)
-    if next(chain.models[chain.order[0]].parameters()).device.type == "cpu":
-        print(f"CPU kernels: {cpu_kernel_state()}", file=sys.stderr)
-    report: dict[str, Any] = {}
-    if questions:
-        report = run_benchmark(args.chain, questions, settings, chain=chain)
+def _extras(args: argparse.Namespace, chain: Any, report: dict[str, Any]) -> None:
+    """--forward-times and --roofline, added to the report."""
     if args.forward_times:
-        report["forward_times"] = forward_times(chain, widths=default_widths(chain, args.draft_k, args.mu),
+        report["forward_times"] = forward_times(chain, widths=args.widths or default_widths(chain, args.mu),
                                                 prefix=args.forward_prefix, repeats=args.forward_repeats)
     if args.roofline:
         from polyspec.bench.roofline import measure_bandwidth, roofline
@@ -611,21 +567,55 @@ def run(args: argparse.Namespace) -> int:
         bw = measure_bandwidth(next(top.parameters()).device)
         ar = (report.get("overall") or {}).get("ar", {}).get("tokens_per_second")
         report["roofline"] = roofline(top, bw["median_GBps"], ar) | {"bandwidth": bw}
+
+
+def _run_record(args: argparse.Namespace, chain: Any, settings: BenchSettings, notes: list[str],
+                load_before: Any) -> dict[str, Any]:
+    """What the report says about how it ran: command, settings, machine, load."""
     import torch
 
-    report.update({
+    from polyspec.decode.cpu_kernels import state as cpu_kernel_state
+    from polyspec.decode.cuda_graphs import runner_of
+    from polyspec.stamp import command_line, hardware_stamp, software_stamp
+
+    return {
         "command": command_line(getattr(args, "command", None)),
         "settings": {**settings.__dict__, "prompts": args.prompts, "limit": args.limit,
-                     "categories": args.categories, "chain": str(args.chain), "draft_k": args.draft_k or chain.draft_k,
-                     "mu": args.mu or list(chain.mu), "levels": list(chain.order), "torch_threads":
-                     torch.get_num_threads(), "cpu_kernels": cpu_kernel_state(),
-                     "cuda_graphs": {n: runner_of(m) is not None for n, m in chain.models.items()},
-                     "draft_vocab": {n: int(m.draft_ids.numel()) for n, m in chain.models.items()
-                                     if getattr(m, "draft_ids", None) is not None}},
+                     "categories": args.categories, "chain": str(args.chain), "decode": chain.decode.model_dump(),
+                     "levels": list(chain.order), "torch_threads": torch.get_num_threads(),
+                     "cpu_kernels": cpu_kernel_state(),
+                     "cuda_graphs": {n: runner_of(m) is not None for n, m in chain.models.items()}},
         "notes": notes,
         "load_average": {"before": load_before, "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "stamp": {"hardware": hardware_stamp(), "software": software_stamp()},
-    })
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Benchmark ar, dual, chain, hf and hf-assisted on the same prompts, interleaved; JSON, table and plots."""
+    from polyspec.bench.report import print_report, write_json, write_plots
+    from polyspec.decode.cpu_kernels import state as cpu_kernel_state
+    from polyspec.decode.generate import load_chain
+
+    _check_args(args)
+    modes = parse_modes(args.modes)
+    notes: list[str] = []
+    questions = _questions(args, notes)
+    settings = BenchSettings(modes=modes, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k, repeats=args.repeats, seed=args.seed,
+                             warmup=args.warmup, draft=args.draft, mu=args.mu, device=args.device, dtype=args.dtype,
+                             chat=not args.raw)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    chain = load_chain(args.chain, device=args.device, dtype=args.dtype)
+    if next(chain.models[chain.order[0]].parameters()).device.type == "cpu":
+        print(f"CPU kernels: {cpu_kernel_state()}", file=sys.stderr)
+    report = run_benchmark(args.chain, questions, settings, chain=chain) if questions else {}
+    _extras(args, chain, report)
+    report.update(_run_record(args, chain, settings, notes, load_before))
     print_report(report)
     if args.json is not None:
         write_json(report, args.json)
@@ -634,4 +624,3 @@ def run(args: argparse.Namespace) -> int:
         for path in write_plots(report, args.plot):
             print(f"wrote {path}", file=sys.stderr)
     return 0
-

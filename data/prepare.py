@@ -10,9 +10,6 @@ entry and an unchanged recipe loads the cache (``report["cached"] is True``). En
 folder and renamed into place, so a crash never leaves a half-written entry.
 
 Columns: ``input_ids`` (list of int32) and ``loss_mask`` (list of int8, 1 on assistant tokens).
-
-``data.responses: target`` replaces every assistant turn with the target's own answer first (:mod:`polyspec.data.regen`,
-cached and resumable on its own under ``<workdir>/cache/regen/``), so the loss mask covers generated tokens only.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from polyspec.data.chat import tokenize_with_length
 from polyspec.data.sharegpt import load_conversations, resolve_source
 from polyspec.errors import PolyspecError
-from polyspec.fsutil import temp_folder
+from polyspec.fsutil import sha256_file, temp_folder
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
@@ -57,14 +54,6 @@ class PreparedData:
 # Cache key
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def source_identity(source: str) -> dict[str, Any]:
     """What identifies the data behind ``source`` (changes whenever the data may have changed)."""
     kind, where = resolve_source(source)
@@ -82,7 +71,7 @@ def source_identity(source: str) -> dict[str, Any]:
             ident["package_version"] = None
         ident["mtime_ns"] = st.st_mtime_ns
     elif st.st_size <= HASH_CONTENT_LIMIT:
-        ident["sha256"] = _sha256_file(path)
+        ident["sha256"] = sha256_file(path)
     else:
         ident["path"] = str(path.resolve())
         ident["mtime_ns"] = st.st_mtime_ns
@@ -103,17 +92,9 @@ def tokenizer_identity(tokenizer: Any, tokenizer_id: str) -> dict[str, Any]:
     return ident
 
 
-def data_identity(recipe: Recipe, tokenizer_id: str) -> dict[str, Any]:
-    """The data settings that change the prepared sequences. Under ``responses: dataset`` the regen settings play no
-    part (keys stay those of earlier versions); under ``target`` the answering target (``tokenizer_id`` is its content
-    id) or endpoint and the sampling settings do, but not batch size or concurrency, which only change speed."""
-    from polyspec.data.regen import generator_identity, sampling_identity
-
-    data = recipe.data.model_dump(mode="json", exclude={"responses", "regen"})
-    if recipe.data.responses == "target":
-        data["responses"] = "target"
-        data["regen"] = {**sampling_identity(recipe.data.regen), **generator_identity(recipe, tokenizer_id)}
-    return data
+def data_identity(recipe: Recipe) -> dict[str, Any]:
+    """The data settings that change the prepared sequences."""
+    return recipe.data.model_dump(mode="json")
 
 
 def cache_key(recipe: Recipe, tokenizer: Any, tokenizer_id: str) -> tuple[str, dict[str, Any]]:
@@ -122,7 +103,7 @@ def cache_key(recipe: Recipe, tokenizer: Any, tokenizer_id: str) -> tuple[str, d
         "format_version": FORMAT_VERSION,
         "source": source_identity(recipe.data.source),
         "tokenizer": tokenizer_identity(tokenizer, tokenizer_id),
-        "data": data_identity(recipe, tokenizer_id),
+        "data": data_identity(recipe),
     }
     blob = json.dumps(identity, sort_keys=True, ensure_ascii=False).encode("utf-8")
     return hashlib.sha256(blob).hexdigest(), identity
@@ -274,12 +255,8 @@ def _load_cached(path: Path) -> PreparedData:
     return PreparedData(train=train, heldout=heldout, path=path, report=report)
 
 
-def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progress: bool = False,
-                    target_dir: Path | None = None) -> PreparedData:
-    """Tokenised train/held-out datasets for ``recipe.data``, from ``<workdir>/cache/data/<key>/`` when cached.
-
-    Under ``data.responses: target`` the target (loaded from ``target_dir``, default: the recipe's target stage)
-    first answers the user turns itself (:mod:`polyspec.data.regen`) and the loss mask covers those answers."""
+def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progress: bool = False) -> PreparedData:
+    """Tokenised train/held-out datasets for ``recipe.data``, from ``<workdir>/cache/data/<key>/`` when cached."""
     cfg = recipe.data
     key, identity = cache_key(recipe, tokenizer, tokenizer_id)
     root = Path(recipe.workdir) / "cache" / "data"
@@ -289,13 +266,7 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
 
     split = load_split(cfg.source, max_conversations=cfg.max_conversations, heldout_fraction=cfg.heldout_fraction,
                        seed=cfg.seed)
-    conversations, regen_report = split.conversations, None
-    if cfg.responses == "target":
-        from polyspec.data.regen import regenerate
-
-        conversations, regen_report = regenerate(recipe, conversations, tokenizer, target_id=tokenizer_id,
-                                                 target_dir=target_dir, progress=progress)
-    splits, counts = _tokenize_splits(conversations, split.train, split.heldout, tokenizer, cfg.max_length,
+    splits, counts = _tokenize_splits(split.conversations, split.train, split.heldout, tokenizer, cfg.max_length,
                                       progress)
     if len(splits["train"].offsets) == 1:
         raise PolyspecError(
@@ -303,8 +274,6 @@ def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progre
             f"data.max_length={cfg.max_length} tokens; raise data.max_length"
         )
     report = _report(cfg, key, tokenizer_id, identity, split, splits, counts)
-    if regen_report is not None:
-        report["regen"] = regen_report
     _write_cache(root, final, splits, report)
     prepared = _load_cached(final)
     prepared.report["cached"] = False
@@ -320,7 +289,7 @@ def _tokenize_splits(conversations: list, train_idx: list[int], held_idx: list[i
     with _progress(progress, len(assignment)) as advance:
         for i, name in assignment:
             advance()
-            if not any(m["role"] == "assistant" for m in conversations[i]):  # regen: first prompt too long
+            if not any(m["role"] == "assistant" for m in conversations[i]):
                 counts["dropped_no_assistant"] += 1
                 continue
             ids, mask, full_length = tokenize_with_length(tokenizer, conversations[i], max_length)
@@ -356,7 +325,6 @@ def _report(cfg: Any, key: str, tokenizer_id: str, identity: Any, split: Split, 
         "total_tokens": len(splits["train"].ids) + len(splits["heldout"].ids),
         "assistant_tokens": sum(splits["train"].mask) + sum(splits["heldout"].mask),
         "max_length": cfg.max_length,
-        "responses": cfg.responses,
         "identity": identity,
     }
 

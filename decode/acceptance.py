@@ -66,10 +66,9 @@ def prompt_prefix(input_ids: list[int], loss_mask: list[int]) -> list[int] | Non
 
 
 def decoder_acceptance(target: torch.nn.Module, head: torch.nn.Module, prompts: list[list[int]], *,
-                       max_new_tokens: int, draft_k: int, tree: Any = None,
-                       eos_token_ids: frozenset[int] = frozenset()) -> AcceptanceResult:
-    """Decode each prompt greedily with ``target`` verifying ``head`` (an EAGLE head reading the target's features):
-    linear drafts of ``draft_k`` tokens, or the EAGLE-2 tree ``tree`` (a :class:`polyspec.decode.chain.TreeParams`).
+                       max_new_tokens: int, draft: Any, eos_token_ids: frozenset[int] = frozenset()) -> AcceptanceResult:
+    """Decode each prompt greedily with ``target`` verifying ``head`` (an EAGLE head reading the target's features)
+    as ``draft`` (a :class:`polyspec.chain_spec.DraftSpec`: linear drafts of draft.k tokens, or its EAGLE-2 tree).
     Returns the mean number of tokens committed per target verification (accepted drafts + the target's own), for
     linear drafts the per-depth acceptance (:func:`depth_acceptance`), and each prompt's generated tokens."""
     from polyspec.decode.chain import ChainDecoder, SamplingParams
@@ -81,13 +80,13 @@ def decoder_acceptance(target: torch.nn.Module, head: torch.nn.Module, prompts: 
     lengths, outputs = [], []
     with kept_caches(target, head):
         longest = max(len(p) for p in prompts)
-        dec = ChainDecoder([ModelLevel(target, "target"), HeadLevel(head, "head")], draft_k=draft_k,
-                           max_seq_len=longest + max_new_tokens + KV_SLACK, tree=tree)
+        dec = ChainDecoder([ModelLevel(target, "target"), HeadLevel(head, "head")], draft=draft,
+                           max_seq_len=longest + max_new_tokens + KV_SLACK)
         for ids in prompts:
             res = dec.generate(list(ids), max_new_tokens, SamplingParams(), seed=0, eos_token_ids=eos_token_ids)
             outputs.append(tuple(res.token_ids))
             lengths.append(list(res.level_stats[0].accept_lengths))
     new, verifications = sum(len(o) for o in outputs), sum(len(x) for x in lengths)
-    depths = depth_acceptance(lengths, draft_k) if tree is None else ()
+    depths = depth_acceptance(lengths, draft.k) if draft.tree is None else ()
     return AcceptanceResult(new / verifications if verifications else 0.0, new, verifications, len(prompts), depths,
                             tuple(outputs))

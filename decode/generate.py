@@ -6,14 +6,15 @@ Only chains that validate (schema and every sha256) are loaded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from polyspec.chain_spec import DecodeSpec, DraftSpec
 from polyspec.decode import cpu_kernels, cuda_graphs
-from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
+from polyspec.decode.chain import ChainDecoder, SamplingParams
 from polyspec.decode.hf_fallback import HFCausalLM
 from polyspec.decode.levels import HeadLevel, ModelLevel
 from polyspec.device import resolve_device, resolve_dtype
@@ -39,28 +40,29 @@ class LoadedChain:
     kinds: dict[str, str]
     tokenizer: Any
     context: int  # the target's max_position_embeddings
-    draft_k: int = 4
-    draft_stop: float = 0.0  # the manifest's confidence cut of linear drafts (ChainDecoder's draft_stop)
-    draft_lookup: int = 0  # the manifest's prompt-lookup blocks in place of the draft's (ChainDecoder's draft_lookup)
-    mu: tuple[int, ...] = (8,)
-    mode: str = "ar"  # the manifest's chosen decode mode
-    tree: TreeParams | None = None  # the manifest's EAGLE-2 tree when it is on (None: linear drafts)
-    tree_shape: TreeParams | None = None  # the manifest's tree shape, on or off (what --tree uses)
-    ngram: bool = False  # the manifest's dual mode drafts by prompt lookup (decode/ngram.py)
+    decode: DecodeSpec = field(default_factory=lambda: DecodeSpec(mode=AR))  # the manifest's decision
 
-    def levels_for(self, mode: str) -> list[str]:
-        """ar = the target; dual = target + the bottom level; chain = all levels."""
+    @property
+    def mode(self) -> str:
+        return self.decode.mode
+
+    def levels_for(self, mode: str, draft: DraftSpec | None = None) -> list[str]:
+        """ar = the target; dual = the target and the bottom level (the target alone where prompt lookup drafts);
+        chain = every level (but a draft model, where prompt lookup drafts)."""
+        lookup = (draft or self.decode.draft).source == "lookup"
+        models = [n for n in self.order if not (lookup and self.kinds[n] == "head")]
         if mode == AR:
             return self.order[:1]
         if mode == DUAL:
-            if len(self.order) < 2:
-                raise PolyspecError("dual mode needs a draft level; this chain has only the target")
-            return [self.order[0], self.order[-1]]
+            if len(self.order) < 2 and not lookup:
+                raise PolyspecError("dual mode needs a draft level; this chain has only the target (prompt lookup can "
+                                    "draft: --draft source=lookup,lookup=8)")
+            return models[:1] if lookup else [self.order[0], self.order[-1]]
         if mode == CHAIN:
             if len(self.order) < 3:
                 raise PolyspecError(f"chain mode needs at least 3 levels; this chain has {len(self.order)} "
                                     f"({', '.join(self.order)}): use --mode dual or ar")
-            return list(self.order)
+            return models
         raise PolyspecError(f"unknown mode {mode!r}; use {', '.join(MODES)}")
 
 
@@ -83,12 +85,10 @@ def load_model(folder: Path, *, dtype: torch.dtype, device: torch.device) -> Any
     return Transformer.from_pretrained(folder, dtype=dtype, device=device)
 
 
-def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = None,
-               draft_vocab: int | None = None) -> LoadedChain:
-    """Validate a chain folder and load every level (target, verifiers, head) onto ``device``. ``draft_vocab``: the
-    head's draft vocabulary size (None: the manifest's ``decode.draft_vocab``; 0: the full vocabulary). ``dtype``:
-    None = the dtype the chain's profile measured in (``measurements.dtype``) when it ran on this kind of device,
-    else the device's default."""
+def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = None) -> LoadedChain:
+    """Validate a chain folder and load every level (target, verifiers, head) onto ``device``. ``dtype``: None = the
+    dtype the chain's profile measured in (``measurements.dtype``) when it ran on this kind of device, else the
+    device's default."""
     from polyspec.decode.head import load_head
     from polyspec.manifest import validate_chain
     from polyspec.sources import load_tokenizer
@@ -110,30 +110,16 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
                                     f"but the target runs on transformers ({models[top.name].why}); use a "
                                     "Llama-family target, or a chain without a head")
             models[lv.name] = load_head(folder, models[top.name]).to(dev)
-            models[lv.name].set_draft_vocab(manifest.decode.draft_vocab if draft_vocab is None else draft_vocab)
+            models[lv.name].set_draft_vocab(manifest.decode.draft.vocab)
         else:
             models[lv.name] = load_model(folder, dtype=tdtype, device=dev)
         if not isinstance(models[lv.name], HFCausalLM):
             cpu_kernels.pack_weights(models[lv.name])  # CPU: weights in read order, one block
     cuda_graphs.enable_for_device(models, dev, max_width=GRAPH_WIDTH)  # CUDA: static steps replayed as graphs
-    return LoadedChain(
-        models=models, order=[lv.name for lv in manifest.levels], kinds={lv.name: lv.kind for lv in manifest.levels},
-        tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
-        draft_k=manifest.decode.draft_k, draft_stop=manifest.decode.draft_stop,
-        draft_lookup=manifest.decode.draft_lookup, mu=tuple(manifest.decode.mu), mode=manifest.decode.mode,
-        tree=tree_params(manifest.decode.tree) if manifest.decode.tree.enabled else None,
-        tree_shape=tree_params(manifest.decode.tree), ngram=manifest.decode.ngram,
-    )
-
-
-def tree_params(cfg: Any = None, **overrides: int | bool | None) -> TreeParams:
-    """TreeParams from a recipe/manifest ``decode.tree`` section or a TreeParams (None: the defaults), with the
-    given top_k / depth / total_tokens / lookup / lookup_first overrides."""
-    tp = TreeParams() if cfg is None else TreeParams(top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens,
-                                                     lookup=cfg.lookup, lookup_first=cfg.lookup_first)
-    tp = replace(tp, **{k: v for k, v in overrides.items() if v is not None})
-    tp.check()
-    return tp
+    return LoadedChain(models=models, order=[lv.name for lv in manifest.levels],
+                       kinds={lv.name: lv.kind for lv in manifest.levels},
+                       tokenizer=load_tokenizer(chain_dir / top.path), context=_context(chain_dir / top.path),
+                       decode=manifest.decode)
 
 
 def load_model_folder(model_dir: Path, *, device: str = "auto", dtype: str | None = None) -> LoadedChain:
@@ -184,58 +170,39 @@ def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = True) -> list[int
     return encode_messages(tokenizer, [{"role": "user", "content": prompt}], chat=chat)
 
 
-def resolve_tree(choice: bool | dict[str, int] | None, base: TreeParams | None) -> TreeParams | bool | None:
-    """A CLI choice (see ``polyspec.cli.tree_choice``) against the manifest's tree: shape overrides apply on top of
-    the manifest's shape (or the defaults)."""
-    if isinstance(choice, dict):
-        return tree_params(base, **choice)
-    return choice
+def _head_vocab(head: Any, vocab: int) -> None:
+    """The draft head's logits over its ``vocab`` most frequent training tokens (0: all), changed only where it
+    differs (a change drops the head's cached lm_head rows)."""
+    ids = getattr(head, "draft_ids", None)
+    if (0 if ids is None else int(ids.numel())) != vocab and hasattr(head, "set_draft_vocab"):
+        head.set_draft_vocab(vocab)
 
 
-def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft_k: int | None = None,
-                  mu: list[int] | None = None, tree: TreeParams | bool | None = None,
-                  ngram: bool | None = None, draft_stop: float | None = None,
-                  draft_lookup: int | None = None) -> ChainDecoder:
-    """tree: None = the manifest's choice, False = linear drafts, True = a tree (the manifest's shape, else the
-    defaults), or explicit TreeParams. ar mode never uses one. draft_stop, draft_lookup: None = the manifest's. ngram: prompt lookup (decode/ngram.py) replaces the
-    bottom level (linear drafts only); None = the manifest's choice for dual mode."""
-    from polyspec.decode.ngram import NgramLevel
-
-    if ngram is None:
-        ngram = chain.ngram and mode == DUAL and not tree
-
-    names = chain.levels_for(mode)
+def build_decoder(chain: LoadedChain, mode: str, *, max_seq_len: int, draft: DraftSpec | None = None,
+                  mu: list[int] | None = None) -> ChainDecoder:
+    """The decoder for ``mode`` (ar, dual, chain): ``draft`` (None: the manifest's) says what drafts; ``mu`` (None:
+    the manifest's) one block size per verifier below the target."""
+    draft = draft or chain.decode.draft
+    names = chain.levels_for(mode, draft)
     levels = [HeadLevel(chain.models[n], n) if chain.kinds[n] == "head" else ModelLevel(chain.models[n], n)
               for n in names]
-    if ngram:
-        if len(levels) < 2:
-            raise PolyspecError("prompt lookup drafts for a level above it: use it with dual or chain, not ar")
-        if tree:
-            raise PolyspecError("prompt lookup proposes one token per position: use linear drafts (no tree)")
-        levels[-1], tree = NgramLevel(chain.models[names[0]].args.vocab_size, name="ngram"), False
-    n_mu = max(len(levels) - 2, 0)
-    mu = list(mu if mu is not None else chain.mu)
+    if mode == AR:
+        return ChainDecoder(levels, draft=None, max_seq_len=max_seq_len)
+    if chain.kinds[names[-1]] == "head":
+        _head_vocab(chain.models[names[-1]], draft.vocab)
+    n_mu = max(len(levels) - (1 if draft.source == "model" else 0) - 1, 0)
+    mu = list(mu if mu is not None else chain.decode.mu)
     mu = (mu + [mu[-1] if mu else 8] * n_mu)[:n_mu]  # one entry per verifier below the target
-    if tree is None:
-        tree = chain.tree
-    elif tree is True:
-        tree = chain.tree or chain.tree_shape or TreeParams()
-    elif tree is False:
-        tree = None
-    return ChainDecoder(levels, draft_k=draft_k or chain.draft_k, mu=mu, max_seq_len=max_seq_len,
-                        draft_stop=chain.draft_stop if draft_stop is None else draft_stop,
-                        draft_lookup=chain.draft_lookup if draft_lookup is None else draft_lookup,
-                        tree=tree if len(levels) > 1 else None)
+    return ChainDecoder(levels, draft=draft, mu=mu, max_seq_len=max_seq_len)
 
 
 def generate_text(chain: LoadedChain, prompt: str | None, *, mode: str | None = None, max_new_tokens: int = 128,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat: bool = True,
-                  draft_k: int | None = None, mu: list[int] | None = None,
-                  tree: TreeParams | bool | None = None, draft_stop: float | None = None,
-                  draft_lookup: int | None = None, messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
+                  draft: DraftSpec | None = None, mu: list[int] | None = None,
+                  messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """One generation: {"text", "token_ids" (new tokens), "stats"} — stats as :class:`ChainDecoder` reports them.
-    ``mode`` None = the manifest's chosen mode. ``messages`` (a chat, instead of ``prompt``): the conversation
-    so far, answered as the assistant's next turn."""
+    ``mode`` None = the manifest's chosen mode; ``draft`` / ``mu`` None = the manifest's. ``messages`` (a chat,
+    instead of ``prompt``): the conversation so far, answered as the assistant's next turn."""
     mode = mode or chain.mode
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     sampling.check()
@@ -249,8 +216,7 @@ def generate_text(chain: LoadedChain, prompt: str | None, *, mode: str | None = 
         raise PolyspecError(f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that exceeds "
                             f"the target's context of {chain.context} tokens: shorten the prompt or lower "
                             "--max-new-tokens")
-    dec = build_decoder(chain, mode, max_seq_len=cache_size(chain, len(ids), max_new_tokens),
-                        draft_k=draft_k, mu=mu, tree=tree, draft_stop=draft_stop, draft_lookup=draft_lookup)
+    dec = build_decoder(chain, mode, max_seq_len=cache_size(chain, len(ids), max_new_tokens), draft=draft, mu=mu)
     res = dec.generate(ids, max_new_tokens, sampling, seed=seed, eos_token_ids=eos_ids(chain.tokenizer))
     text = chain.tokenizer.decode(res.token_ids, skip_special_tokens=True)
     return {"text": text, "token_ids": list(res.token_ids), "stats": res.stats}

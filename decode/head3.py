@@ -148,7 +148,7 @@ class Eagle3Head(CachedDecoder):
         """An EAGLE-3 head's draft vocabulary is fixed by its training: 0/None or its own size are accepted."""
         if size and size != self.draft_size:
             raise PolyspecError(f"this EAGLE-3 head was trained with a draft vocabulary of {self.draft_size} tokens "
-                                f"(train.draft_vocab); decode.draft_vocab {size} cannot change it: use 0")
+                                f"(train.draft_vocab); decode.draft.vocab {size} cannot change it: use 0")
 
     def _compute_dtype(self) -> torch.dtype:
         return self.norm.weight.dtype

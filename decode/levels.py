@@ -232,7 +232,7 @@ class HeadLevel:
 
 
 class TokenCache:
-    """The "cache" of a level without a model (TableLevel, decode.ngram.NgramLevel): the list of tokens processed, by
+    """The "cache" of a level without a model (TableLevel): the list of tokens processed, by
     position, checked and rolled back like a KV cache."""
 
     name: str

@@ -1,5 +1,5 @@
 """Acceptance L_i: greedy generation with :class:`~polyspec.decode.chain.ChainDecoder` on calibration prompts for
-one configuration (levels, draft_k, mu, tree), every level wrapped in a :class:`RecordingLevel` that records the width
+one configuration (levels, draft, mu), every level wrapped in a :class:`RecordingLevel` that records the width
 and wall time of each forward.
 
 Definitions (per level i above the draft, N = tokens the chain output):
@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from polyspec.errors import PolyspecError
@@ -128,36 +128,33 @@ class _Tally:
         return out
 
 
-def mode_of(n_levels: int) -> str:
-    return {1: "ar", 2: "dual"}.get(n_levels, "chain")
+LOOKUP = "lookup"  # the name a prompt-lookup drafter (no level) has in runs, costs and stats
 
 
-def _seq_len(prompts: list[list[int]], max_new_tokens: int, draft_k: int, mu: list[int], lookup: int = 0) -> int:
-    return max(len(p) for p in prompts) + max_new_tokens + max(draft_k, max(mu or [0]), lookup) + 8
+def _seq_len(prompts: list[list[int]], max_new_tokens: int, draft: Any, mu: list[int]) -> int:
+    widest = max(draft.k, draft.lookup, draft.tree.total_tokens if draft.tree else 0) if draft is not None else 0
+    return max(len(p) for p in prompts) + max_new_tokens + max(widest, max(mu or [0])) + 8
 
 
 class ConfigRun:
-    """One configuration (levels top first, draft_k, mu, tree): its decoder, every level wrapped in a
+    """One configuration (levels top first, a DraftSpec or None for ar, mu): its decoder, every level wrapped in a
     :class:`RecordingLevel`, and the counts summed over the prompts :meth:`step` has generated so far. Several
     configurations over the same loaded levels can take turns prompt by prompt (:func:`run_interleaved`): each
     generation resets the caches it uses, and every decoder must then be built for the same ``max_seq_len``."""
 
-    def __init__(self, levels: list[Any], max_new_tokens: int, *, draft_k: int, max_seq_len: int,
-                 mu: list[int] | None = None, eos_ids: set[int] | frozenset[int] = frozenset(), label: str = "",
-                 tree: Any = None, draft_lookup: int = 0):
+    def __init__(self, levels: list[Any], max_new_tokens: int, *, draft: Any, max_seq_len: int,
+                 mu: list[int] | None = None, eos_ids: set[int] | frozenset[int] = frozenset(), label: str = ""):
         from polyspec.decode.chain import ChainDecoder
 
-        self.levels, self.max_new_tokens, self.eos_ids, self.label, self.tree = levels, max_new_tokens, eos_ids, label, tree
+        self.levels, self.max_new_tokens, self.eos_ids, self.label = levels, max_new_tokens, eos_ids, label
         self.wrapped = [RecordingLevel(lv) for lv in levels]
-        mu = list(mu or []) if len(levels) > 2 else []
-        self.dec = ChainDecoder(self.wrapped, draft_k=draft_k, mu=mu, tree=tree if len(levels) > 1 else None,
-                                max_seq_len=max_seq_len, draft_lookup=draft_lookup)
-        self.draft_lookup = self.dec.draft_lookup  # 0 where it does not apply (ar, a tree)
-        self.draft_k = draft_k
-        self.tallies = [_Tally() for _ in self.wrapped]
+        self.dec = ChainDecoder(self.wrapped, draft=draft, mu=list(mu or [])[:_verifiers(levels, draft) - 1],
+                                max_seq_len=max_seq_len)
+        self.names = [w.name for w in self.wrapped] + ([LOOKUP] if _levelless(draft) else [])
+        self.tallies = [_Tally() for _ in self.names]
         self.outputs: list[list[int]] = []
         self.seconds = 0.0
-        self.pairs = [[0, 0] for _ in self.wrapped[1:]]  # per adjacent pair: [forwards below, verifications above]
+        self.pairs = [[0, 0] for _ in self.names[1:]]  # per adjacent pair: [forwards below, verifications above]
 
     def step(self, ids: list[int]) -> None:
         """Generate greedily after one prompt and add its counts."""
@@ -168,54 +165,54 @@ class ConfigRun:
         res = self.dec.generate(list(ids), self.max_new_tokens, SamplingParams(), seed=0, eos_token_ids=self.eos_ids)
         self.outputs.append(list(res.token_ids))
         self.seconds += float(res.stats["seconds"])
-        for w, st, tally in zip(self.wrapped, res.level_stats, self.tallies, strict=True):
-            tally.add(st, w.calls)
+        calls = [w.calls for w in self.wrapped] + [[]] * (len(self.names) - len(self.wrapped))
+        for st, tally, c in zip(res.level_stats, self.tallies, calls, strict=True):
+            tally.add(st, c)
         for i, pair in enumerate(self.pairs):
             pair[0] += res.level_stats[i + 1].forward_passes
             pair[1] += len(res.level_stats[i].accept_lengths)
 
     def result(self) -> Run:
         """The aggregated measurements over the prompts stepped so far."""
-        n, seconds, tree = sum(len(o) for o in self.outputs), self.seconds, self.tree
-        last = len(self.wrapped) - 1
-        per_level = {w.name: t.level_run(i < last or last == 0, n)
-                     for i, (w, t) in enumerate(zip(self.wrapped, self.tallies, strict=True))}
+        n, seconds, draft = sum(len(o) for o in self.outputs), self.seconds, self.dec.draft
+        verifiers = self.dec.verifiers
+        per_level = {nm: t.level_run(i < verifiers, n)
+                     for i, (nm, t) in enumerate(zip(self.names, self.tallies, strict=True))}
         prefill = sum(t.prefill_seconds for t in self.tallies)
-        spec = len(self.levels) > 1
-        return Run(label=self.label or mode_of(len(self.levels)), mode=mode_of(len(self.levels)),
-                   levels=[w.name for w in self.wrapped],
-                   draft_k=(tree.depth if tree is not None else self.draft_k) if spec else None, mu=list(self.dec.mu),
-                   tree=asdict(tree) if tree is not None and spec else None, prompts=len(self.outputs),
-                   max_new_tokens=self.max_new_tokens, new_tokens=n, seconds=seconds,
+        return Run(label=self.label or self.dec.mode, mode=self.dec.mode, levels=list(self.names),
+                   draft=draft.model_dump() if draft is not None else None, mu=list(self.dec.mu),
+                   prompts=len(self.outputs), max_new_tokens=self.max_new_tokens, new_tokens=n, seconds=seconds,
                    tokens_per_second=n / seconds if seconds > 0 else 0.0,
                    forward_seconds=sum(t.forward_seconds for t in self.tallies), prefill_seconds=prefill,
                    tokens_per_second_steady=n / (seconds - prefill) if seconds > prefill else 0.0,
-                   betas=[a / b if b else None for a, b in self.pairs], per_level=per_level, outputs=self.outputs,
-                   draft_lookup=self.draft_lookup)
+                   betas=[a / b if b else None for a, b in self.pairs], per_level=per_level, outputs=self.outputs)
 
 
-def run_config(levels: list[Any], prompts: list[list[int]], max_new_tokens: int, *, draft_k: int,
-               mu: list[int] | None = None, eos_ids: set[int] | frozenset[int] = frozenset(),
-               label: str = "", tree: Any = None) -> Run:
-    """Greedy generation over ``prompts`` with a chain of ``levels`` (top first); aggregated measurements.
+def _levelless(draft: Any) -> bool:
+    return draft is not None and draft.source == "lookup"
 
-    ``mu``: one block size per verifier below the target (len(levels) - 2 entries; ignored for ar and dual).
-    ``tree``: a :class:`~polyspec.decode.chain.TreeParams` for an EAGLE-2 draft tree (then ``draft_k`` is unused and
-    reported as the tree's depth).
-    """
-    return run_interleaved([dict(levels=levels, draft_k=draft_k, mu=mu, label=label, tree=tree)], prompts,
-                           max_new_tokens, eos_ids=eos_ids)[0]
+
+def _verifiers(levels: list[Any], draft: Any) -> int:
+    return len(levels) if draft is None or _levelless(draft) else len(levels) - 1
+
+
+def run_config(levels: list[Any], prompts: list[list[int]], max_new_tokens: int, *, draft: Any,
+               mu: list[int] | None = None, eos_ids: set[int] | frozenset[int] = frozenset(), label: str = "") -> Run:
+    """Greedy generation over ``prompts`` with a chain of ``levels`` (top first) drafted as ``draft`` (a
+    :class:`polyspec.chain_spec.DraftSpec`; None for ar); aggregated measurements. ``mu``: one block size per
+    verifier below the target."""
+    return run_interleaved([dict(levels=levels, draft=draft, mu=mu, label=label)], prompts, max_new_tokens,
+                           eos_ids=eos_ids)[0]
 
 
 def run_interleaved(configs: list[dict[str, Any]], prompts: list[list[int]], max_new_tokens: int, *,
                     eos_ids: set[int] | frozenset[int] = frozenset()) -> list[Run]:
-    """Several configurations (each a dict of :class:`ConfigRun`'s keyword arguments: levels, draft_k, and optionally
-    mu, label, tree) over the same prompts, taking turns prompt by prompt, so a machine that slows down for a while
-    slows them all alike; one Run each, in order."""
+    """Several configurations (each a dict of :class:`ConfigRun`'s keyword arguments: levels, draft, and optionally
+    mu, label) over the same prompts, taking turns prompt by prompt, so a machine that slows down for a while slows
+    them all alike; one Run each, in order."""
     if not prompts:
         raise PolyspecError("run_config needs at least one calibration prompt")
-    size = max(_seq_len(prompts, max_new_tokens, c["draft_k"], list(c.get("mu") or []), c.get("draft_lookup", 0))
-               for c in configs)
+    size = max(_seq_len(prompts, max_new_tokens, c["draft"], list(c.get("mu") or [])) for c in configs)
     runs = [ConfigRun(max_new_tokens=max_new_tokens, max_seq_len=size, eos_ids=eos_ids, **c) for c in configs]
     for ids in prompts:
         for r in runs:

@@ -72,7 +72,7 @@ class HeadExport:
 
 def read_head_source(chain: Path, *, verifier: str | None = None, draft_vocab: int | None = None) -> HeadSource:
     """The chain's head (hashes checked) and its target. ``verifier`` defaults to the chain's target folder;
-    ``draft_vocab`` (EAGLE-1/2: the token map's size, 0 = none) to the manifest's ``decode.draft_vocab``."""
+    ``draft_vocab`` (EAGLE-1/2: the token map's size, 0 = none) to the manifest's ``decode.draft.vocab``."""
     from polyspec.decode.head import head_type, read_head_config, read_token_counts
     from polyspec.decode.model import ModelArgs, read_json_object
     from polyspec.weights import load_safetensors
@@ -86,9 +86,9 @@ def read_head_source(chain: Path, *, verifier: str | None = None, draft_vocab: i
         target_layers=int(target_cfg.get("num_hidden_layers", 0)),
         verifier=verifier or str(target_dir.resolve()),
         verifier_architectures=list(target_cfg.get("architectures") or ["LlamaForCausalLM"]),
-        draft_k=manifest.decode.draft_k, aux_layers=list(cfg.get("aux_layers") or []),
+        draft_k=max(manifest.decode.draft.depth, 1), aux_layers=list(cfg.get("aux_layers") or []),
         token_counts=read_token_counts(head_dir, args.vocab_size),
-        draft_vocab=manifest.decode.draft_vocab if draft_vocab is None else draft_vocab)
+        draft_vocab=manifest.decode.draft.vocab if draft_vocab is None else draft_vocab)
 
 
 def _head_and_target(chain: Path) -> tuple[Any, str, Path, Path]:

@@ -17,7 +17,8 @@ from polyspec.fsutil import FILE_HASHES, atomic_folder
 
 Parts = Sequence[Path] | Mapping[str, Path]  # level folders, target first; or {"target", "int4", "head"}
 MEASUREMENTS_SCHEMA = "polyspec.measurements/1"
-_GRID_KEYS = ("label", "mode", "draft_k", "mu", "L", "beta", "predicted_time_per_token_s", "measured_tokens_per_second")
+_GRID_KEYS = ("label", "mode", "draft", "mu", "L", "beta", "predicted_time_per_token_s", "measured_tokens_per_second")
+OPSET = 18  # ONNX opset of the head's export: torch's dynamo exporter's own, read by onnxruntime >= 1.14
 
 
 def ordered_parts(parts: Parts) -> list[Path]:
@@ -62,37 +63,33 @@ def measurements_for_manifest(p: Profile, onnx: dict[str, Any] | None) -> dict[s
     }
 
 
-def _decode_config(p: Profile, decode: Any) -> Any:
-    """``decode`` with the profile's decision (the tree stays on only when the profile chose it: a recipe's tree is a
-    candidate, not an order)."""
-    from polyspec.modes import DUAL, DUAL_NGRAM
+def decided(p: Profile, decode: Any) -> Any:
+    """``decode`` (a DecodeSpec: its sampling defaults kept) with the profile's decision: the mode, what drafts (a
+    recipe's tree is a candidate, not an order: it stays only where the profile chose it) and mu."""
+    from polyspec.chain_spec import DraftSpec
 
     dec = p.decision
-    tree_cfg = decode.tree.model_copy(update={"enabled": bool(dec.tree)})
-    ngram = dec.speculative_mode == DUAL_NGRAM  # dual drafts by prompt lookup, whether or not ar is the default
-    return decode.model_copy(update={"mode": DUAL if dec.mode == DUAL_NGRAM else dec.mode, "ngram": ngram,
-                                     "draft_k": int(dec.draft_k), "mu": [int(m) for m in dec.mu], "tree": tree_cfg,
-                                     "draft_lookup": int(dec.draft_lookup)})
+    return decode.model_copy(update={"mode": dec.mode, "draft": DraftSpec.model_validate(dec.draft),
+                                     "mu": [int(m) for m in dec.mu] or list(decode.mu)})
 
 
-def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True,
-                 opset: int = 18) -> Path:
+def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True) -> Path:
     """Write the chain folder ``out`` atomically: the levels ``parts`` (target first, draft last; a draft head gets
     ``head.onnx``), and a manifest with the profile's measurements; validated before it replaces ``out``.
 
-    ``decode``: the DecodeConfig whose mode / draft_k / mu (and whether the tree is on) the decision replaces."""
+    ``decode``: the recipe's DecodeSpec, whose mode / draft / mu the decision replaces."""
     from polyspec.manifest import _classify, assemble_chain, read_manifest, validate_chain, write_manifest
     from polyspec.stamp import hardware_stamp, software_stamp
 
     out, parts = Path(out), ordered_parts(parts)
-    decode_cfg = _decode_config(p, decode)
+    decode_cfg = decided(p, decode)
 
     def write(tmp: Path) -> None:
         draft, onnx_info = parts[-1], None
         if _classify(draft)[0] == "head":  # the head's ONNX lives in its level folder, so the manifest hashes it
             draft = tmp / "parts" / "head"
             shutil.copytree(parts[-1], draft, ignore=shutil.ignore_patterns(FILE_HASHES))  # the manifest hashes
-            onnx_info = _export_onnx(parts[0], draft, opset) if onnx else None
+            onnx_info = _export_onnx(parts[0], draft, OPSET) if onnx else None
         chain = tmp / "chain"
         assemble_chain(chain, parts[0], parts[1:-1], draft, decode=decode_cfg)
         manifest = read_manifest(chain)

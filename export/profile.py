@@ -2,11 +2,12 @@
 
 :func:`profile_levels` runs, on already loaded levels:
 
-1. Grid: dual (target <- draft) for every draft_k and the whole chain for every (draft_k, mu) on the first
-   ``grid_prompts`` prompts; with a draft tree also dual and chain (every mu) with the tree; and ar.
+1. Grid, on the first ``grid_prompts`` prompts: dual (target <- draft) for every draft k, with and without
+   prompt-lookup blocks of every size, and the whole chain for every (k, mu); with a draft tree candidate also dual
+   and chain (every mu) with the tree; prompt lookup alone under the target at every size; and ar.
 2. Costs: T(width) of each level at every forward width the grid used (:mod:`polyspec.export.timing`).
 3. Prediction: Lemma 3.1 time per token for every grid point; the chosen configuration minimises it.
-4. Final runs on all prompts: ar, the best dual, the chosen chain, dual at the chain's draft_k and, for every
+4. Final runs on all prompts: ar, the best dual, the chosen chain, dual with the chain's draft and, for every
    intermediate level M_j (each adjacent insertion), the chain without M_j and M_j heading the levels below it.
 5. Verdicts per insertion (Theorem 3.2 conditions, exact Lemma 3.1 times), speedups, the variance checks and the
    decision (:mod:`polyspec.export.verdict`).
@@ -23,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from polyspec.chain_spec import DraftSpec
 from polyspec.errors import PolyspecError
 from polyspec.export.acceptance import run_interleaved, steady_widths
-from polyspec.export.results import CostRow, GridRow, Insertion, InsertionInputs, LevelInfo, Profile, PromptInfo, Run
+from polyspec.export.results import GridRow, Insertion, InsertionInputs, LevelInfo, Profile, PromptInfo, Run
 from polyspec.export.timing import grid_widths, mean_cost, measure_costs
 from polyspec.export.verdict import (
     choose_config,
@@ -36,10 +38,8 @@ from polyspec.export.verdict import (
     predict,
     runners_up,
     speedup_summary,
-    tree_dict,
     variance_check,
 )
-from polyspec.modes import DUAL_NGRAM as NGRAM_MODE
 
 
 @dataclass
@@ -53,11 +53,14 @@ class ProfileSettings:
     draft_ks: tuple[int, ...] = (1, 2, 3, 4, 5)
     mus: tuple[int, ...] = (4, 6, 8, 12)
     grid_prompts: int | None = None  # prompts per grid point (None: all)
-    tree: Any = None  # a decode.chain.TreeParams to weigh against linear drafts
+    tree: DraftSpec | None = None  # a tree candidate (its shape, its draft.lookup) to weigh against linear drafts
+    lookups: tuple[int, ...] = ()  # draft.lookup values tried with every k, and prompt lookup alone at each
     eos_ids: frozenset[int] = frozenset()
-    ngram: bool = False  # also weigh prompt lookup (decode.ngram.NgramLevel) as the target's draft
-    draft_lookups: tuple[int, ...] = ()  # dual with prompt-lookup blocks of up to N tokens (decode.draft_lookup)
     confirm_duals: int = 0  # runner-up duals (by prediction) the final runs measure too; the fastest measured is kept
+    vocab: int = 0  # the draft head's vocabulary (draft.vocab) in every configuration
+
+    def draft(self, **kw: Any) -> DraftSpec:
+        return DraftSpec(vocab=self.vocab, **kw)
 
 
 @dataclass
@@ -66,7 +69,6 @@ class _Chain:
 
     levels: list[Any]
     tags: list[str]
-    ngram: Any = None  # a decode.ngram.NgramLevel drafting for the target (a candidate, not one of the levels)
 
     @property
     def names(self) -> list[str]:
@@ -75,42 +77,41 @@ class _Chain:
     def sub(self, idx: list[int]) -> list[Any]:
         return [self.levels[i] for i in idx]
 
+    def for_draft(self, draft: DraftSpec | None) -> list[Any]:
+        """The levels a dual over ``draft`` runs: the target and the bottom level (the target alone under prompt
+        lookup alone; ar: the target)."""
+        return self.levels[:1] if draft is None or draft.source == "lookup" else [self.levels[0], self.levels[-1]]
+
 
 class Spec(NamedTuple):
-    """One configuration for :meth:`Runner.many` (a plain tuple of its first five fields works too)."""
+    """One configuration for :meth:`Runner.many`."""
 
     levels: list[Any]
-    draft_k: int
+    draft: DraftSpec | None  # None: ar
     mu: int | None
     tag: str
-    tree: Any = None
-    lookup: int = 0  # prompt-lookup blocks of up to this many tokens (decode.draft_lookup); 0 = none
 
 
 class Runner:
-    """Runs each configuration once (keyed by levels, draft_k, mu, prompt count, tree, lookup) and reports it."""
+    """Runs each configuration once (keyed by levels, draft, mu, prompt count) and reports it."""
 
     def __init__(self, s: ProfileSettings, say: Callable[[str], None]):
         self.s, self.say, self.done = s, say, {}
 
-    def __call__(self, levels: list[Any], k: int, mu: int | None, prompts: list[list[int]], tag: str,
-                 tree: Any = None, lookup: int = 0) -> Run:
-        return self.many([Spec(levels, k, mu, tag, tree, lookup)], prompts)[0]
+    def __call__(self, levels: list[Any], draft: DraftSpec | None, mu: int | None, prompts: list[list[int]],
+                 tag: str) -> Run:
+        return self.many([Spec(levels, draft, mu, tag)], prompts)[0]
 
-    def many(self, specs: list[tuple], prompts: list[list[int]]) -> list[Run]:
+    def many(self, specs: list[Spec], prompts: list[list[int]]) -> list[Run]:
         """Each :class:`Spec` over ``prompts``; the ones not run yet take turns prompt by prompt
         (acceptance.run_interleaved), so the comparisons the decision rests on see the same machine."""
-        specs = [Spec(*s) for s in specs]
-        keys = [self._key(levels, k, mu, len(prompts), tree, lk) for levels, k, mu, _, tree, lk in specs]
-        todo = {key: spec for key, spec in zip(keys, specs, strict=True) if key not in self.done}
+        keys = [self._key(sp, len(prompts)) for sp in specs]
+        todo = {key: sp for key, sp in zip(keys, specs, strict=True) if key not in self.done}
         t0 = time.perf_counter()
-        configs = [dict(levels=levels, draft_k=k, mu=[mu] * (len(levels) - 2) if len(levels) > 2 else None,
-                        label=tag, tree=tree, draft_lookup=lk) for levels, k, mu, tag, tree, lk in todo.values()]
+        configs = [dict(levels=sp.levels, draft=sp.draft, label=sp.tag,
+                        mu=[sp.mu] * len(sp.levels) if sp.mu is not None else None) for sp in todo.values()]
         runs = run_interleaved(configs, prompts, self.s.max_new_tokens, eos_ids=self.s.eos_ids) if todo else []
-        for key, (levels, *_rest), run in zip(todo, todo.values(), runs, strict=True):
-            if getattr(levels[-1], "kind", None) == "ngram":
-                run.mode = NGRAM_MODE
-            self.done[key] = run
+        self.done.update(zip(todo, runs, strict=True))
         took = (time.perf_counter() - t0) / max(len(runs), 1)
         for run in runs:
             ls = "/".join(f"{lv.L:.2f}" for lv in run.per_level.values() if lv.L is not None)
@@ -118,49 +119,28 @@ class Runner:
         return [self.done[key] for key in keys]
 
     @staticmethod
-    def _key(levels: list[Any], k: int, mu: int | None, n_prompts: int, tree: Any, lookup: int = 0) -> tuple:
-        n = len(levels)
-        return (tuple(lv.name for lv in levels), k if n > 1 else None, mu if n > 2 else None, n_prompts,
-                tuple(tree_dict(tree).values()) if tree is not None else None, lookup if n > 1 else 0)
-
-
-def _shape(tree: Any) -> str:
-    return f"tree {tree.top_k}x{tree.depth}/{tree.total_tokens}" if tree is not None else ""
+    def _key(sp: Spec, n_prompts: int) -> tuple:
+        chain = len(sp.levels) > 2 or (len(sp.levels) == 2 and sp.draft is not None and sp.draft.source == "lookup")
+        return (tuple(lv.name for lv in sp.levels), sp.draft.text() if sp.draft is not None else None,
+                sp.mu if chain else None, n_prompts)
 
 
 def _grid_runs(run: Runner, ch: _Chain, prompts: list[list[int]], s: ProfileSettings) -> list[Run]:
-    """Dual per draft_k (and per prompt-lookup block size), the whole chain per (draft_k, mu), the tree variants,
-    ar (in this order)."""
-    dual, full = [ch.levels[0], ch.levels[-1]], ch.levels
+    """Dual per draft_k (and per prompt-lookup size), the whole chain per (draft_k, mu), the tree variants, prompt
+    lookup alone, ar (in this order)."""
     out: list[Run] = []
-    for k in s.draft_ks:
-        out.append(run(dual, k, None, prompts, f"grid dual k={k}"))
-        out += [run(dual, k, None, prompts, f"grid dual k={k} lookup={lk}", None, lk) for lk in s.draft_lookups if lk]
-        out += [run(full, k, mu, prompts, f"grid chain k={k} mu={mu}") for mu in s.mus]
-    if s.tree is not None:
-        shape, depth = _shape(s.tree), s.tree.depth
-        out.append(run(dual, depth, None, prompts, f"grid dual {shape}", s.tree))
-        out += [run(full, depth, mu, prompts, f"grid chain {shape} mu={mu}", s.tree) for mu in s.mus]
-    if ch.ngram is not None:
-        out += [run([ch.levels[0], ch.ngram], k, None, prompts, f"grid {NGRAM_MODE} k={k}") for k in s.draft_ks]
-    out.append(run([ch.levels[0]], 1, None, prompts, "grid ar"))
+    linear = [s.draft(k=k) for k in s.draft_ks]
+    for d in linear + ([s.tree] if s.tree is not None else []):
+        out.append(run(ch.for_draft(d), d, None, prompts, f"grid dual {d.text(False)}"))
+        if d.tree is None:
+            out += [run(ch.for_draft(d), x, None, prompts, f"grid dual {x.text(False)}")
+                    for x in (s.draft(k=d.k, lookup=lk) for lk in s.lookups)]
+        out += [run(ch.levels, d, mu, prompts, f"grid chain {d.text(False)} mu={mu}") for mu in s.mus]
+    for lk in s.lookups:
+        d = s.draft(source="lookup", lookup=lk)
+        out.append(run(ch.for_draft(d), d, None, prompts, f"grid dual {d.text(False)}"))
+    out.append(run(ch.levels[:1], None, None, prompts, "grid ar"))
     return out
-
-
-def _free_name(name: str, taken: list[str]) -> str:
-    return name if name not in taken else _free_name(name + "_", taken)
-
-
-def ngram_costs(grid: list[Run], name: str, kv_length: int) -> list[CostRow]:
-    """T of the prompt-lookup level: its mean measured seconds per forward in the grid's runs (a list search and a
-    one-hot row; no model to time apart), the same at every width it ran."""
-    runs = [r.per_level[name] for r in grid if name in r.per_level]
-    calls = sum(sum(lv.widths.values()) for lv in runs)
-    seconds = sum(lv.forward_seconds - lv.prefill_seconds for lv in runs)
-    t = seconds / calls if calls else 0.0
-    widths = sorted({w for lv in runs for w in lv.widths} | {1, 2})
-    return [CostRow(width=w, kv_length=kv_length, median_s=t, p10_s=t, p90_s=t, mean_s=t, min_s=t, repeats=calls)
-            for w in widths]
 
 
 def _nominal_widths(n: int, s: ProfileSettings) -> list[set[int]]:
@@ -179,11 +159,8 @@ def _costs(ch: _Chain, grid: list[Run], s: ProfileSettings, say: Callable[[str],
     widths = grid_widths(seen)
     say(f"profile: timing forwards at kv_length={s.kv_length}: " + ", ".join(f"{n} {w}" for n, w in widths.items()))
     args = ch.levels[0].model.args
-    costs = measure_costs(dict(zip(ch.names, ch.levels, strict=True)), widths, s.kv_length, warmup=s.warmup,
-                          repeats=s.repeats, hidden_size=args.hidden_size, vocab_size=args.vocab_size)
-    if ch.ngram is not None:
-        costs[ch.ngram.name] = ngram_costs(grid, ch.ngram.name, s.kv_length)
-    return costs
+    return measure_costs(dict(zip(ch.names, ch.levels, strict=True)), widths, s.kv_length, warmup=s.warmup,
+                         repeats=s.repeats, hidden_size=args.hidden_size, vocab_size=args.vocab_size)
 
 
 @dataclass
@@ -192,30 +169,26 @@ class _Choice:
 
     chosen: GridRow
     best_dual: GridRow
-    k_chain: int
+    chain_draft: DraftSpec  # the chain-like row's draft (the chosen one's where the chain was chosen)
     mu: int
-    tree_dual: Any
-    tree_chain: Any
-    best_ngram: GridRow | None = None
     other_duals: list[GridRow] = field(default_factory=list)  # runner-ups the final runs measure beside best_dual
-    tree: Any = None  # the grid's draft tree shape (what a tree row drafts with)
 
 
-def _choose(rows: list[GridRow], tree: Any, confirm: int = 0) -> _Choice:
-    modes = ("chain", "dual", NGRAM_MODE)
-    chosen, best_dual, best_chain = (choose_config(rows, m) for m in (modes, ("dual",), ("chain",)))
-    best_ngram = choose_config(rows, (NGRAM_MODE,)) if any(r.mode == NGRAM_MODE for r in rows) else None
+def _draft_of(row: GridRow) -> DraftSpec | None:
+    return DraftSpec.model_validate(row.draft) if row.draft is not None else None
+
+
+def _choose(rows: list[GridRow], confirm: int = 0) -> _Choice:
+    chosen, best_dual, best_chain = (choose_config(rows, m) for m in (("chain", "dual"), ("dual",), ("chain",)))
     chain_like = best_chain if chosen.mode != "chain" else chosen
-    return _Choice(chosen=chosen, best_dual=best_dual, k_chain=chain_like.draft_k, mu=chain_like.mu[0],
-                   tree_dual=tree if best_dual.tree else None, tree_chain=tree if chain_like.tree else None,
-                   best_ngram=best_ngram, other_duals=runners_up(rows, best_dual, confirm), tree=tree)
+    return _Choice(chosen=chosen, best_dual=best_dual, chain_draft=_draft_of(chain_like), mu=chain_like.mu[0],
+                   other_duals=runners_up(rows, best_dual, confirm))
 
 
-def _dual_spec(ch: _Chain, row: GridRow, tree: Any) -> tuple:
-    """A final run's spec for the dual of grid row ``row`` (``tree``: the grid's tree shape)."""
-    lookup = row.draft_lookup
-    tag = _shape(tree) if row.tree else f"k={row.draft_k}" + (f" lookup={lookup}" if lookup else "")
-    return ([ch.levels[0], ch.levels[-1]], row.draft_k, None, f"dual {tag}", tree if row.tree else None, lookup)
+def _dual_spec(ch: _Chain, row: GridRow) -> Spec:
+    """A final run's spec for the dual of grid row ``row``."""
+    d = _draft_of(row)
+    return Spec(ch.for_draft(d), d, None, f"dual {d.text(False)}")
 
 
 def _keep_fastest_dual(c: _Choice, final: dict[str, Run], say: Callable[[str], None]) -> dict[str, Any]:
@@ -229,7 +202,7 @@ def _keep_fastest_dual(c: _Choice, final: dict[str, Run], say: Callable[[str], N
         say(f"profile: {rows[best].label} measured faster than {rows['dual'].label} on every prompt: kept")
         if c.chosen is c.best_dual:
             c.chosen = rows[best]
-        c.best_dual, c.tree_dual = rows[best], c.tree if rows[best].tree else None
+        c.best_dual = rows[best]
         final["dual"] = final[best]
     for key in rows:
         if key != "dual":
@@ -249,23 +222,18 @@ def _run_keys(ch: _Chain, j: int) -> tuple[str, str]:
 
 def _final_runs(run: Runner, ch: _Chain, prompts: list[list[int]], c: _Choice) -> dict[str, Run]:
     """The final runs on all prompts (see the module docstring), interleaved prompt by prompt."""
-    n, top, bottom = len(ch.levels), ch.levels[0], ch.levels[-1]
-    tag_chain = _shape(c.tree_chain) or f"k={c.k_chain}"
-    specs = {"ar": ([top], 1, None, "ar", None),
-             "dual": _dual_spec(ch, c.best_dual, c.tree),
-             **{f"dual_alt{i}": _dual_spec(ch, r, c.tree) for i, r in enumerate(c.other_duals)},
-             "chain": (ch.levels, c.k_chain, c.mu, f"chain {tag_chain} mu={c.mu}", c.tree_chain),
-             "dual_at_chain_k": ([top, bottom], c.k_chain, None, f"dual {tag_chain}", c.tree_chain)}
-    if c.best_ngram is not None:
-        k = c.best_ngram.draft_k
-        specs[NGRAM_MODE] = ([top, ch.ngram], k, None, f"{NGRAM_MODE} k={k}", None)
+    n, d, mu = len(ch.levels), c.chain_draft, c.mu
+    specs = {"ar": Spec(ch.levels[:1], None, None, "ar"), "dual": _dual_spec(ch, c.best_dual),
+             **{f"dual_alt{i}": _dual_spec(ch, r) for i, r in enumerate(c.other_duals)},
+             "chain": Spec(ch.levels, d, mu, f"chain {d.text(False)} mu={mu}"),
+             "dual_at_chain_k": Spec(ch.for_draft(d), d, None, f"dual {d.text(False)}")}
     for j in range(1, n - 1):
         before, tail = _run_keys(ch, j)
         sub = _without(j, n)
-        mu = f" mu={c.mu}" if len(sub) > 2 else ""
-        specs[before] = (ch.sub(sub), c.k_chain, c.mu, f"chain without {ch.tags[j]} {tag_chain}{mu}", c.tree_chain)
-        mu = f" mu={c.mu}" if n - j > 2 else ""
-        specs[tail] = (ch.levels[j:], c.k_chain, c.mu, "<-".join(ch.tags[j:]) + f" {tag_chain}{mu}", c.tree_chain)
+        specs[before] = Spec(ch.sub(sub), d, mu, f"chain without {ch.tags[j]} {d.text(False)}"
+                             + (f" mu={mu}" if len(sub) > 2 else ""))
+        specs[tail] = Spec(ch.levels[j:], d, mu, "<-".join(ch.tags[j:]) + f" {d.text(False)}"
+                           + (f" mu={mu}" if n - j > 2 else ""))
     return dict(zip(specs, run.many(list(specs.values()), prompts), strict=True))
 
 
@@ -291,9 +259,10 @@ def _insertion(ch: _Chain, j: int, final: dict[str, Run], costs: dict[str, list]
     before_key, tail_key = _run_keys(ch, j)
     chain, before = final["chain"], final[before_key]
     t = {nm: mean_cost(costs[nm], steady_widths(chain, nm)) for nm in ch.names}
-    inputs = _inputs(ch, j, t, before, final[tail_key].per_level[ch.names[j]].L, chain, c.k_chain)
+    inputs = _inputs(ch, j, t, before, final[tail_key].per_level[ch.names[j]].L, chain, c.chain_draft.depth)
     v = insertion_verdict(inputs, level=ch.names[j], above=ch.names[j - 1], below=ch.names[j + 1],
-                          label=f"{ch.tags[j]} k={c.k_chain} mu={c.mu}", draft_k=c.k_chain, mu=c.mu)
+                          label=f"{ch.tags[j]} {c.chain_draft.text(False)} mu={c.mu}", draft=c.chain_draft.text(),
+                          mu=c.mu)
     v.before_run, v.tail_run = before_key, tail_key
     v.time_before_own_widths = before.predicted.time_per_token_s
     v.time_after_own_widths = chain.predicted.time_per_token_s
@@ -309,15 +278,15 @@ def _candidates(ch: _Chain, j: int, grid: list[Run], costs: dict[str, list]) -> 
     with L_new taken inside the chain (effective)."""
     out = []
     names_without = [ch.names[i] for i in _without(j, len(ch.levels))]
-    for r in (r for r in grid if r.mode == "chain"):
-        k, mu = r.draft_k, r.mu[0]
-        before = next((b for b in grid if b.levels == names_without and b.draft_k == k and b.tree == r.tree), None)
+    for r in (r for r in grid if r.mode == "chain" and len(r.levels) == len(ch.levels)):
+        d, mu = DraftSpec.model_validate(r.draft), r.mu[0]
+        before = next((b for b in grid if b.levels == names_without and b.draft == r.draft), None)
         if before is None:
             continue
         t = {nm: mean_cost(costs[nm], steady_widths(r, nm)) for nm in ch.names}
-        inputs = _inputs(ch, j, t, before, r.per_level[ch.names[j]].L_eff, r, k)
+        inputs = _inputs(ch, j, t, before, r.per_level[ch.names[j]].L_eff, r, d.depth)
         out.append(insertion_verdict(inputs, level=ch.names[j], above=ch.names[j - 1], below=ch.names[j + 1],
-                                     label=f"{'tree' if r.tree else 'k'}={k},mu={mu}", draft_k=k, mu=mu))
+                                     label=f"{d.text(False)},mu={mu}", draft=d.text(), mu=mu))
     return out
 
 
@@ -374,10 +343,6 @@ def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettin
     if len(levels) < 3:
         raise PolyspecError(f"profiling needs at least three levels (target, intermediate, draft), got {len(levels)}")
     ch = _Chain(list(levels), list(tags or [lv.name for lv in levels]))
-    if s.ngram:
-        from polyspec.decode.ngram import NgramLevel
-
-        ch.ngram = NgramLevel(levels[0].model.args.vocab_size, name=_free_name("ngram", ch.names))
     say = say or (lambda _msg: None)
     run = Runner(s, say)
     _prewarm(levels, prompts, s, say)
@@ -386,25 +351,31 @@ def profile_levels(levels: list[Any], prompts: list[list[int]], s: ProfileSettin
     costs = _costs(ch, grid, s, say)
     for r in grid:
         r.predicted = predict(r, costs)
-    c = _choose([grid_row(r) for r in grid], s.tree, s.confirm_duals)
+    c = _choose([grid_row(r) for r in grid], s.confirm_duals)
     final = _final_runs(run, ch, prompts, c)
     confirmed = _keep_fastest_dual(c, final, say)
     for r in final.values():
         r.predicted = predict(r, costs)
-    insertions = [_insertion(ch, j, final, costs, c) for j in range(1, len(levels) - 1)]
-    for j, v in enumerate(insertions, 1):
-        v.candidates = _candidates(ch, j, grid, costs)
-    grid_info = {"draft_k": list(s.draft_ks), "mu": list(s.mus), "prompts": len(grid_set), "tree": tree_dict(s.tree),
-                 "draft_lookup": list(s.draft_lookups)}
-    ref = final["ar"].outputs
-    p = Profile(levels=[LevelInfo(name=nm, tag=tg) for nm, tg in zip(ch.names, ch.tags, strict=True)],
-                prompts=PromptInfo(count=len(prompts), grid_count=len(grid_set), max_new_tokens=s.max_new_tokens,
-                                   lengths=[len(x) for x in prompts]),
-                kv_length=s.kv_length, warmup=s.warmup, repeats=s.repeats, costs=costs,
-                grid=[grid_row(r) for r in grid], final=final, insertions=insertions,
-                decision=decide(c.chosen, final, mu=c.mu, n_levels=len(levels), grid=grid_info),
-                speedup=_speedups(final, ch.names[0]), variance={},
-                lossless_greedy=all(r.outputs == ref for r in final.values() if r.levels[0] == ch.names[0]))
-    p.variance = _variance(p, c.k_chain, c.mu)
+    p = _profile(ch, s, prompts, grid_set, grid, final, costs, c)
+    p.variance = _variance(p, c.chain_draft.depth, c.mu)
     p.notes["confirm_duals"] = confirmed
     return p
+
+
+def _profile(ch: _Chain, s: ProfileSettings, prompts: list[list[int]], grid_set: list[list[int]], grid: list[Run],
+             final: dict[str, Run], costs: dict[str, list], c: _Choice) -> Profile:
+    """The verdicts on every insertion and the decision, with everything measured."""
+    insertions = [_insertion(ch, j, final, costs, c) for j in range(1, len(ch.levels) - 1)]
+    for j, v in enumerate(insertions, 1):
+        v.candidates = _candidates(ch, j, grid, costs)
+    grid_info = {"draft_k": list(s.draft_ks), "mu": list(s.mus), "prompts": len(grid_set),
+                 "tree": s.tree.text(False) if s.tree is not None else None, "lookup": list(s.lookups)}
+    ref = final["ar"].outputs
+    return Profile(levels=[LevelInfo(name=nm, tag=tg) for nm, tg in zip(ch.names, ch.tags, strict=True)],
+                   prompts=PromptInfo(count=len(prompts), grid_count=len(grid_set), max_new_tokens=s.max_new_tokens,
+                                      lengths=[len(x) for x in prompts]),
+                   kv_length=s.kv_length, warmup=s.warmup, repeats=s.repeats, costs=costs,
+                   grid=[grid_row(r) for r in grid], final=final, insertions=insertions,
+                   decision=decide(c.chosen, final, mu=c.mu, n_levels=len(ch.levels), grid=grid_info),
+                   speedup=_speedups(final, ch.names[0]), variance={},
+                   lossless_greedy=all(r.outputs == ref for r in final.values() if r.levels[0] == ch.names[0]))

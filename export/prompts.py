@@ -23,7 +23,7 @@ def calibration_prompts(tokenizer: Any, n: int, *, data_source: str | None = Non
     data stage splits them) up to their second user turn (:func:`sharegpt_prompt`), each through the tokenizer's chat
     template. With ``answer`` (prompt ids -> the target's answer text) each MT-bench question with a second turn also
     gives that turn after the target's answer to the first (``source`` "mtbench-2"), right after its first. A later
-    turn's history is what prompt lookup (decode.draft_lookup, dual-ngram) copies from in served chats, so the
+    turn's history is what prompt lookup (decode.draft.lookup) copies from in served chats, so the
     profile weighs it on such prompts too.
 
     Returns ``[{"source": "mtbench" | "sharegpt", "id": ..., "input_ids": [...]}, ...]``; prompts longer than

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from polyspec.chain_spec import DraftSpec
 from polyspec.errors import PolyspecError
 from polyspec.export.results import PROFILE_FORMAT, Insertion, Profile, Search, from_json, to_json
 from polyspec.fsutil import atomic_folder
@@ -43,7 +44,7 @@ def summary_L(p: Profile) -> dict[str, Any]:
     v, chain = p.insertions[0], p.final["chain"]
     return {"L_i": v.inputs.L_i, "L_new": v.inputs.L_new, "L_i_new": v.inputs.L_i_new,
             "beta_dual": p.final["dual_at_chain_k"].beta, "beta_chain": chain.beta,
-            "chain": {nm: chain.per_level[nm].L for nm in chain.levels[:-1]}, "draft_k": v.draft_k, "mu": v.mu}
+            "chain": {nm: chain.per_level[nm].L for nm in chain.levels[:-1]}, "draft": v.draft, "mu": v.mu}
 
 
 def verdict_json(v: Insertion) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def _insertion_rows(p: Profile, v: Insertion) -> list[str]:
     t, i = p.tags, v.inputs
     before = p.final[v.before_run]
     dual = v.before_run == "dual_at_chain_k"
-    where = f"dual k={v.draft_k}" if dual else f"without {t[v.level]} k={v.draft_k} mu={v.mu}"
+    where = f"dual {v.draft}" if dual else f"without {t[v.level]} {v.draft} mu={v.mu}"
     beta_before = before.betas[before.levels.index(v.above)] or 0.0
     rows = [] if len(p.insertions) == 1 else [f"| insertion of {t[v.level]} between {t[v.above]} and {t[v.below]} "
                                               f"| pays: {v.pays} |"]
@@ -74,7 +75,7 @@ def _insertion_rows(p: Profile, v: Insertion) -> list[str]:
         f"| T_{t[v.above]} / T_{t[v.level]} / T_{t[v.below]} (ms, chain widths) | {i.T_i * 1e3:.2f} / "
         f"{i.T_new * 1e3:.2f} / {i.T_next * 1e3:.2f} |",
         f"| L_i ({t[v.above]} over {t[v.below]}, {where}) | {i.L_i:.3f} |",
-        f"| L_new ({t[v.level]} over {t[v.below]}, k={v.draft_k}) | {i.L_new:.3f} |",
+        f"| L_new ({t[v.level]} over {t[v.below]}, {v.draft}) | {i.L_new:.3f} |",
         f"| L_i_new ({t[v.above]} over {t[v.level]} blocks, mu={v.mu}) | {i.L_i_new:.3f} |",
         f"| beta ({'dual' if dual else 'without ' + t[v.level]} / chain) | {beta_before:.2f} / "
         f"{(p.final['chain'].beta or 0):.2f} |",
@@ -89,11 +90,8 @@ def _insertion_rows(p: Profile, v: Insertion) -> list[str]:
 def _chosen_row(p: Profile) -> str:
     dec = p.decision
     why = f" ({_why_ar(p)}); best speculative: {dec.speculative_mode}" if dec.mode == "ar" else ""
-    tree = dec.tree
-    how = f"tree {tree['top_k']}x{tree['depth']}/{tree['total_tokens']}" if tree else f"draft_k={dec.draft_k}"
-    if dec.draft_lookup:
-        how += f", prompt-lookup blocks of up to {dec.draft_lookup}"
-    return f"| chosen | {dec.mode}{why}, {how}, mu={dec.mu} |"
+    how = DraftSpec.model_validate(dec.draft).text()
+    return f"| chosen | {dec.mode}{why}, draft {how}, mu={dec.mu} |"
 
 
 def _needed_row(p: Profile) -> list[str]:
@@ -247,25 +245,25 @@ def search_markdown(s: Search) -> str:
     decision."""
     lines = [f"Chain search ({s.device}, {s.dtype}, {s.prompts.count} prompts ({s.prompts.grid_count} in the runs "
              f"that search) x {s.prompts.max_new_tokens} tokens, {s.runs} runs)", "",
-             "| draft under the target | draft_k | predicted ms/token | measured tok/s (grid) |", "|---|---|---|---|"]
-    lines += [f"| {p.levels[-1]} | {p.draft_k} | {_ms(p.predicted_time_per_token_s)} | "
+             "| draft under the target | draft | predicted ms/token | measured tok/s (grid) |", "|---|---|---|---|"]
+    lines += [f"| {p.levels[-1]} | {p.draft} | {_ms(p.predicted_time_per_token_s)} | "
               f"{p.measured_tokens_per_second:.2f} |" for p in s.drafts]
-    lines += ["", "| round | chain before | inserted at | draft_k | mu | Lemma 3.1 ms/token before -> after | "
+    lines += ["", "| round | chain before | inserted at | draft | mu | Lemma 3.1 ms/token before -> after | "
               "measured tok/s before -> after (grid) | pays | cond1 | cond2 | valid regime |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {t.round} | {'<-'.join(t.before)} | {t.inserted} @ {t.position} | {t.draft_k} | {t.mu} | "
+    lines += [f"| {t.round} | {'<-'.join(t.before)} | {t.inserted} @ {t.position} | {t.draft} | {t.mu} | "
               f"{_ms(t.time_before_s)} -> {_ms(t.time_after_s)} | {_tps(t.measured_tokens_per_second_before)} -> "
               f"{_tps(t.measured_tokens_per_second_after)} | {t.pays} | {_verdict_cells(t.verdict)} |"
               for t in s.insertions]
     lines += ["", f"Greedy chain: {'<-'.join(s.greedy_chain.levels)} (stopped: {s.stop_reason})", "",
-              "| confirmed (all prompts) | draft_k | mu | predicted ms/token (grid / all) | predicted tok/s | "
+              "| confirmed (all prompts) | draft | mu | predicted ms/token (grid / all) | predicted tok/s | "
               "measured tok/s (wall / steady) | greedy = ar |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {'<-'.join(c.levels)} | {c.draft_k} | {c.mu} | {_ms(c.predicted_grid_s)} / {_ms(c.predicted_s)} | "
+    lines += [f"| {'<-'.join(c.levels)} | {c.draft} | {c.mu} | {_ms(c.predicted_grid_s)} / {_ms(c.predicted_s)} | "
               f"{c.predicted_tokens_per_second or float('nan'):.2f} | "
               f"{c.tokens_per_second:.2f} / {c.tokens_per_second_steady:.2f} | {c.lossless_greedy} |"
               for c in [*s.confirmed, s.ar]]
     d = s.decision
-    lines += ["", f"Decision: {d.mode} {'<-'.join(d.levels)} draft_k={d.draft_k} mu={d.mu} (ar predicted faster: "
+    lines += ["", f"Decision: {d.mode} {'<-'.join(d.levels)} draft {d.draft} mu={d.mu} (ar predicted faster: "
               f"{d.ar_predicted_faster}, ar measured at least as fast: {d.ar_measured_faster})", f"Rule: {d.rule}"]
     return "\n".join(lines) + "\n"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 # 3: typed n-level profile (``levels``, ``insertions``; runs carry ``betas``); 2: three fixed levels, decision falls
 # back to ar when ar measured at least as fast.
-PROFILE_FORMAT = 3
+PROFILE_FORMAT = 4  # 4: runs and decisions carry a DraftSpec
 
 
 @dataclass
@@ -68,11 +68,10 @@ class Run:
     """Greedy generation over the calibration prompts with one chain configuration (levels top first)."""
 
     label: str
-    mode: str  # ar (one level), dual (two), chain (three or more)
-    levels: list[str]
-    draft_k: int | None
+    mode: str  # ar, dual (the target over a drafter), chain (verifiers between)
+    levels: list[str]  # top first; a drafter without a level (prompt lookup alone) last, as "lookup"
+    draft: dict[str, Any] | None  # the DraftSpec (None: ar)
     mu: list[int]
-    tree: dict[str, int] | None
     prompts: int
     max_new_tokens: int
     new_tokens: int
@@ -85,7 +84,6 @@ class Run:
     per_level: dict[str, LevelRun]
     outputs: list[list[int]] = field(default_factory=list)  # token ids per prompt (not persisted)
     predicted: Prediction | None = None
-    draft_lookup: int = 0  # prompt-lookup blocks in place of the draft's (decode.draft_lookup); 0 = none
 
     @property
     def beta(self) -> float | None:
@@ -99,9 +97,8 @@ class GridRow:
 
     label: str
     mode: str
-    draft_k: int | None
+    draft: dict[str, Any] | None
     mu: list[int]
-    tree: dict[str, int] | None
     L: dict[str, float]
     L_eff: dict[str, float]
     beta: float | None
@@ -110,7 +107,6 @@ class GridRow:
     measured_tokens_per_second: float
     measured_tokens_per_second_steady: float
     new_tokens: int
-    draft_lookup: int = 0
 
 
 @dataclass
@@ -136,7 +132,7 @@ class Insertion:
     above: str
     below: str
     label: str
-    draft_k: int | None
+    draft: str | None  # the chain's DraftSpec text (k=4, tree=8x5x32, ...)
     mu: int | None
     inputs: InsertionInputs
     cond1_lhs: float
@@ -199,15 +195,13 @@ class Decision:
 
     mode: str
     speculative_mode: str
-    draft_k: int
+    draft: dict[str, Any]  # the chosen DraftSpec (kept for --mode dual / chain where ar is the default)
     mu: list[int]
-    tree: dict[str, int] | None
     predicted_time_per_token_s: float
     grid: dict[str, Any]
     ar_predicted_faster: bool
     ar_measured_faster: bool
     rule: str
-    draft_lookup: int = 0  # the chosen configuration's prompt-lookup blocks (decode.draft_lookup)
 
 
 @dataclass
@@ -269,7 +263,7 @@ class Profile:
 @dataclass
 class CandidateInfo:
     name: str
-    kind: str  # int4 (folder), rtn_int4, early_exit, int8, model, head, ngram
+    kind: str  # int4 (folder), rtn_int4, model, head, lookup
     bottom_only: bool
     note: str = ""
 
@@ -279,7 +273,7 @@ class ChainPoint:
     """One chain the search ran on the grid prompts: its Lemma 3.1 time (None: an L or T it needs was 0)."""
 
     levels: list[str]
-    draft_k: int
+    draft: str
     mu: list[int]
     predicted_time_per_token_s: float | None
     measured_tokens_per_second: float
@@ -298,7 +292,7 @@ class InsertionTried:
     before: list[str]
     inserted: str
     position: int
-    draft_k: int
+    draft: str
     mu: int
     time_before_s: float | None
     time_after_s: float | None
@@ -314,7 +308,7 @@ class ConfirmedChain:
 
     levels: list[str]
     mode: str
-    draft_k: int | None
+    draft: str | None
     mu: list[int]
     predicted_grid_s: float | None
     predicted_s: float | None
@@ -326,9 +320,9 @@ class ConfirmedChain:
 
 @dataclass
 class SearchDecision:
-    mode: str  # ar, dual, chain or dual-ngram
+    mode: str  # ar, dual or chain
     levels: list[str]
-    draft_k: int | None
+    draft: str | None
     mu: list[int]
     ar_predicted_faster: bool
     ar_measured_faster: bool

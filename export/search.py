@@ -2,10 +2,12 @@
 
 :func:`search_chain` on loaded levels, every run greedy on the grid prompts through the profile's runner:
 
-1. Best draft: every candidate directly under the target (dual) at every draft_k of the grid; Lemma 3.1 time from
-   measured T (``timing.measure_costs``; prompt lookup: its measured seconds per call) and measured L_eff, beta.
+1. Best draft: every candidate directly under the target (dual) at every draft k of the grid (prompt lookup alone at
+   every draft.lookup of the grid); Lemma 3.1 time from measured T (``timing.measure_costs``; prompt lookup: none,
+   its list search is the decoder's own work) and measured L_eff, beta.
 2. Greedy insertion: from the best draft's chain, try every unused model candidate at every position between two
-   adjacent levels, at the chain's draft_k and every mu of the search; record Theorem 3.2's conditions and both
+   adjacent levels (below the last one too, where prompt lookup drafts), at the chain's draft and every mu of the
+   search; record Theorem 3.2's conditions and both
    chains' Lemma 3.1 times; take the insertion with the smallest predicted time if it is smaller than the current
    chain's; repeat until none is, or the chain has ``max_levels`` levels.
 3. Confirm: the two distinct chains (level lists) with the smallest predicted times, each at its best (draft_k,
@@ -25,10 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from polyspec.chain_spec import DraftSpec
 from polyspec.errors import PolyspecError
-from polyspec.export.acceptance import mode_of, steady_widths
+from polyspec.export.acceptance import LOOKUP, steady_widths
 from polyspec.export.candidates import Candidate, fits_head
-from polyspec.export.profile import NGRAM_MODE, ProfileSettings, Runner, insertion_inputs, ngram_costs
+from polyspec.export.profile import ProfileSettings, Runner, Spec, insertion_inputs
 from polyspec.export.results import (
     CandidateInfo,
     ChainPoint,
@@ -55,7 +58,7 @@ class SearchSettings:
     insertion, None: the grid's), the longest chain (target included)."""
 
     profile: ProfileSettings
-    max_levels: int = 4
+    max_levels: int = 4  # the target, two verifiers and a draft: past that no device measured has paid
     mus: tuple[int, ...] | None = None
 
     @property
@@ -67,19 +70,20 @@ class SearchSettings:
 class _Point:
     """A chain run on the grid prompts and its predicted time (inf: not predictable)."""
 
-    levels: list[Any]
-    k: int
+    levels: list[Any]  # model levels, top first
+    draft: DraftSpec
     mu: int | None
     run: Run
     time: float
 
     @property
     def names(self) -> list[str]:
-        return [lv.name for lv in self.levels]
+        """The run's level names (prompt lookup drafting: "lookup" last)."""
+        return list(self.run.levels)
 
     @property
-    def mus(self) -> list[int]:
-        return [self.mu] * (len(self.levels) - 2) if self.mu is not None else []
+    def lookup(self) -> bool:
+        return self.draft.source == "lookup"
 
 
 @dataclass
@@ -98,12 +102,7 @@ class _Costs:
     def ensure(self, runs: list[Run]) -> None:
         need: dict[str, set[int]] = {}
         for r in runs:
-            for nm in r.levels:
-                lv = self.levels[nm]
-                if getattr(lv, "kind", None) == "ngram":
-                    if nm not in self.table:
-                        self.table[nm] = ngram_costs(runs, nm, self.s.kv_length)
-                    continue
+            for nm in (nm for nm in r.levels if nm != LOOKUP):
                 have = {c.width for c in self.table.get(nm, [])}
                 ws = (set(steady_widths(r, nm)) | (self.nominal() if not have else set())) - have
                 if ws:
@@ -136,28 +135,38 @@ def _finite(x: float) -> float | None:
 
 def _chain_point(p: _Point) -> ChainPoint:
     r = p.run
-    return ChainPoint(levels=p.names, draft_k=p.k, mu=p.mus, predicted_time_per_token_s=_finite(p.time),
+    return ChainPoint(levels=p.names, draft=p.draft.text(), mu=list(r.mu), predicted_time_per_token_s=_finite(p.time),
                       measured_tokens_per_second=r.tokens_per_second, beta=r.beta,
                       L={nm: lv.L for nm, lv in r.per_level.items() if lv.L is not None and nm != r.levels[-1]})
 
 
 def _drafts(run: Runner, book: _Costs, target: Any, cands: list[Candidate], grid: list[list[int]]) -> list[_Point]:
-    """Every candidate directly under the target at every draft_k."""
-    runs = [(c, k, run([target, c.level], k, None, grid, f"draft {c.name} k={k}"))
-            for c in cands for k in book.s.draft_ks]
+    """Every candidate directly under the target at every draft k (prompt lookup at every size)."""
+    s, todo = book.s, []
+    for c in cands:
+        if c.kind == "lookup":
+            todo += [([target], s.draft(source="lookup", lookup=lk)) for lk in s.lookups]
+        else:
+            todo += [([target, c.level], s.draft(k=k)) for k in s.draft_ks]
+    runs = [(levels, d, run(levels, d, None, grid, f"draft {levels[-1].name if d.source == 'model' else LOOKUP} "
+                                                    f"{d.text(False)}")) for levels, d in todo]
     book.ensure([r for *_, r in runs])
-    return [_Point([target, c.level], k, None, r, book.time(r)) for c, k, r in runs]
+    return [_Point(levels, d, None, r, book.time(r)) for levels, d, r in runs]
+
+
+def _cost(book: _Costs, r: Run, nm: str) -> float:
+    return 0.0 if nm == LOOKUP else mean_cost(book.table[nm], steady_widths(r, nm))
 
 
 def _verdict(book: _Costs, cur: _Point, c: Candidate, j: int, r: Run, mu: int) -> Any:
     """Theorem 3.2 on the insertion of ``c`` at ``j`` (inputs as the profile takes them), None where one is 0."""
     above, below = cur.names[j - 1], cur.names[j]
     try:
-        t = {nm: mean_cost(book.table[nm], steady_widths(r, nm)) for nm in (above, c.name, below)}
-        inputs = insertion_inputs((above, c.name, below), t, cur.run, r.per_level[c.name].L_eff, r, cur.k)
+        t = {nm: _cost(book, r, nm) for nm in (above, c.name, below)}
+        inputs = insertion_inputs((above, c.name, below), t, cur.run, r.per_level[c.name].L_eff, r, cur.draft.depth)
         return insertion_verdict(inputs, level=c.name, above=above, below=below,
-                                 label=f"{c.name} k={cur.k} mu={mu}", draft_k=cur.k, mu=mu)
-    except (ValueError, TypeError, PolyspecError):
+                                 label=f"{c.name} {cur.draft.text(False)} mu={mu}", draft=cur.draft.text(), mu=mu)
+    except (ValueError, TypeError, KeyError, PolyspecError):
         return None
 
 
@@ -170,16 +179,17 @@ def _round(run: Runner, book: _Costs, cur: _Point, cands: list[Candidate], grid:
     """Every legal insertion into ``cur`` at every position and mu (round ``n``)."""
     trials = []
     for c in (c for c in cands if _legal(c, cur)):
-        for j in range(1, len(cur.levels)):
+        for j in range(1, len(cur.levels) + cur.lookup):  # under prompt lookup a new level may verify it too
             levels = cur.levels[:j] + [c.level] + cur.levels[j:]
             for mu in s.insertion_mus:
-                label = "<-".join(lv.name for lv in levels) + f" k={cur.k} mu={mu}"
-                trials.append((c, j, mu, levels, run(levels, cur.k, mu, grid, label)))
+                label = "<-".join(lv.name for lv in levels) + f" {cur.draft.text(False)} mu={mu}"
+                trials.append((c, j, mu, levels, run(levels, cur.draft, mu, grid, label)))
     book.ensure([t[-1] for t in trials])
     out = []
     for c, j, mu, levels, r in trials:
-        p = _Point(levels, cur.k, mu, r, book.time(r))
-        out.append((InsertionTried(round=n, before=cur.names, inserted=c.name, position=j, draft_k=cur.k, mu=mu,
+        p = _Point(levels, cur.draft, mu, r, book.time(r))
+        out.append((InsertionTried(round=n, before=cur.names, inserted=c.name, position=j, draft=cur.draft.text(),
+                                   mu=mu,
                                    time_before_s=_finite(cur.time), time_after_s=_finite(p.time),
                                    pays=p.time < cur.time, verdict=_verdict(book, cur, c, j, r, mu),
                                    measured_tokens_per_second_before=cur.run.tokens_per_second,
@@ -191,7 +201,7 @@ def _greedy(run: Runner, book: _Costs, start: _Point, cands: list[Candidate], gr
             s: SearchSettings) -> tuple[_Point, list[InsertionTried], list[_Point], str]:
     """Insert while the best insertion lowers the predicted time (see the module docstring)."""
     cur, tried, points, n = start, [], [], 0
-    while len(cur.levels) < s.max_levels:
+    while len(cur.names) < s.max_levels:
         n += 1
         trials = _round(run, book, cur, cands, grid, s, n)
         tried += [t for t, _ in trials]
@@ -213,22 +223,19 @@ def _top_two(points: list[_Point]) -> list[_Point]:
     return list(best.values())[:2]
 
 
-def _mode(levels: list[str], kinds: dict[str, str]) -> str:
-    return NGRAM_MODE if len(levels) == 2 and kinds.get(levels[-1]) == "ngram" else mode_of(len(levels))
-
-
-def _confirm(run: Runner, book: _Costs, top: list[_Point], prompts: list[list[int]],
-             kinds: dict[str, str]) -> tuple[list[ConfirmedChain], ConfirmedChain]:
+def _confirm(run: Runner, book: _Costs, top: list[_Point],
+             prompts: list[list[int]]) -> tuple[list[ConfirmedChain], ConfirmedChain]:
     """``top`` and ar on all prompts (taking turns prompt by prompt), predicted and measured."""
     target = top[0].levels[0]
-    specs = [([target], 1, None, "confirm ar", None)]
-    specs += [(p.levels, p.k, p.mu, "confirm " + "<-".join(p.names), None) for p in top]
+    specs = [Spec([target], None, None, "confirm ar")]
+    specs += [Spec(p.levels, p.draft, p.mu, "confirm " + "<-".join(p.names)) for p in top]
     ar, *runs = run.many(specs, prompts)
     book.ensure([ar, *runs])
 
     def confirmed(r: Run, grid_time: float) -> ConfirmedChain:
         t = book.time(r)
-        return ConfirmedChain(levels=list(r.levels), mode=_mode(r.levels, kinds), draft_k=r.draft_k, mu=list(r.mu),
+        draft = DraftSpec.model_validate(r.draft).text() if r.draft is not None else None
+        return ConfirmedChain(levels=list(r.levels), mode=r.mode, draft=draft, mu=list(r.mu),
                               predicted_grid_s=_finite(grid_time), predicted_s=_finite(t),
                               predicted_tokens_per_second=1.0 / t if 0 < t < math.inf else None,
                               tokens_per_second=r.tokens_per_second,
@@ -245,7 +252,7 @@ def decide_search(confirmed: list[ConfirmedChain], ar: ConfirmedChain) -> Search
     ar_pred = ar.predicted_s is not None and ar.predicted_s < pred
     ar_meas = ar.tokens_per_second >= best.tokens_per_second
     pick = ar if ar_pred or ar_meas else best
-    return SearchDecision(mode=pick.mode, levels=list(pick.levels), draft_k=pick.draft_k, mu=list(pick.mu),
+    return SearchDecision(mode=pick.mode, levels=list(pick.levels), draft=pick.draft, mu=list(pick.mu),
                           ar_predicted_faster=ar_pred, ar_measured_faster=ar_meas, rule=SEARCH_RULE)
 
 
@@ -265,14 +272,13 @@ def search_chain(target: Any, cands: list[Candidate], prompts: list[list[int]], 
         raise PolyspecError(f"search max_levels must be >= 2 (the target and a draft), got {s.max_levels}")
     t0, say = time.perf_counter(), say or (lambda _m: None)
     run = Runner(s.profile, say)
-    book = _Costs({target.name: target, **{c.name: c.level for c in cands}}, replace(s.profile, mus=s.insertion_mus),
-                  say)
+    book = _Costs({target.name: target, **{c.name: c.level for c in cands if c.level is not None}},
+                  replace(s.profile, mus=s.insertion_mus), say)
     grid = prompts[: s.profile.grid_prompts or len(prompts)]
     drafts = _drafts(run, book, target, cands, grid)
     start = min(drafts, key=lambda p: p.time)
     chain, tried, points, why = _greedy(run, book, start, cands, grid, s)
-    kinds = {c.name: c.kind for c in cands}
-    confirmed, ar = _confirm(run, book, _top_two(drafts + points) or [start], prompts, kinds)
+    confirmed, ar = _confirm(run, book, _top_two(drafts + points) or [start], prompts)
     settings = {"draft_ks": list(s.profile.draft_ks), "mus": list(s.insertion_mus), "max_levels": s.max_levels,
                 "max_new_tokens": s.profile.max_new_tokens, "kv_length": s.profile.kv_length,
                 "warmup": s.profile.warmup, "repeats": s.profile.repeats, "rule": SEARCH_RULE}

@@ -30,7 +30,8 @@ from polyspec.export.prompts import CALIBRATION_FORMAT
 from polyspec.export.results import PROFILE_FORMAT, Profile
 
 Say = Callable[[str], None]
-SEARCH_KEYS = {"search", "search_max_levels", "search_mu", "search_group_sizes", "search_exit_layers", "search_int8"}
+WARMUP = 2  # untimed forwards before each level's timed ones
+CONFIRM_DUALS = 2  # runner-up duals the final runs measure on every prompt (a few grid prompts do not separate them)
 
 
 def _say(msg: str) -> None:
@@ -327,56 +328,39 @@ def search_folders(parts: Parts, out_dir: Path, settings: Any, cand: Any, *, pro
 
 def search_stage(recipe: Any, *, parts: Parts | None = None, threads: int | None = None, say: Say = _say) -> Path:
     """The recipe's chain search (``polyspec profile --search``): its level folders (default: the target, quantize
-    and train stages'), its profile settings and ``profile.search_*``; writes ``<workdir>/profile/search``. It
-    changes nothing the pipeline exports. Returns the folder."""
+    and train stages'), its profile settings; writes ``<workdir>/profile/search``. Returns the folder."""
     from polyspec.export.candidates import CandidateSettings
     from polyspec.export.search import SearchSettings
 
     folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
     settings, _ = _settings(recipe, threads)
-    p, d = recipe.profile, recipe.data
-    ss = SearchSettings(profile=replace(settings, tree=None, ngram=False), max_levels=p.search_max_levels,
-                        mus=tuple(p.search_mu) if p.search_mu else None)
-    cs = CandidateSettings(rtn_group_sizes=tuple(p.search_group_sizes), exit_layers=p.search_exit_layers,
-                           ngram=p.ngram, int8=p.search_int8)
+    ss = SearchSettings(profile=replace(settings, tree=None))
+    cs = CandidateSettings(lookup=bool(settings.lookups))
     out = Path(recipe.workdir) / "profile" / "search"
-    search_folders(folders, out, ss, cs, prompts=p.prompts, device=_device(recipe), dtype=recipe.target.dtype,
-                   threads=threads or p.threads, draft_vocab=recipe.decode.draft_vocab, say=say,
-                   data={"source": d.source, "max_conversations": d.max_conversations,
-                         "heldout_fraction": d.heldout_fraction, "seed": d.seed})
+    search_folders(folders, out, ss, cs, prompts=recipe.profile.prompts, device=recipe.target.device,
+                   dtype=recipe.target.dtype, threads=threads, draft_vocab=recipe.decode.draft.vocab, say=say,
+                   data=_calibration_data(recipe.data))
     return out
+
+
+def _calibration_data(d: Any) -> dict[str, Any]:
+    return {"source": d.source, "max_conversations": d.max_conversations, "heldout_fraction": d.heldout_fraction,
+            "seed": d.seed}
 
 
 def _settings(recipe: Any, threads: int | None) -> tuple[ProfileSettings, dict[str, Any]]:
     """The recipe's profile settings, and everything that keys the stored profile."""
-    p = recipe.profile
-    tree = None
-    if recipe.decode.tree.enabled:
-        from polyspec.decode.generate import tree_params
-
-        tree = tree_params(recipe.decode.tree)
+    p, draft = recipe.profile, recipe.decode.draft
+    tree = draft.model_copy(update={"source": "model"}) if draft.tree is not None else None
     grid_prompts = p.grid_prompts or max(1, p.prompts // 4)
-    s = ProfileSettings(max_new_tokens=p.max_new_tokens, kv_length=p.kv_length, warmup=p.warmup, repeats=p.repeats,
+    s = ProfileSettings(max_new_tokens=p.max_new_tokens, kv_length=p.kv_length, warmup=WARMUP, repeats=p.repeats,
                         draft_ks=tuple(p.draft_k_grid), mus=tuple(p.mu_grid), grid_prompts=grid_prompts, tree=tree,
-                        ngram=p.ngram, draft_lookups=tuple(p.draft_lookup_grid), confirm_duals=p.confirm_duals)
-    # the search settings key nothing the profile measures (and profiles made before them keep their keys)
-    keyed = {"profile": p.model_dump(mode="json", exclude=SEARCH_KEYS), "device": _device(recipe), "dtype": recipe.target.dtype,
-             "draft_ks": list(s.draft_ks), "mus": list(s.mus), "grid_prompts": grid_prompts,
-             "tree": _tree_key(recipe.decode.tree) if tree is not None else None,
-             "data": recipe.data.model_dump(mode="json"), "threads": threads or p.threads,
-             "calibration": CALIBRATION_FORMAT}
-    if recipe.decode.draft_vocab:  # (absent when 0, so profiles made before the setting keep their keys)
-        keyed["draft_vocab"] = recipe.decode.draft_vocab
+                        lookups=tuple(p.lookup_grid), confirm_duals=CONFIRM_DUALS, vocab=draft.vocab)
+    keyed = {"profile": p.model_dump(mode="json", exclude={"search"}), "device": recipe.target.device,
+             "dtype": recipe.target.dtype, "grid_prompts": grid_prompts, "warmup": WARMUP,
+             "confirm_duals": CONFIRM_DUALS, "tree": tree.text() if tree is not None else None, "vocab": draft.vocab,
+             "data": recipe.data.model_dump(mode="json"), "threads": threads, "calibration": CALIBRATION_FORMAT}
     return s, keyed
-
-
-def _tree_key(tree: Any) -> dict[str, Any]:
-    """The recipe's tree as it keys the profile (lookup_first only when on: older profiles keep their keys)."""
-    return tree.model_dump(mode="json", exclude=None if tree.lookup_first else {"lookup_first"})
-
-
-def _device(recipe: Any) -> str:
-    return recipe.profile.device if recipe.profile.device != "auto" else recipe.target.device
 
 
 def profile_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = None,
@@ -384,7 +368,7 @@ def profile_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = Non
     """Profile the recipe's chain (see the module docstring); returns the profile (its folder in ``path``).
 
     ``parts``: the level folders, target first (default: from the target, quantize and train stages).
-    ``threads``: torch threads while profiling (default: ``profile.threads``)."""
+    ``threads``: torch threads while profiling (default: unchanged)."""
     folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
     settings, keyed = _settings(recipe, threads)
     key = profile_key(folders, keyed)
@@ -394,12 +378,9 @@ def profile_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = Non
         say(f"profile: measurements for these inputs already exist: {out_dir}")
         _log_profile(tracker, cached, out_dir, cached=True)
         return cached
-    d = recipe.data
-    p = profile_folders(folders, out_dir, settings, prompts=recipe.profile.prompts, device=_device(recipe),
-                        dtype=recipe.target.dtype, notes=notes, key=key, threads=threads or recipe.profile.threads,
-                        draft_vocab=recipe.decode.draft_vocab, say=say,
-                        data={"source": d.source, "max_conversations": d.max_conversations,
-                              "heldout_fraction": d.heldout_fraction, "seed": d.seed})
+    p = profile_folders(folders, out_dir, settings, prompts=recipe.profile.prompts, device=recipe.target.device,
+                        dtype=recipe.target.dtype, notes=notes, key=key, threads=threads,
+                        draft_vocab=recipe.decode.draft.vocab, say=say, data=_calibration_data(recipe.data))
     _log_profile(tracker, p, out_dir, cached=False)
     return p
 
@@ -462,7 +443,7 @@ def export_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = None
         profile = profile_stage(recipe, tracker, parts=folders, notes=notes, threads=threads, say=say)
     out = Path(recipe.export.out) if recipe.export.out else Path(recipe.workdir) / "chain"
     t0 = time.perf_counter()
-    export_chain(out, folders, profile, recipe.decode, onnx=recipe.export.onnx, opset=recipe.export.opset)
+    export_chain(out, folders, profile, recipe.decode, onnx=recipe.export.onnx)
     say(f"export: chain written to {out} ({time.perf_counter() - t0:.1f} s)")
     _log_export(tracker, out)
     if recipe.tracking.log_model and tracker is not None and getattr(tracker, "enabled", False):

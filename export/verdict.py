@@ -3,7 +3,7 @@
 * :func:`predict`: Lemma 3.1's time per token of one measured run.
 * :func:`insertion_verdict`: Theorem 3.2's two conditions and the exact Lemma 3.1 difference for inserting a level
   between two adjacent ones.
-* :func:`choose_config` / :func:`decide`: the configuration (mode, draft_k, mu, tree) with the smallest predicted time
+* :func:`choose_config` / :func:`decide`: the configuration (mode, draft, mu) with the smallest predicted time
   per token, or ar when plain decoding is predicted or measured faster.
 * :func:`fit_alpha` / :func:`variance_check`: the measured acceptance-length variance against the exact one of
   X = min(G, n), G ~ Geometric(1 - alpha) (Theorem 3.3, corrected), alpha fitted from the measured mean through the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 from polyspec.errors import PolyspecError
@@ -31,13 +30,13 @@ from polyspec.export.results import (
     Speedups,
     VarianceCheck,
 )
-from polyspec.modes import AR, CHAIN, DUAL, DUAL_NGRAM
+from polyspec.modes import AR, CHAIN, DUAL
 from polyspec.theory import acceptance_length_moments, chain_time_per_token, insertion
 
 DECISION_RULE = ("min over the grid of the Lemma 3.1 time per token (measured T at the run's own forward widths, "
-                 "measured L_eff and beta), modes chain and dual, linear drafts and (when given) the draft tree, "
-                 "and (when weighed) dual over prompt lookup; the best predicted dual and the next "
-                 "profile.confirm_duals measured on every prompt, the fastest kept; "
+                 "measured L_eff and beta), modes chain and dual, linear drafts with and without prompt-lookup "
+                 "blocks, (when given) the draft tree, and prompt lookup alone; the best predicted dual and the next "
+                 "two measured on every prompt, the fastest kept; "
                  "mode ar when ar's predicted time beats the measured dual baseline and chosen chain, or when the "
                  "final runs measured ar at least as fast as the chosen configuration")
 
@@ -47,10 +46,11 @@ def predict(run: Run, costs: dict[str, list[CostRow]]) -> Prediction:
 
     T_i = the mean measured forward cost over the level's own (non-prefill) forward widths in that run, so blocks
     wider than draft_k + 1 or mu + 1 are charged what they cost."""
-    from polyspec.export.acceptance import steady_widths
+    from polyspec.export.acceptance import LOOKUP, steady_widths
     from polyspec.export.timing import mean_cost
 
-    t = [mean_cost(costs[nm], steady_widths(run, nm)) for nm in run.levels]
+    # prompt lookup's list search is the decoder's own work (microseconds), which Lemma 3.1 leaves out
+    t = [0.0 if nm == LOOKUP else mean_cost(costs[nm], steady_widths(run, nm)) for nm in run.levels]
     if len(t) == 1:
         return Prediction(time_per_token_s=chain_time_per_token(t, []), T=t, L_eff=[], beta=None)
     ls = [float(run.per_level[nm].L_eff or 0.0) for nm in run.levels[:-1]]
@@ -63,21 +63,20 @@ def grid_row(run: Run) -> GridRow:
     if run.predicted is None:
         raise PolyspecError(f"run {run.label!r} has no prediction")
     verifiers = {nm: lv for nm, lv in run.per_level.items() if lv.L is not None}
-    return GridRow(label=run.label, mode=run.mode, draft_k=run.draft_k, mu=list(run.mu), tree=run.tree,
+    return GridRow(label=run.label, mode=run.mode, draft=run.draft, mu=list(run.mu),
                    L={nm: lv.L for nm, lv in verifiers.items()}, L_eff={nm: lv.L_eff for nm, lv in verifiers.items()},
                    beta=run.beta, T_s=dict(zip(run.levels, run.predicted.T, strict=True)),
                    predicted_time_per_token_s=run.predicted.time_per_token_s,
                    measured_tokens_per_second=run.tokens_per_second,
-                   measured_tokens_per_second_steady=run.tokens_per_second_steady, new_tokens=run.new_tokens,
-                   draft_lookup=run.draft_lookup)
+                   measured_tokens_per_second_steady=run.tokens_per_second_steady, new_tokens=run.new_tokens)
 
 
 def insertion_verdict(inputs: InsertionInputs, *, level: str, above: str, below: str, label: str,
-                      draft_k: int | None, mu: int | None) -> Insertion:
+                      draft: str | None, mu: int | None) -> Insertion:
     """theory.insertion on ``inputs``, kept next to them (Theorem 3.2's conditions, exact Lemma 3.1 two-level form)."""
     i = inputs
     v = insertion(i.T_i, i.T_new, i.T_next, i.L_i, i.L_new, i.L_i_new, i.beta)
-    return Insertion(level=level, above=above, below=below, label=label, draft_k=draft_k, mu=mu, inputs=inputs,
+    return Insertion(level=level, above=above, below=below, label=label, draft=draft, mu=mu, inputs=inputs,
                      **v.to_dict())
 
 
@@ -143,15 +142,14 @@ def decide(chosen: GridRow, final: dict[str, Run], *, mu: int, n_levels: int, gr
     """The decision: ``chosen`` (the grid's fastest predicted chain or dual), unless plain decoding is predicted faster
     than the final dual and chain runs or the final runs measured ar at least as fast as ``chosen``'s mode (Lemma 3.1
     leaves out the decoder's own per-round work); the tuned speculative settings stay for --mode dual / chain."""
-    spec = [nm for nm in (DUAL, CHAIN, DUAL_NGRAM) if nm in final]
+    spec = [nm for nm in (DUAL, CHAIN) if nm in final]
     pred = {nm: final[nm].predicted.time_per_token_s for nm in (AR, *spec)}
     ar_faster = pred[AR] < min(pred[nm] for nm in spec)
     ar_measured = final["ar"].tokens_per_second >= final[chosen.mode].tokens_per_second
     return Decision(mode="ar" if ar_faster or ar_measured else chosen.mode, speculative_mode=chosen.mode,
-                    draft_k=int(chosen.draft_k), mu=[mu] * (n_levels - 2), tree=chosen.tree,
+                    draft=dict(chosen.draft), mu=[mu] * (n_levels - 2),
                     predicted_time_per_token_s=chosen.predicted_time_per_token_s, grid=grid,
-                    ar_predicted_faster=ar_faster, ar_measured_faster=ar_measured, rule=DECISION_RULE,
-                    draft_lookup=int(chosen.draft_lookup))
+                    ar_predicted_faster=ar_faster, ar_measured_faster=ar_measured, rule=DECISION_RULE)
 
 
 def speedup_summary(predicted_s: dict[str, float], measured_tps: dict[str, float], baseline: str,
@@ -170,7 +168,3 @@ def speedup_summary(predicted_s: dict[str, float], measured_tps: dict[str, float
         rows[name] = SpeedupRow(predicted=pred, measured=meas, rel_error=err, within_goal=err <= goal)
     return Speedups(baseline=baseline, goal_rel_error=goal, configs=rows)
 
-
-def tree_dict(tree: Any) -> dict[str, int] | None:
-    """A TreeParams as the dict runs and decisions carry (None stays None)."""
-    return asdict(tree) if tree is not None else None

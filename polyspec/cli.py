@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from polyspec import __version__
+from polyspec.chain_spec import add_draft_flags
 from polyspec.errors import PolyspecError
 from polyspec.modes import MODES
 
@@ -210,72 +211,22 @@ def cmd_gpu_probe(args: argparse.Namespace) -> int:
     return gpu_probe.run(args)
 
 
-def add_tree_arguments(p: argparse.ArgumentParser) -> None:
-    """--tree / --no-tree and the tree's shape (generate and bench)."""
-    p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
-                   help="EAGLE-2 dynamic draft tree at the bottom level (default: the manifest's decode.tree)")
-    p.add_argument("--tree-top-k", type=int, default=None, help="children per expanded node (implies --tree)")
-    p.add_argument("--tree-depth", type=int, default=None, help="draft forwards per tree (implies --tree)")
-    p.add_argument("--tree-tokens", type=int, default=None, help="most draft tokens per tree (implies --tree)")
-    p.add_argument("--tree-lookup", type=int, default=None,
-                   help="greedy: up to N prompt-lookup tokens added to each tree as one more path (implies --tree)")
-    p.add_argument("--tree-lookup-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="greedy, with --tree-lookup: where the last 2+ tokens repeat, a round verifies prompt "
-                        "lookup's tokens alone and drafts no tree (implies --tree)")
-
-
-def add_draft_arguments(p: argparse.ArgumentParser) -> None:
-    """The linear draft's flags (generate and bench): --draft-k, --draft-stop, --draft-lookup, --mu."""
-    p.add_argument("--draft-k", type=int, default=None, help="draft tokens per step (default: the manifest's)")
-    p.add_argument("--draft-stop", type=float, default=None,
-                   help="end a linear draft once its probability falls below this (0 = never; default: the manifest's)")
-    p.add_argument("--draft-lookup", type=int, default=None,
-                   help="up to N prompt-lookup tokens as a round's block where a suffix of 2+ tokens repeats, "
-                        "instead of the draft's, or finishing it (0 = off; default: the manifest's)")
-    p.add_argument("--mu", type=int, nargs="+", default=None, help="block size per verifier (default: manifest's)")
-
-
-def check_draft_arguments(args: argparse.Namespace) -> None:
-    """One clear error for a --draft-stop or --draft-lookup out of range (before any weights load)."""
-    if args.draft_stop is not None and not 0 <= args.draft_stop < 1:
-        raise PolyspecError(f"--draft-stop must be in [0, 1) (0 = always --draft-k tokens), got {args.draft_stop}")
-    if args.draft_lookup is not None and args.draft_lookup < 0:
-        raise PolyspecError(f"--draft-lookup must be >= 0 (0 = off), got {args.draft_lookup}")
-
-
-def tree_choice(args: argparse.Namespace) -> bool | dict[str, int] | None:
-    """From --tree / --no-tree and the shape flags: None (the manifest's choice), False (linear drafts), True (a
-    tree of the manifest's or the default shape) or a dict of shape overrides (see generate.resolve_tree)."""
-    from polyspec.bench.bench import tree_shape  # light: no torch at import
-
-    shape = tree_shape(args) or {}
-    if args.tree is False:
-        if shape:
-            raise PolyspecError("--no-tree cannot be combined with --tree-top-k / --tree-depth / --tree-tokens / "
-                                "--tree-lookup / --tree-lookup-first")
-        return False
-    return shape or args.tree
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from a chain folder (validated first) in ar, dual or chain mode; exactly the target's distribution."""
+    from polyspec.chain_spec import DraftSpec, check_draft_flags
     from polyspec.decode.sampling import check_sampling
 
     check_sampling(args.temperature, args.top_p, args.top_k)  # fail before loading any weights
-    tree_choice(args)
+    check_draft_flags(args)
     if args.max_new_tokens < 1:
         raise PolyspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    from polyspec.decode.generate import generate_text, load_chain, resolve_tree
+    from polyspec.decode.generate import generate_text, load_chain
 
-    if args.draft_vocab is not None and args.draft_vocab < 0:
-        raise PolyspecError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {args.draft_vocab}")
-    check_draft_arguments(args)
-    chain = load_chain(args.chain, device=args.device, draft_vocab=args.draft_vocab)
+    chain = load_chain(args.chain, device=args.device)
+    draft = DraftSpec.parse(args.draft, chain.decode.draft) if args.draft else None
     out = generate_text(chain, args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                        chat=not args.raw, draft_k=args.draft_k, mu=args.mu, draft_stop=args.draft_stop,
-                        draft_lookup=args.draft_lookup,
-                        tree=resolve_tree(tree_choice(args), chain.tree_shape))
+                        chat=not args.raw, draft=draft, mu=args.mu)
     if args.json:
         print(json.dumps(out))
     else:
@@ -355,10 +306,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    add_draft_arguments(p)
-    add_tree_arguments(p)
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft head's logits over the N most frequent training tokens (0 = full; default: manifest's)")
+    add_draft_flags(p)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object: text, token_ids, stats")
@@ -386,7 +334,7 @@ def _add_chain(p: argparse.ArgumentParser) -> None:
     exh.add_argument("--verifier", help="the target as the engine loads it (default: the chain's target folder)")
     exh.add_argument("--draft-vocab", type=int, default=None,
                      help="sglang, EAGLE-1/2 heads: token map of the N most frequent training tokens (0 = none; "
-                          "default: the manifest's decode.draft_vocab)")
+                          "default: the manifest's decode.draft.vocab)")
     exh.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
 
 
@@ -420,10 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--int4", type=Path, help="int4 GPTQ folder (default: the quantize stage's)")
         p.add_argument("--untrained-head", action="store_true", help="use a random-init head (timing, wiring)")
         p.add_argument("--rtn-int4", action="store_true", help="use an RTN int4 copy of the target")
-        p.add_argument("--threads", type=int, help="torch threads while profiling (default: profile.threads)")
+        p.add_argument("--threads", type=int, help="torch threads while profiling (default: unchanged)")
         if name == "profile":
             p.add_argument("--search", action="store_true", help="search which levels, in which order (candidates: "
-                           "the given levels, RTN int4 and early-exit copies of the target, prompt lookup); writes "
+                           "the given levels, an RTN int4 copy of the target, prompt lookup); writes "
                            "<workdir>/profile/search (same as profile.search=true)")
 
     from polyspec.decode.serve import server as _serve  # light: no fastapi/torch at import

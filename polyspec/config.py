@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from polyspec.chain_spec import DecodeSpec
 from polyspec.device import DTYPE_CHOICES
 from polyspec.errors import PolyspecError
-from polyspec.modes import CHAIN, MODES
 
 
 class Section(BaseModel):
@@ -57,34 +57,6 @@ class TargetConfig(Section):
         raise ValueError(f"{v!r} is not a device; use auto, cpu, cuda or cuda:N")
 
 
-class EndpointConfig(Section):
-    """An OpenAI-compatible server that answers instead of the in-process target (docs/DATA.md)."""
-
-    url: str = Field(min_length=1, description="base URL, e.g. http://127.0.0.1:8000 (POST <url>/v1/chat/completions)")
-    model: str | None = Field(None, description="the 'model' field of each request (None: the server's only model)")
-    concurrency: int = Field(4, ge=1, description="requests in flight at once")
-    timeout_s: float = Field(600.0, gt=0, description="seconds one request may take")
-    api_key_env: str | None = Field(None, description="name of the environment variable that holds the API key")
-
-    @field_validator("url")
-    @classmethod
-    def _http(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return v.rstrip("/")
-
-
-class RegenConfig(Section):
-    """How the target answers the conversations' user turns when ``data.responses`` is ``target``."""
-
-    temperature: float = Field(0.0, ge=0, description="0 = greedy (what the chain serves most)")
-    max_new_tokens: int = Field(256, ge=1, description="most tokens per answer")
-    max_turns: int | None = Field(None, ge=1, description="user turns answered per conversation (None: all)")
-    batch_size: int = Field(16, ge=1, description="conversations answered together in-process (docs/DATA.md)")
-    seed: int = Field(0, description="seed for sampling (temperature > 0)")
-    endpoint: EndpointConfig | None = Field(None, description="an OpenAI-compatible server; None = in-process")
-
-
 class DataConfig(Section):
     """ShareGPT training conversations."""
 
@@ -97,11 +69,6 @@ class DataConfig(Section):
     max_length: int = Field(2048, ge=16, description="tokens per training sequence (longer ones are truncated)")
     heldout_fraction: float = Field(0.02, ge=0.0, lt=0.5, description="share of conversations held out for evaluation")
     seed: int = Field(0, description="seed for the held-out split")
-    responses: Literal["dataset", "target"] = Field(
-        "dataset", description="dataset: train on the conversations' own answers; target: the target answers the "
-        "user turns itself and the head trains on those answers (data.regen)",
-    )
-    regen: RegenConfig = Field(default_factory=RegenConfig)
 
     @field_validator("source")
     @classmethod
@@ -152,16 +119,11 @@ class TrainConfig(Section):
     batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(3e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(2000, ge=0)
     grad_clip: float = Field(0.5, gt=0)
     feature_loss_weight: float = Field(1.0, ge=0)
     token_loss_weight: float = Field(0.1, ge=0)
     feature_noise: float = Field(0.2, ge=0, description="uniform noise half-width added to input features")
-    loss_vocab: int = Field(
-        0, ge=0, description="token loss and top-1 agreement over the N most frequent training tokens only (the "
-        "draft vocabulary decode.draft_vocab decodes with; 0 = the full vocabulary)"
-    )
     checkpoint_every: int = Field(500, ge=1, description="optimizer steps between checkpoints")
     eval_every: int | None = Field(
         None, ge=1, description="optimizer steps between held-out validations (default: once per epoch)"
@@ -170,8 +132,6 @@ class TrainConfig(Section):
         4, ge=0, description="held-out prompts decoded greedily in dual mode (linear and tree) at each validation to "
         "log the decoder's tokens per target verification; 0 turns it off"
     )
-    accept_tokens: int = Field(48, ge=1, description="new tokens per prompt in that decoder measurement")
-    num_workers: int = Field(0, ge=0)
     compile: bool = Field(
         False, description="training steps run the head's layer and its losses through torch.compile (inductor, "
         "needs a C++ compiler on the CPU): the same maths fused, about 1.07x faster per step on a 2-core CPU "
@@ -195,8 +155,9 @@ class TrainConfig(Section):
         "starts (default 0)"
     )
     draft_vocab: int | None = Field(
-        None, ge=1, description="eagle3: draft vocabulary, the most frequent assistant tokens of the training data "
-        "(default 32000, capped to the target's vocabulary)"
+        None, ge=0, description="the draft vocabulary, the most frequent assistant tokens of the training data: "
+        "eagle3's own lm_head rows (default 32000, capped to the target's vocabulary); eagle: the token loss and "
+        "top-1 agreement over them only (default 0 = the full vocabulary; decode.draft.vocab decodes with them)"
     )
     aux_layers: list[int] | None = Field(
         None, min_length=1, description="eagle3: target layers (0-based; the residual stream after each) whose "
@@ -214,24 +175,22 @@ class TrainConfig(Section):
         if self.head == "eagle" and (self.ttt_steps or 1) == 1 and unused:
             raise ValueError(f"{', '.join('train.' + k for k in unused)} only apply to an unrolled head; set "
                              "train.ttt_steps above 1 too")
-        if self.head == "eagle3" and self.loss_vocab:
-            raise ValueError("train.loss_vocab is for EAGLE-1/2 heads; an EAGLE-3 head trains over its own "
-                             "train.draft_vocab")
+        if self.head == "eagle3" and self.draft_vocab == 0:
+            raise ValueError("train.draft_vocab must be >= 1 for an EAGLE-3 head (its lm_head has that many rows)")
         return self
 
 
 TTT_KEYS = ("ttt_steps", "ttt_decay", "ttt_start")  # the training-time test (both heads)
-EAGLE3_ONLY = ("draft_vocab", "aux_layers")  # TrainConfig keys only train.head=eagle3 reads
+EAGLE3_ONLY = ("aux_layers",)  # TrainConfig keys only train.head=eagle3 reads
 TTT_DECAY = 0.8  # the default weight ratio of successive unroll steps' losses, both heads
 EAGLE3_DEFAULTS = {"ttt_steps": 3, "ttt_decay": TTT_DECAY, "draft_vocab": 32000}
-EAGLE_DEFAULTS = {"ttt_steps": 1, "ttt_decay": TTT_DECAY}  # EAGLE-1/2: no unroll unless asked
+EAGLE_DEFAULTS = {"ttt_steps": 1, "ttt_decay": TTT_DECAY, "draft_vocab": 0}  # EAGLE-1/2: no unroll unless asked
 
 
 class QuantizeConfig(Section):
     """The 4-bit intermediate model M2 (W4A16)."""
 
     method: Literal["gptq", "rtn"] = Field("gptq", description="gptq (GPTQModel) or rtn (round to nearest)")
-    bits: Literal[4] = 4
     group_size: int = Field(128, ge=16)
     sym: bool = True
     desc_act: bool = Field(False, description="GPTQ act-order")
@@ -248,84 +207,22 @@ class QuantizeConfig(Section):
         return v
 
 
-class TreeConfig(Section):
-    """EAGLE-2 dynamic draft tree at the bottom level (docs/DECODE.md). In a recipe it is a candidate that profiling
-    weighs against linear drafts; in a chain's manifest, whether decoding uses it."""
-
-    enabled: bool = False
-    top_k: int = Field(8, ge=1, description="children per expanded node, and nodes expanded per depth")
-    depth: int = Field(5, ge=1, description="draft forwards per tree (the longest path)")
-    total_tokens: int = Field(32, ge=1, description="most draft tokens in one tree (the root not counted)")
-    lookup: int = Field(0, ge=0, description="greedy decoding: up to this many prompt-lookup tokens added to the "
-                        "tree as one more path (0: none; docs/DECODE.md)")
-    lookup_first: bool = Field(False, description="greedy decoding, with lookup: where the last 2+ tokens occurred "
-                               "before, the round verifies lookup's continuation alone (no draft forward); the tree is "
-                               "drafted only where they did not (docs/DECODE.md, \"Small trees on the CPU\")")
-
-
-class DecodeConfig(Section):
-    """Chain decoding defaults (a chain's manifest carries the ones chosen by profiling)."""
-
-    mode: Literal[MODES] = CHAIN
-    draft_k: int = Field(4, ge=1, description="tokens the draft proposes per step")
-    draft_stop: float = Field(
-        0.0, ge=0, lt=1, description="a linear draft's block ends once the draft's probability of it falls below "
-        "this (0 = always draft_k tokens; docs/DECODE.md, \"Confidence-cut drafts\")")
-    draft_lookup: int = Field(
-        0, ge=0, description="where prompt lookup continues the text from a repeated suffix of 2+ tokens, up to this "
-        "many of its tokens are the round's block instead of the draft's, or finish a block the draft began (0 = off; "
-        "linear drafts)")
-    mu: list[int] = Field(
-        default_factory=lambda: [8],
-        description="per verifier above the draft, top first: the target verifies once the level below holds >= mu",
-    )
-    tree: TreeConfig = Field(default_factory=TreeConfig)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    max_new_tokens: int = Field(128, ge=1)
-    draft_vocab: int = Field(
-        0, ge=0, description="draft head's logits over this many most frequent training tokens (0 = full vocabulary)"
-    )
-    ngram: bool = Field(False, description="dual mode drafts by prompt lookup instead of the chain's draft level")
-
-    @field_validator("mu")
-    @classmethod
-    def _mu_positive(cls, v: list[int]) -> list[int]:
-        if not v or any(m < 1 for m in v):
-            raise ValueError("must be a non-empty list of integers >= 1")
-        return v
-
-
 class ProfileConfig(Section):
-    """Measuring T_i and L_i on the device."""
+    """Measuring T_i and L_i on the target's device and choosing what to decode with (docs/PROFILE.md)."""
 
-    device: str = "auto"
     prompts: int = Field(16, ge=1, description="calibration prompts (MT-bench plus held-out ShareGPT)")
     max_new_tokens: int = Field(64, ge=1)
-    warmup: int = Field(2, ge=0)
-    repeats: int = Field(10, ge=1)
+    repeats: int = Field(10, ge=1, description="timed forwards per level and width")
     kv_length: int = Field(512, ge=1, description="KV length at which per-level forward time is measured")
-    draft_k_grid: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="draft_k values tried "
-                                     "(1 pays where verifying 2 positions costs about one decode step: CPUs)")
+    grid_prompts: int | None = Field(None, ge=1, description="prompts each grid point runs on (default: a quarter "
+                                     "of profile.prompts); the final runs use all")
+    draft_k_grid: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="draft.k values tried "
+                                    "(1 pays where verifying 2 positions costs about one decode step: CPUs)")
     mu_grid: list[int] = Field(default_factory=lambda: [4, 6, 8, 12], description="mu values tried for chains")
-    grid_prompts: int | None = Field(None, ge=1, description="prompts per grid point (default: prompts // 4)")
-    threads: int | None = Field(None, ge=1, description="torch threads while profiling (default: unchanged)")
-    ngram: bool = Field(True, description="also weigh prompt lookup (n-gram drafts, no model) under the target")
-    draft_lookup_grid: list[int] = Field(default_factory=lambda: [4], description="prompt-lookup block sizes "
-                                         "(decode.draft_lookup) also tried with dual at every draft_k; [] = none")
-    confirm_duals: int = Field(2, ge=0, description="dual configurations after the best predicted that the final runs "
-                               "also measure on every prompt; the fastest measured dual is kept (a few grid prompts "
-                               "do not separate close configurations)")
-    search: bool = Field(False, description="polyspec profile runs the chain search (docs/PROFILE.md) instead")
-    search_max_levels: int = Field(4, ge=2, description="chain search: the longest chain, target included")
-    search_mu: list[int] | None = Field(None, description="chain search: mu per insertion (default: mu_grid)")
-    search_group_sizes: list[int] = Field(default_factory=lambda: [64],
-                                          description="chain search: group sizes of the RTN int4 copies it makes")
-    search_exit_layers: int | None = Field(None, ge=1, description="chain search: layers of the early-exit copy "
-                                           "(default: half the target's)")
-    search_int8: bool = Field(True, description="chain search: also an int8 copy of a bf16 target (decode/int8.py: "
-                              "7-bit codes, one scale per row)")
+    lookup_grid: list[int] = Field(default_factory=lambda: [4], description="draft.lookup values tried with every "
+                                   "draft.k, and prompt lookup alone (draft.source lookup) at each; [] = none")
+    search: bool = Field(False, description="polyspec run / profile search which levels, in which order, and export "
+                         "the chain it chose (docs/PROFILE.md, \"The chain search\")")
 
     @field_validator("draft_k_grid", "mu_grid")
     @classmethod
@@ -334,10 +231,10 @@ class ProfileConfig(Section):
             raise ValueError("must be a non-empty list of integers >= 1")
         return v
 
-    @field_validator("draft_lookup_grid", "search_mu", "search_group_sizes")
+    @field_validator("lookup_grid")
     @classmethod
-    def _search_lists(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(x < 1 for x in v):
+    def _lookups(cls, v: list[int]) -> list[int]:
+        if any(x < 1 for x in v):
             raise ValueError("must hold integers >= 1")
         return v
 
@@ -346,8 +243,8 @@ class ExportConfig(Section):
     """The chain folder."""
 
     out: str | None = Field(None, description="default <workdir>/chain")
-    onnx: bool = True
-    opset: int = Field(18, ge=13)
+    onnx: bool = Field(True, description="also write the draft head as ONNX (opset 18) beside its weights, with a "
+                       "parity check")
 
 
 class Recipe(Section):
@@ -360,7 +257,7 @@ class Recipe(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
-    decode: DecodeConfig = Field(default_factory=DecodeConfig)
+    decode: DecodeSpec = Field(default_factory=DecodeSpec)
     export: ExportConfig = Field(default_factory=ExportConfig)
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ the old folder aside), so a later run can tell a dead writer's leftovers from a 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -149,11 +150,17 @@ def _listed_files(folder: Path) -> list[str]:
     return sorted(files)
 
 
-def file_hashes(folder: str | Path) -> dict[str, str]:
-    """sha256 of every file of a stage output (the hash record and temporary folders left out), with the chain
-    manifest's hasher."""
-    from polyspec.manifest import sha256_file
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """The sha256 of a file's bytes (hex), read in chunks: the one hasher of stage outputs and chain manifests."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
+
+def file_hashes(folder: str | Path) -> dict[str, str]:
+    """sha256 of every file of a stage output (the hash record and temporary folders left out)."""
     folder = Path(folder)
     return {rel: sha256_file(folder / rel) for rel in _listed_files(folder)}
 

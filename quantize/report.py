@@ -85,11 +85,12 @@ def quality(target: Any, models: dict[str, Any], sequences: Sequence[Sequence[in
 def acceptance(target: Any, draft: Any, prompts: Sequence[Sequence[int]], draft_k: int, max_new_tokens: int,
                eos_ids: Sequence[int] = ()) -> dict[str, Any]:
     """L of ``draft`` under ``target``: greedy two-level ChainDecoder, tokens emitted per target verification."""
+    from polyspec.chain_spec import DraftSpec
     from polyspec.decode.chain import ChainDecoder
     from polyspec.decode.levels import ModelLevel
 
     longest = max(len(p) for p in prompts) + max_new_tokens + draft_k + 2
-    dec = ChainDecoder([ModelLevel(target, "target"), ModelLevel(draft, "int4")], draft_k=draft_k,
+    dec = ChainDecoder([ModelLevel(target, "target"), ModelLevel(draft, "int4")], draft=DraftSpec(k=draft_k),
                        max_seq_len=longest)
     lengths: list[int] = []
     tokens = passes = 0

@@ -28,6 +28,7 @@ from polyspec.fsutil import damage_note, discard_folder, verify_output, write_fi
 
 HELDOUT_SEQUENCES = 32  # held-out conversations scored for perplexity / agreement / KL (bounded for CPU runs)
 REPORT_FILE = "report.json"
+BITS = 4  # W4A16: the one width the engine, the Triton/CPU kernels and GPTQ loaders share
 
 
 def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = None) -> Path:
@@ -49,7 +50,7 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
     calibration = calibration_samples(tokenizer, split.train, q.calibration_samples, q.calibration_length,
                                       seed=recipe.data.seed)
     calibration_s = time.perf_counter() - t0
-    settings = {"method": q.method, "bits": q.bits, "group_size": q.group_size, "sym": q.sym, "desc_act": q.desc_act,
+    settings = {"method": q.method, "bits": BITS, "group_size": q.group_size, "sym": q.sym, "desc_act": q.desc_act,
                 "damp_percent": q.damp_percent if q.method == "gptq" else None}
     key = input_key(target_dir, settings, calibration if q.method == "gptq" else None)
     root = Path(recipe.workdir) / "quantize" / key[:16]
@@ -68,12 +69,12 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
     cal_info = {"source": split.source, "train_conversations": len(split.train), "seed": recipe.data.seed,
                 "chat_template": True}
     with activity(f"quantize: {q.method.upper()} int4 g{q.group_size} on {len(calibration)} calibration samples"):
-        quantize_model(target_dir, model_dir, method=q.method, bits=q.bits, group_size=q.group_size, sym=q.sym,
+        quantize_model(target_dir, model_dir, method=q.method, bits=BITS, group_size=q.group_size, sym=q.sym,
                        desc_act=q.desc_act, damp_percent=q.damp_percent, calibration=calibration, device=q.devices,
                        calibration_info=cal_info)
     int4_dirs = {q.method: model_dir}
     if q.method == "gptq":
-        int4_dirs["rtn"] = quantize_model(target_dir, root / "rtn", method="rtn", bits=q.bits,
+        int4_dirs["rtn"] = quantize_model(target_dir, root / "rtn", method="rtn", bits=BITS,
                                           group_size=q.group_size, sym=q.sym)
     if not split.heldout:
         raise PolyspecError("the quality report needs held-out conversations: set data.heldout_fraction > 0")
@@ -82,7 +83,7 @@ def quantize_stage(recipe: Any, tracker: Any = None, target_dir: Path | None = N
             target_dir, int4_dirs, tokenizer, split.heldout, device=device_name(recipe.target.device),
             dtype=recipe.target.dtype, max_length=recipe.data.max_length, max_sequences=HELDOUT_SEQUENCES,
             prompts=recipe.profile.prompts, max_new_tokens=recipe.profile.max_new_tokens,
-            draft_k=recipe.decode.draft_k, kv_length=recipe.profile.kv_length, repeats=recipe.profile.repeats,
+            draft_k=recipe.decode.draft.k, kv_length=recipe.profile.kv_length, repeats=recipe.profile.repeats,
         )
     record = read_record(model_dir) or {}
     report.update({

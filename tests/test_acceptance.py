@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from polyspec.chain_spec import DraftSpec, TreeShape
 from polyspec.decode.acceptance import decoder_acceptance, depth_acceptance, prompt_prefix
-from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
+from polyspec.decode.chain import ChainDecoder, SamplingParams
 from polyspec.decode.head import EagleHead
 from polyspec.decode.levels import HeadLevel, ModelLevel
 from polyspec.decode.model import Transformer
@@ -26,7 +27,7 @@ def _models(tiny_llama_dir):
 
 def _reference(target, head, prompts, k, tree):
     """The same count from a decoder of our own, over fresh copies of the caches."""
-    dec = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=k, max_seq_len=128, tree=tree)
+    dec = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft=tree or DraftSpec(k=k), max_seq_len=128)
     new = ver = 0
     for p in prompts:
         res = dec.generate(p, 20, SamplingParams(), seed=0)
@@ -40,8 +41,8 @@ def test_acceptance_counts_tokens_per_target_verification_and_leaves_the_models_
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3]]
     ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
     before = target(ids)[0]
-    for k, tree in ((3, None), (3, TreeParams(top_k=3, depth=3, total_tokens=8))):
-        res = decoder_acceptance(target, head, prompts, max_new_tokens=20, draft_k=k, tree=tree)
+    for k, tree in ((3, None), (3, DraftSpec(tree=TreeShape(top_k=3, depth=3, total_tokens=8)))):
+        res = decoder_acceptance(target, head, prompts, max_new_tokens=20, draft=tree or DraftSpec(k=k))
         assert target._cache is None and head._cache is None  # training passes stay stateless
         assert torch.equal(target(ids)[0], before)
         new, ver = _reference(target, head, prompts, k, tree)
@@ -60,40 +61,10 @@ def test_depth_acceptance_is_conditional_on_the_earlier_drafts():
     assert depth_acceptance([], 2) == (0.0, 0.0)
 
 
-class _StubTarget(torch.nn.Module):
-    """argmax of position i is token i; the feature of position i is i."""
-
-    def forward(self, seq):
-        n = len(seq)
-        return torch.eye(64)[:n] * 5, torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 4)
-
-
-class _StubHead(torch.nn.Module):
-    """Row t (feature t) predicts token t + 1, the target's next argmax, when t % 3 == 0, else token 63."""
-
-    def forward(self, ids, feats):
-        rows = feats[:, 0].long()
-        best = torch.where(rows % 3 == 0, rows + 1, torch.full_like(rows, 63))
-        return torch.nn.functional.one_hot(best, 64).float(), feats
-
-
-def test_head_probe_scores_every_drafted_answer_position():
-    """bench.head_probe: head row t predicts x_{t+2}; the rows scored are those whose x_{t+2} is an answer token
-    (rows P - 2 .. L - 3), compared with the target's argmax at t + 1. Stubs make the agreements row-dependent,
-    so an off-by-one in the rows changes the count; the models' caches are left as they were."""
-    from polyspec.bench.head_probe import own_text_top1
-
-    target, head = _StubTarget(), _StubHead()
-    target._cache = head._cache = "kept"
-    hits, positions = own_text_top1(target, head, [1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2])
-    assert (hits, positions) == (3, 8)  # rows 3..10; rows 3, 6, 9 agree
-    assert target._cache == "kept" and head._cache == "kept"
-
-
 def test_the_head_drafts_the_first_answer_token(tiny_llama_dir):
-    """Why head_probe scores answer token 0: the engine prefills the target with the prompt but its last token, so
-    the first verification already checks a draft of answer token 0 (head row P - 2)."""
+    """The engine prefills the target with the prompt but its last token, so the first verification already checks a
+    draft of answer token 0 (head row P - 2): what lab/replay.py's records replay from."""
     target, head = _models(tiny_llama_dir)
-    res = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=2,
+    res = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft=DraftSpec(k=2),
                        max_seq_len=64).generate([1, 2, 3, 4], 1, SamplingParams(), seed=0)
     assert len(res.token_ids) == 1 and res.level_stats[1].tokens_emitted >= 1

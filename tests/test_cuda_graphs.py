@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
+from polyspec.chain_spec import DraftSpec, TreeShape
 from polyspec.decode import cuda_graphs
-from polyspec.decode.chain import ChainDecoder, TreeParams
+from polyspec.decode.chain import ChainDecoder
 from polyspec.errors import PolyspecError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -196,16 +197,18 @@ def _levels(t, q, h, static: bool, compiled: bool = False):
     return ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")
 
 
-@pytest.mark.parametrize("tree,compiled", [(None, False), (TreeParams(top_k=3, depth=3, total_tokens=8), False),
-                                           (TreeParams(top_k=3, depth=3, total_tokens=8), True)],
+@pytest.mark.parametrize("tree,compiled", [(None, False), (DraftSpec(tree=TreeShape(top_k=3, depth=3, total_tokens=8)), False),
+                                           (DraftSpec(tree=TreeShape(top_k=3, depth=3, total_tokens=8)), True)],
                          ids=["linear", "tree", "tree-compiled"])
 def test_greedy_chain_on_static_steps_equals_ar(models, tree, compiled):
     t, q, h = models["target"], models["int4"], models["head"]
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([_levels(t, q, h, False)[0]], max_seq_len=64).generate(prompt, 20).token_ids
     lt, lq, lh = _levels(t, q, h, True, compiled)
-    for levels, kw in [([lt], {}), ([lt, lh], {"draft_k": 4}), ([lt, lq, lh], {"draft_k": 3, "mu": [4]})]:
-        r = ChainDecoder(levels, max_seq_len=64, tree=tree if len(levels) > 1 else None, **kw).generate(prompt, 20)
+    for levels, kw in [([lt], {}), ([lt, lh], {"draft": DraftSpec(k=4)}), ([lt, lq, lh], {"draft": DraftSpec(k=3), "mu": [4]})]:
+        if tree is not None and len(levels) > 1:
+            kw = {**kw, "draft": tree}
+        r = ChainDecoder(levels, max_seq_len=64, **kw).generate(prompt, 20)
         assert r.token_ids == ar, (levels, r.stats)
     assert all(cuda_graphs.runner_of(lv.model if hasattr(lv, "model") else lv.head).replays > 0
                for lv in (lt, lq, lh))
@@ -273,7 +276,7 @@ def test_cuda_graph_chain_equals_ar_and_graphs_survive_generations(models):
     t, q, h, prompt, ar = _cuda_chain(models)
     n = cuda_graphs.enable_for_device({"t": t, "q": q, "h": h}, "cuda")
     assert n == 3
-    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], draft_k=3, mu=[4],
+    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], draft=DraftSpec(k=3), mu=[4],
                        max_seq_len=64)
     assert dec.generate(prompt, 20).token_ids == ar
     captured = {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)}
@@ -296,7 +299,7 @@ def test_cuda_prewarm_leaves_nothing_to_capture_or_compile(models):
     assert cuda_graphs.prewarm([t, q, h]) == 3 * 5  # buckets 1, 2, 4, 8, 16 each
     captured = {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)}
     graphs = counters["stats"]["unique_graphs"]
-    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], draft_k=3, mu=[4],
+    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(h, "head")], draft=DraftSpec(k=3), mu=[4],
                        max_seq_len=64)
     assert dec.generate(prompt, 20).token_ids == ar
     assert {m: cuda_graphs.runner_of(m).captures for m in (t, q, h)} == captured
@@ -354,7 +357,7 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(copy.deepcopy(models["target"]), "t")], max_seq_len=64).generate(prompt, 20)
     twin = copy.deepcopy(models["target"])
-    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft_k=3, max_seq_len=64)
+    dec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft=DraftSpec(k=3), max_seq_len=64)
     for _ in range(2):
         assert dec.generate(prompt, 20).token_ids == ar.token_ids
     assert runner.captures == len(runner._buckets) >= 2  # bucket 1 (prefill-free steps) and 4 (verifications)
@@ -385,7 +388,7 @@ def test_prewarm_captures_every_bucket_before_a_generation(models, monkeypatch):
     assert [r.captures for r in runners] == [4, 4] and t._cache.length == 0 and h._cache.length == 0
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(copy.deepcopy(models["target"]), "t")], max_seq_len=64).generate(prompt, 20)
-    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], draft_k=3, max_seq_len=64)
+    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(h, "head")], draft=DraftSpec(k=3), max_seq_len=64)
     assert dec.generate(prompt, 20).token_ids == ar.token_ids
     assert [r.captures for r in runners] == [4, 4]  # the cache was reused: every graph served the generation
     assert all(r.replays > 8 for r in runners)
@@ -404,7 +407,7 @@ def test_prewarm_compiles_every_bucket_before_a_generation(models):
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(copy.deepcopy(models["target"]), "t")], max_seq_len=64).generate(prompt, 12)
     twin = copy.deepcopy(models["target"])
-    got = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft_k=3, max_seq_len=64).generate(prompt, 12)
+    got = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "twin")], draft=DraftSpec(k=3), max_seq_len=64).generate(prompt, 12)
     assert got.token_ids == ar.token_ids
     assert counters["stats"]["unique_graphs"] == before
 

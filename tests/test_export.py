@@ -33,11 +33,11 @@ def profile(parts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chain(parts, profile, tmp_path_factory):
-    from polyspec.config import DecodeConfig
+    from polyspec.chain_spec import DecodeSpec
     from polyspec.export.package import export_chain
 
     out = tmp_path_factory.mktemp("export") / "chain"
-    return export_chain(out, parts, profile, DecodeConfig(max_new_tokens=16), onnx=True, opset=18)
+    return export_chain(out, parts, profile, DecodeSpec(max_new_tokens=16), onnx=True)
 
 
 def test_exported_chain_validates_and_describes_itself(chain, profile):
@@ -59,9 +59,9 @@ def test_exported_chain_validates_and_describes_itself(chain, profile):
     assert {"wall", "steady", "vs_ar"} <= set(meas["speedup"])
     assert meas["speedup"]["wall"]["configs"]["chain"]["predicted"] > 0
     dec = profile.decision
-    assert (m.decode.mode, m.decode.draft_k, m.decode.mu) == (dec.mode, dec.draft_k, dec.mu)
+    assert (m.decode.mode, m.decode.draft.model_dump(), m.decode.mu) == (dec.mode, dec.draft, dec.mu)
     assert m.decode.max_new_tokens == 16  # the other decode defaults come from the recipe
-    assert m.schema_version == 1 and m.polyspec_version
+    assert m.schema_version == 2 and m.polyspec_version
     assert {"software", "hardware", "git_sha", "packages"} <= set(m.stamps)
     assert "torch" in m.stamps["packages"]
     # only the chain folder is left next to it: no temporary or staging folders
@@ -96,7 +96,7 @@ def test_decoder_loads_and_runs_the_exported_chain(chain):
 
     loaded = load_chain(chain, device="cpu")
     m = read_manifest(chain)
-    assert (loaded.draft_k, list(loaded.mu)) == (m.decode.draft_k, m.decode.mu)
+    assert loaded.decode == m.decode
     outs = {mode: generate_text(loaded, "hello there", mode=mode, max_new_tokens=10)["token_ids"]
             for mode in ("ar", "chain")}
     assert outs["chain"] == outs["ar"] and len(outs["ar"]) == 10
@@ -105,7 +105,7 @@ def test_decoder_loads_and_runs_the_exported_chain(chain):
 @pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
 def test_interrupted_export_leaves_no_half_written_folder(parts, profile, tmp_path, monkeypatch, exc):
     import polyspec.manifest as manifest
-    from polyspec.config import DecodeConfig
+    from polyspec.chain_spec import DecodeSpec
     from polyspec.export.package import export_chain
 
     real = manifest.write_manifest
@@ -118,17 +118,17 @@ def test_interrupted_export_leaves_no_half_written_folder(parts, profile, tmp_pa
     monkeypatch.setattr(manifest, "write_manifest", write_then_die)
     out = tmp_path / "chain"
     with pytest.raises(type(exc)):
-        export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+        export_chain(out, parts, profile, DecodeSpec(), onnx=False)
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []  # no temporary folder left either
 
     # an existing chain survives a failed re-export untouched
     monkeypatch.setattr(manifest, "write_manifest", real)
-    export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+    export_chain(out, parts, profile, DecodeSpec(), onnx=False)
     before = read_manifest(out).model_dump()
     monkeypatch.setattr(manifest, "write_manifest", write_then_die)
     with pytest.raises(type(exc)):
-        export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+        export_chain(out, parts, profile, DecodeSpec(), onnx=False)
     assert validate_chain(out).model_dump() == before
     assert [p.name for p in tmp_path.iterdir()] == ["chain"]
 

@@ -55,13 +55,13 @@ def _randomise(head: torch.nn.Module, seed: int) -> None:
 
 
 def _chain(root: Path, target_dir: Path, head: torch.nn.Module, counts: torch.Tensor | None) -> Path:
-    from polyspec.config import DecodeConfig
+    from polyspec.chain_spec import DecodeSpec
     from polyspec.decode.head import save_head
     from polyspec.manifest import assemble_chain
 
     head_dir = save_head(head, root / "head", {"t": "tiny"}, token_counts=counts)
     out = root / "chain"
-    assemble_chain(out, target_dir, [], head_dir, DecodeConfig(mode="dual", draft_k=3, draft_vocab=DRAFT_VOCAB))
+    assemble_chain(out, target_dir, [], head_dir, DecodeSpec(mode="dual", draft={"k": 3, "vocab": DRAFT_VOCAB}))
     return out
 
 
@@ -238,7 +238,7 @@ def test_eagle3_head_exports_exactly(eagle3_chain, target, tmp_path, fmt, prefix
 def read_draft_k(chain: Path) -> int:
     from polyspec.manifest import read_manifest
 
-    return read_manifest(chain).decode.draft_k
+    return read_manifest(chain).decode.draft.k
 
 
 @pytest.fixture(scope="module")

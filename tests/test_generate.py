@@ -46,26 +46,29 @@ def test_sampling_is_seeded(tiny_chain, capsys):
 def test_a_draft_vocabulary_keeps_greedy_output(tiny_chain, capsys):
     ar = json.loads(_gen(capsys, tiny_chain, "--mode", "ar")[1].out)["token_ids"]
     for mode in ("dual", "chain"):
-        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--draft-vocab", "64")
+        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--draft", "vocab=64")
         assert code == 0, cap.err
         assert json.loads(cap.out)["token_ids"] == ar
 
 
-def test_confidence_cut_and_lookup_drafts_keep_greedy_output(tiny_chain, capsys):
+def test_lookup_drafts_keep_greedy_output(tiny_chain, capsys):
     ar = json.loads(_gen(capsys, tiny_chain, "--mode", "ar")[1].out)["token_ids"]
-    for mode in ("dual", "chain"):
-        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--draft-k", "6", "--draft-stop", "0.3",
-                         "--draft-lookup", "4")
+    for mode, spec in (("dual", "k=6,lookup=4"), ("chain", "k=6,lookup=4"), ("dual", "source=lookup,lookup=5"),
+                       ("chain", "source=lookup,lookup=5")):
+        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--draft", spec)
         assert code == 0, cap.err
         out = json.loads(cap.out)
-        assert out["token_ids"] == ar and out["stats"]["draft_stop"] == 0.3 and out["stats"]["draft_lookup"] == 4
+        assert out["token_ids"] == ar and out["stats"]["draft"]["lookup"] in (4, 5), (mode, spec)
+        assert out["stats"]["mode"] == mode
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--draft-vocab", "-1"], "--draft-vocab"),
-    (["--draft-stop", "1.5"], "--draft-stop"),
-    (["--draft-lookup", "-2"], "--draft-lookup"),
-    (["--draft-vocab", "100000"], "draft vocabulary size"),
+    (["--draft", "vocab=-1"], "vocab"),
+    (["--draft", "k=0"], "k"),
+    (["--draft", "lookup=-2"], "lookup"),
+    (["--draft", "depth=3"], "key=value"),
+    (["--draft", "vocab=100000"], "draft vocabulary size"),
+    (["--mu", "0"], "--mu"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
     (["--top-p", "1.5"], "top_p"),
@@ -73,7 +76,7 @@ def test_confidence_cut_and_lookup_drafts_keep_greedy_output(tiny_chain, capsys)
 ])
 def test_bad_input_is_one_clear_error(tiny_chain, capsys, args, needle):
     code, cap = _gen(capsys, tiny_chain, *args)
-    assert code == 2
+    assert code == 2, cap.err
     assert needle in cap.err and "Traceback" not in cap.err
 
 
@@ -99,50 +102,58 @@ def test_chain_mode_needs_three_levels(tiny_llama_dir, tmp_path, capsys):
 def test_tree_flags_keep_greedy_output_and_report_the_tree(tiny_chain, capsys):
     code, cap = _gen(capsys, tiny_chain, "--mode", "ar")
     ar = json.loads(cap.out)["token_ids"]
-    for mode in ("dual", "chain"):
-        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--tree", "--tree-top-k", "3", "--tree-depth", "4",
-                         "--tree-tokens", "12", "--tree-lookup", "5")
+    for mode, spec in (("dual", "tree=3x4x12,lookup=5"), ("chain", "tree=3x4x12,lookup=5"), ("dual", "tree=2x1x2")):
+        code, cap = _gen(capsys, tiny_chain, "--mode", mode, "--draft", spec)
         assert code == 0, cap.err
         out = json.loads(cap.out)
         assert out["token_ids"] == ar
-        assert out["stats"]["tree"] == {"top_k": 3, "depth": 4, "total_tokens": 12, "lookup": 5, "lookup_first": False}
-    code, cap = _gen(capsys, tiny_chain, "--mode", "dual", "--tree-top-k", "2", "--tree-depth", "1", "--tree-tokens",
-                     "2", "--tree-lookup", "4", "--tree-lookup-first")
-    assert code == 0 and json.loads(cap.out)["token_ids"] == ar
-    assert json.loads(cap.out)["stats"]["tree"]["lookup_first"] is True
-    code, cap = _gen(capsys, tiny_chain, "--mode", "dual", "--no-tree")
-    assert code == 0 and json.loads(cap.out)["stats"]["tree"] is None
+        assert out["stats"]["draft"]["tree"] == dict(zip(("top_k", "depth", "total_tokens"),
+                                                         map(int, spec.split(",")[0][5:].split("x")), strict=True))
+    code, cap = _gen(capsys, tiny_chain, "--mode", "dual", "--draft", "tree=none")
+    assert code == 0 and json.loads(cap.out)["stats"]["draft"]["tree"] is None
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--no-tree", "--tree-depth", "3"], "--no-tree"),
-    (["--tree-top-k", "0"], "top_k=0"),
-    (["--tree-lookup", "-1"], "lookup=-1"),
+    (["--draft", "tree=0x5x32"], "top_k"),
+    (["--draft", "tree=3x4"], "TOPKxDEPTHxTOTAL"),
+    (["--draft", "source=lookup,lookup=4,tree=2x2x2"], "tree"),
 ])
 def test_bad_tree_flags_are_one_clear_error(tiny_chain, capsys, args, needle):
     code, cap = _gen(capsys, tiny_chain, *args)
     assert code == 2 and needle in cap.err and "Traceback" not in cap.err
 
 
-def test_manifest_tree_is_the_default(tiny_chain, tmp_path, capsys):
-    """A chain whose manifest enables decode.tree decodes with it unless --no-tree says otherwise."""
+def test_the_manifests_draft_is_the_default(tiny_chain, tmp_path, capsys):
+    """A chain decodes with its manifest's decode.draft; --draft changes only the keys it names."""
     chain = tmp_path / "chain"
     shutil.copytree(tiny_chain, chain)
     manifest = json.loads((chain / "manifest.json").read_text())
-    manifest["decode"]["tree"] = {"enabled": True, "top_k": 2, "depth": 3, "total_tokens": 6}
+    manifest["decode"]["draft"] = {"k": 3, "tree": {"top_k": 2, "depth": 3, "total_tokens": 6}, "lookup": 2}
     (chain / "manifest.json").write_text(json.dumps(manifest))
     code, cap = _gen(capsys, chain, "--mode", "dual")
     assert code == 0, cap.err
-    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0,
-                                                    "lookup_first": False}
-    code, cap = _gen(capsys, chain, "--mode", "dual", "--tree-tokens", "9")
-    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 9, "lookup": 0,
-                                                    "lookup_first": False}
-    # a manifest whose tree is off still gives --tree its shape (the profile's candidate)
-    manifest["decode"]["tree"]["enabled"] = False
+    draft = json.loads(cap.out)["stats"]["draft"]
+    assert draft["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6} and draft["lookup"] == 2
+    code, cap = _gen(capsys, chain, "--mode", "dual", "--draft", "tree=2x3x9")
+    draft = json.loads(cap.out)["stats"]["draft"]
+    assert draft["tree"]["total_tokens"] == 9 and draft["lookup"] == 2 and draft["k"] == 3
+    code, cap = _gen(capsys, chain, "--mode", "dual", "--draft", "tree=none")
+    assert json.loads(cap.out)["stats"]["draft"] == {"source": "model", "k": 3, "tree": None, "lookup": 2, "vocab": 0}
+
+
+def test_a_schema_1_manifest_is_read_as_schema_2(tiny_chain, tmp_path, capsys):
+    """Chains written before the DraftSpec keep working: their decode section is translated on reading."""
+    chain = tmp_path / "chain"
+    shutil.copytree(tiny_chain, chain)
+    manifest = json.loads((chain / "manifest.json").read_text())
+    manifest["schema_version"] = 1
+    manifest["decode"] = {"mode": "dual", "draft_k": 2, "draft_stop": 0.0, "draft_lookup": 0, "mu": [6],
+                          "tree": {"enabled": True, "top_k": 2, "depth": 1, "total_tokens": 2, "lookup": 6,
+                                   "lookup_first": True}, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                          "max_new_tokens": 64, "draft_vocab": 0, "ngram": False}
     (chain / "manifest.json").write_text(json.dumps(manifest))
-    code, cap = _gen(capsys, chain, "--mode", "dual")
-    assert json.loads(cap.out)["stats"]["tree"] is None
-    code, cap = _gen(capsys, chain, "--mode", "dual", "--tree")
-    assert json.loads(cap.out)["stats"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0,
-                                                    "lookup_first": False}
+    code, cap = _gen(capsys, chain)
+    assert code == 0, cap.err
+    stats = json.loads(cap.out)["stats"]
+    assert stats["mode"] == "dual" and stats["draft"] == {"source": "model", "k": 2, "lookup": 6, "vocab": 0,
+                                                          "tree": {"top_k": 2, "depth": 1, "total_tokens": 2}}

@@ -11,7 +11,8 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from polyspec.decode.chain import ChainDecoder, SamplingParams, TreeParams
+from polyspec.chain_spec import DraftSpec, TreeShape
+from polyspec.decode.chain import ChainDecoder, SamplingParams
 from polyspec.decode.head3 import Eagle3Head, default_aux_layers, draft_vocab_ids, init_from_target, ttt_mask
 from polyspec.decode.levels import HeadLevel, ModelLevel
 from polyspec.decode.model import Transformer
@@ -141,7 +142,7 @@ def test_save_load_round_trip_gives_identical_logits(target_dir, tmp_path):
     assert parity["max_abs_diff_logits"] < 1e-4 and parity["max_abs_diff_hidden"] < 1e-4
 
 
-@pytest.mark.parametrize("tree", [None, TreeParams(top_k=3, depth=4, total_tokens=12)], ids=["linear", "tree"])
+@pytest.mark.parametrize("tree", [None, DraftSpec(tree=TreeShape(top_k=3, depth=4, total_tokens=12))], ids=["linear", "tree"])
 def test_greedy_dual_and_chain_with_an_eagle3_head_equal_ar(target_dir, tree):
     from polyspec.decode.int4 import quantize_model_rtn
 
@@ -150,10 +151,10 @@ def test_greedy_dual_and_chain_with_an_eagle3_head_equal_ar(target_dir, tree):
     head = make_head(t, 200)
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 20).token_ids
-    for levels, kw in [([ModelLevel(t, "t"), HeadLevel(head, "head")], {"draft_k": 4}),
+    for levels, kw in [([ModelLevel(t, "t"), HeadLevel(head, "head")], {"draft": DraftSpec(k=4)}),
                        ([ModelLevel(t, "t"), ModelLevel(q, "int4"), HeadLevel(head, "head")],
-                        {"draft_k": 3, "mu": [4]})]:
-        r = ChainDecoder(levels, max_seq_len=64, tree=tree, **kw).generate(prompt, 20)
+                        {"draft": DraftSpec(k=3), "mu": [4]})]:
+        r = ChainDecoder(levels, max_seq_len=64, **(kw | ({"draft": tree} if tree else {}))).generate(prompt, 20)
         assert r.token_ids == ar, r.stats
         assert r.stats["levels"][-1]["tokens_emitted"] > 0  # the head did propose
     # every level above an EAGLE-3 head must be able to return the aux states
@@ -170,8 +171,7 @@ def test_lookup_blocks_above_an_eagle3_head_keep_greedy_output(target_dir):
     head = make_head(t, 200)
     prompt = [5, 17, 230, 9, 77, 3, 5, 17, 230, 9, 77, 3, 5, 17]  # repeats: lookup has blocks to propose
     ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=96).generate(prompt, 30).token_ids
-    r = ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], max_seq_len=96, draft_k=2,
-                     draft_lookup=3).generate(prompt, 30)
+    r = ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], max_seq_len=96, draft=DraftSpec(k=2, lookup=3)).generate(prompt, 30)
     assert r.token_ids == ar, r.stats
     assert r.level_stats[-1].lookup_tokens > 0 and r.level_stats[-1].tokens_emitted > 0  # both sources proposed
 
@@ -181,7 +181,7 @@ def _chi2_critical(df: int, alpha: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("tree", [None, TreeParams(top_k=2, depth=2, total_tokens=4)], ids=["linear", "tree"])
+@pytest.mark.parametrize("tree", [None, DraftSpec(tree=TreeShape(top_k=2, depth=2, total_tokens=4))], ids=["linear", "tree"])
 def test_sampled_output_is_the_warped_target(tmp_path_factory, tree):
     """A tiny-vocabulary target (V = 8) and an EAGLE-3 head whose draft vocabulary leaves 3 target tokens out (they
     can only come from the residual): the first two tokens of many seeded runs against the exact joint."""
@@ -199,7 +199,7 @@ def test_sampled_output_is_the_warped_target(tmp_path_factory, tree):
         p1 = warp(t(torch.tensor(prompt))[0][-1:], 1.0, 1.0, 0)[0]
         joint = torch.stack([p1[a] * warp(t(torch.tensor(prompt + [a]))[0][-1:], 1.0, 1.0, 0)[0]
                              for a in range(v)]).double().flatten()  # [V * V]
-    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], draft_k=2, max_seq_len=16, tree=tree)
+    dec = ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], draft=tree or DraftSpec(k=2), max_seq_len=16)
     n = 1200
     counts = torch.zeros(v * v, dtype=torch.float64)
     proposed = 0
@@ -233,7 +233,7 @@ def test_the_chain_feeds_the_head_fused_target_states(target_dir):
 
     head.forward = spy
     prompt = [5, 17, 230, 9, 77, 3]
-    ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], draft_k=2, max_seq_len=32).generate(prompt, 4)
+    ChainDecoder([ModelLevel(t, "t"), HeadLevel(head, "head")], draft=DraftSpec(k=2), max_seq_len=32).generate(prompt, 4)
     with torch.no_grad():
         _, aux = Transformer.from_pretrained(target_dir)(torch.tensor(prompt), aux_layers=tuple(head.aux_layers))
         want = head.fuse(aux)[:-1]  # head rows 1..5 read the features of positions 0..4

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import ASSETS, TINY_VOCAB
 
+from polyspec.chain_spec import DraftSpec
 from polyspec.cli import main
 from polyspec.decode import hf_fallback
 from polyspec.decode.chain import SamplingParams
@@ -97,19 +98,20 @@ def test_chains_of_transformers_levels_are_lossless(gpt2_dirs, tmp_path, capsys)
     chain = load_chain(out, device="cpu")
     assert all(isinstance(m, hf_fallback.HFCausalLM) for m in chain.models.values())
     prompt = [5, 17, 99, 4, 250, 31, 8]
-    greedy = {mode: build_decoder(chain, mode, max_seq_len=96, draft_k=3, mu=[4]).generate(
+    greedy = {mode: build_decoder(chain, mode, max_seq_len=96, draft=DraftSpec(k=3), mu=[4]).generate(
         prompt, 40, SamplingParams()) for mode in ("ar", "dual", "chain")}
     assert greedy["dual"].token_ids == greedy["ar"].token_ids == greedy["chain"].token_ids
     assert len(greedy["ar"].token_ids) == 40
     assert greedy["chain"].stats["levels"][0]["mean_accepted"] > 1.0  # the 1-layer copy's blocks get accepted
     # The CLI: a note, and the same tokens.
     code = main(["generate", str(out), "--prompt", "hello there", "--max-new-tokens", "12", "--json", "--device",
-                 "cpu", "--mode", "chain", "--draft-k", "2"])
+                 "cpu", "--mode", "chain", "--draft", "k=2"])
     cap = capsys.readouterr()
     assert code == 0, cap.err
     assert "slower path" in cap.err and json.loads(cap.out)["stats"]["new_tokens"] == 12
     with pytest.raises(PolyspecError, match="draft trees"):
-        build_decoder(chain, "dual", max_seq_len=96, tree=True).generate(prompt, 8, SamplingParams())
+        build_decoder(chain, "dual", max_seq_len=96, draft=DraftSpec(tree={"top_k": 2, "depth": 2, "total_tokens": 4})
+                      ).generate(prompt, 8, SamplingParams())
 
 
 def test_a_head_on_a_transformers_target_is_one_clear_error(gpt2_dirs, tiny_parts, tmp_path):
@@ -130,7 +132,7 @@ def test_bench_runs_a_transformers_chain_and_times_its_levels(gpt2_dirs, tmp_pat
                        + "\n")
     report = tmp_path / "bench.json"
     code = main(["bench", str(out), "--prompts", str(prompts), "--modes", "ar,dual,chain", "--max-new-tokens", "10",
-                 "--device", "cpu", "--draft-k", "2", "--mu", "3", "--forward-times", "--forward-repeats", "2",
+                 "--device", "cpu", "--draft", "k=2", "--mu", "3", "--forward-times", "--forward-repeats", "2",
                  "--forward-prefix", "8", "--json", str(report)])
     cap = capsys.readouterr()
     assert code == 0, cap.err

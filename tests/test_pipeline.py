@@ -23,9 +23,9 @@ data: {{source: {SAMPLE}, max_length: 96, heldout_fraction: 0.25}}
 tracking: {{enabled: true}}
 train: {{epochs: 1, max_steps: 4, batch_size: 2, lr: 0.002, warmup_steps: 1, checkpoint_every: 2}}
 quantize: {{calibration_samples: 4, calibration_length: 32, devices: cpu}}
-profile: {{prompts: 2, max_new_tokens: 8, kv_length: 16, repeats: 1, warmup: 0, draft_k_grid: [2], mu_grid: [4],
-          grid_prompts: 1}}
-decode: {{draft_k: 2, mu: [4], max_new_tokens: 8}}
+profile: {{prompts: 2, max_new_tokens: 8, kv_length: 16, repeats: 1, draft_k_grid: [2], mu_grid: [4],
+          grid_prompts: 1, lookup_grid: [3]}}
+decode: {{draft: {{k: 2}}, mu: [4], max_new_tokens: 8}}
 """
     p = tmp_path / "r.yaml"
     p.write_text(text)

@@ -94,7 +94,7 @@ def test_verdict_is_theory_insertion_on_the_measured_numbers(profile):
 
 def test_decision_minimises_predicted_time(profile):
     rows = profile.grid
-    assert len(rows) == 2 + 2 + 1  # dual per draft_k, chain per (draft_k, mu), ar
+    assert len(rows) == 2 + 2 + 1  # dual per draft k, chain per (k, mu), ar
     for r in rows:
         names = list(r.T_s)
         if len(names) > 1:
@@ -102,7 +102,7 @@ def test_decision_minimises_predicted_time(profile):
             assert r.predicted_time_per_token_s == pytest.approx(expect)
     dec = profile.decision
     best = min((r for r in rows if r.mode in ("chain", "dual")), key=lambda r: r.predicted_time_per_token_s)
-    assert (dec.speculative_mode, dec.draft_k) == (best.mode, best.draft_k)
+    assert (dec.speculative_mode, dec.draft) == (best.mode, best.draft)
     final = profile.final
     ar_faster = final["ar"].predicted.time_per_token_s < min(
         final[n].predicted.time_per_token_s for n in ("dual", "chain"))
@@ -155,7 +155,7 @@ def test_profile_json_round_trips_and_old_formats_say_rerun(profile, tmp_path):
     from polyspec.export.report import PROFILE_JSON, read_profile
 
     back = read_profile(Path(profile.path))
-    assert isinstance(back, Profile) and back.format == 3
+    assert isinstance(back, Profile) and back.format == 4
     assert to_json(back) == json.loads(json.dumps(to_json(profile)))
     assert back.final["chain"].per_level["target"].accept_hist == profile.final["chain"].per_level["target"].accept_hist
     assert from_json(CostRow, to_json(profile.costs["draft"][0])) == profile.costs["draft"][0]
@@ -174,8 +174,8 @@ def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
     recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
                             "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},
                             "target": {"device": "cpu"},
-                            "profile": {"prompts": 2, "max_new_tokens": 6, "warmup": 0, "repeats": 2,
-                                        "kv_length": 16, "draft_k_grid": [2], "mu_grid": [4], "threads": 1}},
+                            "profile": {"prompts": 2, "max_new_tokens": 6, "repeats": 2,
+                                        "kv_length": 16, "draft_k_grid": [2], "mu_grid": [4], "lookup_grid": []}},
                            "test")
     logged = []
 
@@ -186,7 +186,7 @@ def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
         def log_artifact(self, path, artifact_path=None):
             logged.append(("artifact", Path(path)))
 
-    kw = {"parts": tiny_parts, "say": lambda _m: None}
+    kw = {"parts": tiny_parts, "say": lambda _m: None, "threads": 1}
     first = profile_stage(recipe, Tracker(), **kw)
     assert first.prompts.count == 2 and first.torch_threads == 1
     assert {p["source"] for p in first.prompt_sources} <= {"mtbench", "sharegpt"}
@@ -204,7 +204,7 @@ def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
     said = []
     table = next((Path(first.path) / "tables").iterdir())
     table.write_text(table.read_text()[:20])
-    third = profile_stage(recipe, None, parts=tiny_parts, say=said.append)
+    third = profile_stage(recipe, None, parts=tiny_parts, say=said.append, threads=1)
     assert any("is damaged" in m and table.name in m for m in said), said
     assert third.key == first.key and json.loads(table.read_text())
 
@@ -243,7 +243,7 @@ def test_cost_interpolation_and_summary():
 
 def test_choose_config_picks_the_fastest_allowed_mode():
     def row(mode, t):
-        return GridRow(label=mode, mode=mode, draft_k=2, mu=[], tree=None, L={}, L_eff={}, beta=1.0, T_s={},
+        return GridRow(label=mode, mode=mode, draft={"k": 2}, mu=[], L={}, L_eff={}, beta=1.0, T_s={},
                        predicted_time_per_token_s=t, measured_tokens_per_second=1.0,
                        measured_tokens_per_second_steady=1.0, new_tokens=1)
 
@@ -271,34 +271,31 @@ def test_region_boundaries_agree_with_theory():
 
 
 def test_tree_joins_the_grid_and_the_decision(tiny_parts, tmp_path):
-    """With a draft tree the grid also holds dual and chain with the tree; the decision is the minimum over all of
-    them, and an exported chain keeps the tree on only when it was chosen."""
-    from polyspec.decode.chain import TreeParams
+    """With a draft tree candidate the grid also holds dual and chain with the tree; the decision is the minimum over
+    all of them, and an exported chain keeps the tree only when it was chosen."""
+    from polyspec.chain_spec import DecodeSpec, DraftSpec
+    from polyspec.export.package import export_chain
     from polyspec.export.stage import profile_folders
+    from polyspec.manifest import read_manifest
 
-    tp = TreeParams(top_k=2, depth=3, total_tokens=6)
+    tp = DraftSpec(tree={"top_k": 2, "depth": 3, "total_tokens": 6})
     s = ProfileSettings(max_new_tokens=10, kv_length=32, warmup=1, repeats=2, draft_ks=(2,), mus=(4,), tree=tp)
     prof = profile_folders(tiny_parts, tmp_path / "p", s, device="cpu", prompt_ids=_prompts(), threads=1,
                            say=lambda _m: None)
     rows = prof.grid
-    tree_rows = [r for r in rows if r.tree]
+    tree_rows = [r for r in rows if r.draft and r.draft["tree"]]
     assert {r.mode for r in tree_rows} == {"dual", "chain"} and len(rows) == 1 + 1 + 2 + 1
-    shape = {"top_k": 2, "depth": 3, "total_tokens": 6, "lookup": 0, "lookup_first": False}
-    assert all(r.tree == shape and r.draft_k == 3 for r in tree_rows)
+    assert all(r.draft == tp.model_dump() for r in tree_rows)
     best = min((r for r in rows if r.mode in ("chain", "dual")), key=lambda r: r.predicted_time_per_token_s)
     dec = prof.decision
-    assert (dec.speculative_mode, dec.tree) == (best.mode, best.tree)
-    assert dec.grid["tree"] == shape
+    assert (dec.speculative_mode, dec.draft) == (best.mode, best.draft)
+    assert dec.grid["tree"] == "tree=2x3x6"
     assert prof.lossless_greedy
-    from polyspec.config import DecodeConfig
-    from polyspec.export.package import export_chain
-    from polyspec.manifest import read_manifest
-
-    decode = DecodeConfig.model_validate({"tree": {"enabled": True, "top_k": 2, "depth": 3, "total_tokens": 6}})
-    for chosen_tree in (None, dec.tree or tree_rows[0].tree):
-        prof.decision.tree = chosen_tree
-        out = export_chain(tmp_path / f"chain-{bool(chosen_tree)}", tiny_parts, prof, decode, onnx=False)
-        assert read_manifest(out).decode.tree.enabled is bool(chosen_tree)
+    decode = DecodeSpec.model_validate({"draft": {"tree": {"top_k": 2, "depth": 3, "total_tokens": 6}}})
+    for chosen in (DraftSpec(k=2), tp):
+        prof.decision.draft = chosen.model_dump()
+        out = export_chain(tmp_path / f"chain-{chosen.text()}", tiny_parts, prof, decode, onnx=False)
+        assert read_manifest(out).decode.draft == chosen
 
 
 def test_cli_profile_verb_with_given_and_rtn_levels(tiny_parts, tmp_path, capsys):
@@ -311,8 +308,8 @@ def test_cli_profile_verb_with_given_and_rtn_levels(tiny_parts, tmp_path, capsys
         "workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
         "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},
         "target": {"source": str(tiny_parts["target"]), "device": "cpu"},
-        "profile": {"prompts": 1, "max_new_tokens": 4, "warmup": 0, "repeats": 1, "kv_length": 16,
-                    "draft_k_grid": [2], "mu_grid": [4]}}))
+        "profile": {"prompts": 1, "max_new_tokens": 4, "repeats": 1, "kv_length": 16,
+                    "draft_k_grid": [2], "mu_grid": [4], "lookup_grid": []}}))
     rc = main(["profile", str(recipe), "profile.grid_prompts=1", "--head", str(tiny_parts["head"]), "--rtn-int4",
                "--threads", "1"])
     out = capsys.readouterr().out
@@ -326,7 +323,7 @@ def test_cli_profile_verb_with_given_and_rtn_levels(tiny_parts, tmp_path, capsys
 def test_dtype_auto_times_the_candidates_and_the_chain_decodes_in_the_choice(tiny_parts, tmp_path, monkeypatch):
     """target.dtype auto: the profile times the target in every candidate dtype, profiles in the fastest by the
     measured sum, records the table, and the exported chain loads in that dtype unless one is asked for."""
-    from polyspec.config import DecodeConfig
+    from polyspec.chain_spec import DecodeSpec
     from polyspec.decode.generate import load_chain
     from polyspec.device import decode_dtype_candidates, resolve_dtype
     from polyspec.export import stage
@@ -343,84 +340,56 @@ def test_dtype_auto_times_the_candidates_and_the_chain_decodes_in_the_choice(tin
     prof = stage.profile_folders(tiny_parts, tmp_path / "p", s, device="cpu", dtype="auto", prompt_ids=_prompts(),
                                  threads=1, say=lambda _m: None)
     assert prof.dtype == "bfloat16" and prof.notes["dtype_probe"]["float32"] == {"1": 2.0}
-    out = export_chain(tmp_path / "chain", tiny_parts, prof, DecodeConfig(), onnx=False)
+    out = export_chain(tmp_path / "chain", tiny_parts, prof, DecodeSpec(), onnx=False)
     assert load_chain(out, device="cpu").models["target"].embed_tokens.weight.dtype == torch.bfloat16
     assert load_chain(out, device="cpu", dtype="float32").models["target"].embed_tokens.weight.dtype == torch.float32
 
 
 def test_prompt_lookup_joins_the_grid_and_a_chain_that_chose_it_decodes_with_it(tiny_parts, tmp_path):
-    """With ngram on, the grid holds the target over prompt lookup at every draft_k, its T is its own measured time
-    per forward, the decision is the minimum over every speculative row, and a chain exported with dual-ngram chosen
-    decodes dual by prompt lookup (greedy output equal to ar)."""
-    from polyspec.config import DecodeConfig
-    from polyspec.decode.generate import build_decoder, load_chain
-    from polyspec.decode.ngram import NgramLevel
-    from polyspec.export.package import export_chain
-    from polyspec.export.stage import profile_folders
-    from polyspec.manifest import read_manifest
-
-    s = ProfileSettings(max_new_tokens=12, kv_length=32, warmup=1, repeats=2, draft_ks=(2, 3), mus=(4,), ngram=True)
-    prof = profile_folders(tiny_parts, tmp_path / "p", s, device="cpu", prompt_ids=_prompts(), threads=1,
-                           say=lambda _m: None)
-    ng = [r for r in prof.grid if r.mode == "dual-ngram"]
-    assert [r.draft_k for r in ng] == [2, 3] and all(set(r.T_s) == {"target", "ngram"} for r in ng)
-    assert 0 < prof.costs["ngram"][0].median_s < prof.costs["target"][0].median_s
-    best = min((r for r in prof.grid if r.mode != "ar"), key=lambda r: r.predicted_time_per_token_s)
-    assert prof.decision.speculative_mode == best.mode
-    assert prof.final["dual-ngram"].levels == ["target", "ngram"] and prof.lossless_greedy
-    assert "dual-ngram" in prof.speedup["vs_ar"].configs
-    prof.decision.mode = prof.decision.speculative_mode = "dual-ngram"  # as when prompt lookup wins
-    prof.decision.tree = None
-    out = export_chain(tmp_path / "chain", tiny_parts, prof, DecodeConfig(), onnx=False)
-    dec_cfg = read_manifest(out).decode
-    assert (dec_cfg.mode, dec_cfg.ngram) == ("dual", True)
-    chain = load_chain(out, device="cpu")
-    prompt = _prompts()[1]
-    ar = build_decoder(chain, "ar", max_seq_len=64).generate(prompt, 16)
-    dual = build_decoder(chain, "dual", max_seq_len=64)
-    assert isinstance(dual.levels[-1], NgramLevel)
-    assert dual.generate(prompt, 16).token_ids == ar.token_ids
-    assert not isinstance(build_decoder(chain, "dual", max_seq_len=64, ngram=False).levels[-1], NgramLevel)
+    """With lookup sizes the grid holds dual with prompt-lookup blocks at every draft k and prompt lookup alone at
+    every size (its T is none: a list search is the decoder's own work); the decision is the minimum over every
+    speculative row, and a chain exported with either chosen decodes with it (greedy output equal to ar)."""
     from polyspec.bench.bench import EngineRunner
+    from polyspec.chain_spec import DecodeSpec, DraftSpec
     from polyspec.decode.chain import SamplingParams
-
-    default = EngineRunner(chain, "default").generate(prompt, 16, SamplingParams(), 0, set())
-    assert default.token_ids == ar.token_ids and default.levels[-1]["name"] == "ngram"
-
-
-def test_lookup_blocks_join_the_grid_and_a_chain_that_chose_them_decodes_with_them(tiny_parts, tmp_path):
-    """With draft_lookups the grid also holds dual with prompt-lookup blocks at every draft_k, the decision is the
-    minimum over every speculative row, and a chain exported with them chosen records decode.draft_lookup and decodes
-    with it (greedy output equal to ar)."""
-    from polyspec.config import DecodeConfig
     from polyspec.decode.generate import build_decoder, load_chain
     from polyspec.export.package import export_chain
     from polyspec.export.stage import profile_folders
     from polyspec.manifest import read_manifest
 
     s = ProfileSettings(max_new_tokens=12, kv_length=32, warmup=1, repeats=2, draft_ks=(1, 2), mus=(4,),
-                        draft_lookups=(3,))
+                        lookups=(3,))
     prof = profile_folders(tiny_parts, tmp_path / "p", s, device="cpu", prompt_ids=_prompts(), threads=1,
                            say=lambda _m: None)
-    looked = [r for r in prof.grid if r.draft_lookup]
-    assert [(r.mode, r.draft_k, r.draft_lookup) for r in looked] == [("dual", 1, 3), ("dual", 2, 3)]
+    looked = [(r.mode, r.draft["source"], r.draft["k"], r.draft["lookup"]) for r in prof.grid
+              if r.draft and r.draft["lookup"]]
+    assert looked == [("dual", "model", 1, 3), ("dual", "model", 2, 3), ("dual", "lookup", 4, 3)]
+    alone = next(r for r in prof.grid if r.draft and r.draft["source"] == "lookup")
+    assert set(alone.T_s) == {"target", "lookup"} and alone.T_s["lookup"] == 0.0
     best = min((r for r in prof.grid if r.mode != "ar"), key=lambda r: r.predicted_time_per_token_s)
-    assert (prof.decision.speculative_mode, prof.decision.draft_lookup) == (best.mode, best.draft_lookup)
-    assert prof.decision.grid["draft_lookup"] == [3] and prof.lossless_greedy
-    prof.decision.mode = prof.decision.speculative_mode = "dual"  # as when the lookup blocks win
-    prof.decision.tree, prof.decision.draft_k, prof.decision.draft_lookup = None, 1, 3
-    out = export_chain(tmp_path / "chain", tiny_parts, prof, DecodeConfig(), onnx=False)
-    assert read_manifest(out).decode.draft_lookup == 3
-    chain = load_chain(out, device="cpu")
-    prompt = _prompts()[1]
-    ar = build_decoder(chain, "ar", max_seq_len=64).generate(prompt, 16)
-    dual = build_decoder(chain, "dual", max_seq_len=64)
-    assert dual.draft_lookup == 3 and dual.generate(prompt, 16).token_ids == ar.token_ids
+    assert (prof.decision.speculative_mode, prof.decision.draft) == (best.mode, best.draft)
+    assert prof.decision.grid["lookup"] == [3] and prof.lossless_greedy
+    chain = None
+    for chosen in (DraftSpec(k=1, lookup=3), DraftSpec(source="lookup", lookup=3)):
+        prof.decision.mode = prof.decision.speculative_mode = "dual"  # as when this one wins
+        prof.decision.draft = chosen.model_dump()
+        out = export_chain(tmp_path / f"chain-{chosen.source}", tiny_parts, prof, DecodeSpec(), onnx=False)
+        assert read_manifest(out).decode.draft == chosen
+        chain = load_chain(out, device="cpu")
+        prompt = _prompts()[1]
+        ar = build_decoder(chain, "ar", max_seq_len=64).generate(prompt, 16)
+        dual = build_decoder(chain, "dual", max_seq_len=64)
+        assert dual.draft == chosen and len(dual.levels) == (1 if chosen.source == "lookup" else 2)
+        assert dual.generate(prompt, 16).token_ids == ar.token_ids
+        default = EngineRunner(chain, "default").generate(prompt, 16, SamplingParams(), 0, set())
+        assert default.token_ids == ar.token_ids
+    assert default.levels[-1]["name"] == "lookup"
 
 
 def test_interleaved_runs_take_turns_and_measure_what_separate_runs_measure(tiny_parts, monkeypatch):
     """Final runs take turns prompt by prompt (so a machine slowing down for a while slows every configuration
     alike); each configuration's counts are those of running it alone."""
+    from polyspec.chain_spec import DraftSpec
     from polyspec.export import acceptance
     from polyspec.export.package import ordered_parts
     from polyspec.export.stage import load_levels
@@ -428,20 +397,23 @@ def test_interleaved_runs_take_turns_and_measure_what_separate_runs_measure(tiny
     lv = load_levels(ordered_parts(tiny_parts), device="cpu")
     target, inter, draft = lv.levels
     prompts = _prompts(3)
-    configs = [dict(levels=[target], draft_k=1, label="ar"), dict(levels=[target, draft], draft_k=3, label="dual"),
-               dict(levels=[target, inter, draft], draft_k=2, mu=[4], label="chain")]
-    alone = [acceptance.run_config(c["levels"], prompts, 12, draft_k=c["draft_k"], mu=c.get("mu"), label=c["label"])
+    configs = [dict(levels=[target], draft=None, label="ar"),
+               dict(levels=[target, draft], draft=DraftSpec(k=3), label="dual"),
+               dict(levels=[target, inter, draft], draft=DraftSpec(k=2), mu=[4], label="chain"),
+               dict(levels=[target], draft=DraftSpec(source="lookup", lookup=4), label="lookup")]
+    alone = [acceptance.run_config(c["levels"], prompts, 12, draft=c["draft"], mu=c.get("mu"), label=c["label"])
              for c in configs]
     order = []
     step = acceptance.ConfigRun.step
     monkeypatch.setattr(acceptance.ConfigRun, "step", lambda self, ids: order.append(self.label) or step(self, ids))
     together = acceptance.run_interleaved(configs, prompts, 12)
-    assert order == ["ar", "dual", "chain"] * 3
+    assert order == ["ar", "dual", "chain", "lookup"] * 3
     for a, t in zip(alone, together, strict=True):
         assert (t.label, t.levels, t.outputs, t.new_tokens, t.betas) == (a.label, a.levels, a.outputs, a.new_tokens,
                                                                           a.betas)
         assert {n: x.L for n, x in t.per_level.items()} == {n: x.L for n, x in a.per_level.items()}
-    assert together[0].outputs == together[1].outputs == together[2].outputs  # greedy: lossless
+    assert together[0].outputs == together[1].outputs == together[2].outputs == together[3].outputs  # lossless
+    assert together[3].levels == ["target", "lookup"] and together[3].mode == "dual"
 
 
 def test_forward_widths_take_turns_and_each_gets_its_repeats():
@@ -480,9 +452,10 @@ def test_forward_widths_take_turns_and_each_gets_its_repeats():
 def _row(label, mode, predicted, tree=None, lookup=0, k=1):
     from polyspec.export.results import GridRow
 
-    return GridRow(label=label, mode=mode, draft_k=k, mu=[], tree=tree, L={}, L_eff={}, beta=1.0, T_s={},
+    draft = {"source": "model", "k": k, "tree": tree, "lookup": lookup, "vocab": 0}
+    return GridRow(label=label, mode=mode, draft=draft, mu=[], L={}, L_eff={}, beta=1.0, T_s={},
                    predicted_time_per_token_s=predicted, measured_tokens_per_second=0.0,
-                   measured_tokens_per_second_steady=0.0, new_tokens=0, draft_lookup=lookup)
+                   measured_tokens_per_second_steady=0.0, new_tokens=0)
 
 
 def test_runners_up_and_the_fastest_measured_dual_is_kept():
@@ -490,27 +463,27 @@ def test_runners_up_and_the_fastest_measured_dual_is_kept():
     (the demo's 4 grid prompts once put k=2 ahead of k=1, which the bench then measured 9 % slower)."""
     from types import SimpleNamespace
 
+    from polyspec.chain_spec import DraftSpec
     from polyspec.export.profile import _Choice, _keep_fastest_dual
     from polyspec.export.verdict import runners_up
 
+    tree = {"top_k": 2, "depth": 1, "total_tokens": 2}
     rows = [_row("k=2 lookup=6", "dual", 1.0, lookup=6, k=2), _row("k=1 lookup=6", "dual", 1.1, lookup=6),
-            _row("tree", "dual", 1.2, tree={"top_k": 2}), _row("chain", "chain", 0.9), _row("k=1", "dual", 1.5)]
+            _row("tree", "dual", 1.2, tree=tree), _row("chain", "chain", 0.9), _row("k=1", "dual", 1.5)]
     alts = runners_up(rows, rows[0], 2)
     assert [r.label for r in alts] == ["k=1 lookup=6", "tree"]
     assert runners_up(rows, rows[0], 0) == []
     run = lambda label, tps: SimpleNamespace(label=label, tokens_per_second=tps)  # noqa: E731
-    c = _Choice(chosen=rows[0], best_dual=rows[0], k_chain=1, mu=4, tree_dual=None, tree_chain=None,
-                other_duals=alts, tree="TREE")
+    c = _Choice(chosen=rows[0], best_dual=rows[0], chain_draft=DraftSpec(k=1), mu=4, other_duals=alts)
     final = {"ar": run("ar", 100.0), "dual": run("dual k=2", 140.0), "dual_alt0": run("dual k=1", 150.0),
              "dual_alt1": run("dual tree", 145.0), "chain": run("chain", 90.0)}
     notes = _keep_fastest_dual(c, final, lambda _m: None)
-    assert c.chosen is rows[1] and c.best_dual is rows[1] and c.tree_dual is None
+    assert c.chosen is rows[1] and c.best_dual is rows[1]
     assert set(final) == {"ar", "dual", "chain"} and final["dual"].label == "dual k=1"
     assert notes["dual_kept"] == "k=1 lookup=6" and notes["duals_measured_tokens_per_second"]["k=2 lookup=6"] == 140.0
     # a chain choice stays; only the dual baseline moves (here to the tree, with its shape)
-    c = _Choice(chosen=rows[3], best_dual=rows[0], k_chain=1, mu=4, tree_dual=None, tree_chain=None,
-                other_duals=alts, tree="TREE")
+    c = _Choice(chosen=rows[3], best_dual=rows[0], chain_draft=DraftSpec(k=1), mu=4, other_duals=alts)
     final = {"ar": run("ar", 100.0), "dual": run("dual k=2", 140.0), "dual_alt0": run("dual k=1", 120.0),
              "dual_alt1": run("dual tree", 145.0)}
     _keep_fastest_dual(c, final, lambda _m: None)
-    assert c.chosen is rows[3] and c.best_dual is rows[2] and c.tree_dual == "TREE"
+    assert c.chosen is rows[3] and c.best_dual is rows[2] and c.best_dual.draft["tree"] == tree

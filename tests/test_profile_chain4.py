@@ -94,8 +94,8 @@ def test_decision_follows_lemma_3_1(profile4):
             assert r.predicted_time_per_token_s == pytest.approx(expect)
     best = min((r for r in p.grid if r.mode in ("chain", "dual")), key=lambda r: r.predicted_time_per_token_s)
     dec = p.decision
-    assert (dec.speculative_mode, dec.draft_k, dec.predicted_time_per_token_s) == (
-        best.mode, best.draft_k, best.predicted_time_per_token_s)
+    assert (dec.speculative_mode, dec.draft, dec.predicted_time_per_token_s) == (
+        best.mode, best.draft, best.predicted_time_per_token_s)
     assert dec.mu == [3, 3]
     pred = {nm: p.final[nm].predicted.time_per_token_s for nm in ("ar", "dual", "chain")}
     ar_faster = pred["ar"] < min(pred["dual"], pred["chain"])
@@ -104,7 +104,7 @@ def test_decision_follows_lemma_3_1(profile4):
 
 
 def test_report_and_export_of_four_levels(profile4, parts4, tmp_path):
-    from polyspec.config import DecodeConfig
+    from polyspec.chain_spec import DecodeSpec
     from polyspec.export.package import export_chain
     from polyspec.manifest import validate_chain
 
@@ -113,8 +113,8 @@ def test_report_and_export_of_four_levels(profile4, parts4, tmp_path):
     assert "| insertion of int4 between target and model |" in md
     assert "| insertion of model between int4 and head |" in md
     assert md.count("| cond1: ") == 2 and md.count("| Lemma 3.1 ms/token before -> after |") == 2
-    assert json.loads((folder / "profile.json").read_text())["format"] == 3
-    out = export_chain(tmp_path / "chain", parts4, profile4, DecodeConfig(), onnx=False)
+    assert json.loads((folder / "profile.json").read_text())["format"] == 4
+    out = export_chain(tmp_path / "chain", parts4, profile4, DecodeSpec(), onnx=False)
     m = validate_chain(out)
     assert [lv.kind for lv in m.levels] == ["target", "int4", "model", "head"]
     assert len(m.measurements["insertions"]) == 2 and m.decode.mu == [3, 3]

@@ -344,7 +344,7 @@ def test_quantize_stage_on_a_tiny_recipe(tmp_path):
         "tracking": {"enabled": False},
         "quantize": {"calibration_samples": 4, "calibration_length": 32, "devices": "cpu"},
         "profile": {"prompts": 2, "max_new_tokens": 6, "kv_length": 16, "repeats": 1},
-        "decode": {"draft_k": 3},
+        "decode": {"draft": {"k": 3}},
     }, "test")
     tracker = _Tracker()
     out = quantize_stage(recipe, tracker=tracker)

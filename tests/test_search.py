@@ -31,7 +31,7 @@ def cands(loaded):
     from polyspec.export.candidates import CandidateSettings, make_candidates
 
     given = list(zip(loaded.tags[1:], loaded.levels[1:], strict=True))
-    return make_candidates(loaded.levels[0], given, CandidateSettings(rtn_group_sizes=(64,), exit_layers=1))
+    return make_candidates(loaded.levels[0], given, CandidateSettings(rtn_group_sizes=(64,)))
 
 
 def _prompts(n: int = 2) -> list[list[int]]:
@@ -48,7 +48,7 @@ def _settings(**kw):
     from polyspec.export.search import SearchSettings
 
     prof = ProfileSettings(max_new_tokens=8, kv_length=24, warmup=0, repeats=1, draft_ks=(2,), mus=(2,),
-                           grid_prompts=1)
+                           grid_prompts=1, lookups=(3,))
     return SearchSettings(profile=prof, **kw)
 
 
@@ -69,25 +69,12 @@ def test_candidates_share_the_targets_tensors(loaded, cands):
     target = loaded.levels[0].model
     by = {c.name: c for c in cands}
     assert [(c.name, c.kind, c.bottom_only) for c in cands] == [
-        ("int4", "int4", False), ("head", "head", True), ("int4_g64", "rtn_int4", False),
-        ("exit1", "early_exit", False), ("ngram", "ngram", True)]
-    ex = by["exit1"].level.model
-    assert ex.args.num_layers == 1 and ex is not target
-    assert ex.layers[0].self_attn.q_proj.weight.data_ptr() == target.layers[0].self_attn.q_proj.weight.data_ptr()
-    assert ex.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+        ("int4", "int4", False), ("head", "head", True), ("int4_g64", "rtn_int4", False), ("lookup", "lookup", True)]
+    assert by["lookup"].level is None  # a drafter, not a level
     rtn = by["int4_g64"].level.model
     assert type(rtn.layers[1].mlp.down_proj).__name__ == "Int4Linear" and rtn.layers[1].mlp.down_proj.group_size == 64
     assert rtn.embed_tokens.weight.data_ptr() == target.embed_tokens.weight.data_ptr()
     assert type(target.layers[1].mlp.down_proj).__name__ != "Int4Linear"  # the target is untouched
-    from polyspec.export.candidates import early_exit_copy, shared_copy
-
-    ids = torch.tensor([5, 9, 11, 40])
-    full, seen = shared_copy(target, target.args.num_layers), {}  # no KV cache: a block alone, statelessly
-    hook = full.layers[0].register_forward_hook(lambda _m, _i, out: seen.setdefault("x", out))
-    full.forward(ids)
-    hook.remove()
-    expect = full.lm_head(full.norm(seen["x"]))[0].float()  # the target read after its first layer [T, V]
-    assert torch.allclose(early_exit_copy(target, 1).forward(ids)[0], expect, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -99,23 +86,26 @@ def measured(loaded, cands):
 
 def test_search_lists_every_insertion_with_both_predictions(measured):
     s = measured
-    assert [(p.levels[-1], p.draft_k) for p in s.drafts] == [(c.name, 2) for c in s.candidates]
+    assert [(p.levels[-1], p.draft) for p in s.drafts] == [
+        (c.name, "source=lookup,lookup=3") if c.kind == "lookup" else (c.name, "k=2") for c in s.candidates]
     best_draft = min(s.drafts, key=lambda p: p.predicted_time_per_token_s)
     first = [t for t in s.insertions if t.round == 1]
     assert first and all(t.before == best_draft.levels for t in first)
     assert {t.inserted for t in first} == {c.name for c in s.candidates if not c.bottom_only} - set(best_draft.levels)
     for t in s.insertions:
-        assert t.inserted not in t.before and 1 <= t.position <= len(t.before) - 1
+        lookup = t.before[-1] == "lookup"
+        assert t.inserted not in t.before and 1 <= t.position <= len(t.before) - 1 + lookup
         assert t.pays == (t.time_after_s < t.time_before_s)
-        before = next(p for p in s.drafts if p.levels == t.before and p.draft_k == t.draft_k) if t.round == 1 else None
+        before = next(p for p in s.drafts if p.levels == t.before and p.draft == t.draft) if t.round == 1 else None
         assert t.measured_tokens_per_second_after > 0
         assert before is None or t.measured_tokens_per_second_before == before.measured_tokens_per_second
         v = t.verdict
-        assert (v.above, v.level, v.below) == (t.before[t.position - 1], t.inserted, t.before[t.position])
-        i = v.inputs
-        again = insertion(i.T_i, i.T_new, i.T_next, i.L_i, i.L_new, i.L_i_new, i.beta)
-        assert (v.cond1_holds, v.cond2_holds, v.valid_regime, v.pays) == (
-            again.cond1_holds, again.cond2_holds, again.valid_regime, again.pays)
+        if v is not None:
+            assert (v.above, v.level, v.below) == (t.before[t.position - 1], t.inserted, t.before[t.position])
+            i = v.inputs
+            again = insertion(i.T_i, i.T_new, i.T_next, i.L_i, i.L_new, i.L_i_new, i.beta)
+            assert (v.cond1_holds, v.cond2_holds, v.valid_regime, v.pays) == (
+                again.cond1_holds, again.cond2_holds, again.valid_regime, again.pays)
     assert s.runs >= len(s.drafts) + len(s.insertions)
 
 
@@ -196,7 +186,7 @@ def test_decide_search_rule():
     from polyspec.export.search import decide_search
 
     def c(levels, pred, tps):
-        return ConfirmedChain(levels=levels, mode="chain", draft_k=2, mu=[2], predicted_grid_s=pred, predicted_s=pred,
+        return ConfirmedChain(levels=levels, mode="chain", draft="k=2", mu=[2], predicted_grid_s=pred, predicted_s=pred,
                               predicted_tokens_per_second=1 / pred,
                               tokens_per_second=tps, tokens_per_second_steady=tps, lossless_greedy=True)
 
@@ -215,21 +205,27 @@ def test_planned_runs_bounds_the_search(measured):
 
 
 def _chain4(cands, bottom: str):
+    """target <- RTN int4 g64 <- the int4 folder <- the head (or prompt lookup drafting below the int4 folder)."""
+    from polyspec.chain_spec import DraftSpec
+
     by = {c.name: c.level for c in cands}
-    return [by["int4_g64"], by["exit1"], by[bottom]]
+    above = [by["int4_g64"], by["int4"]]
+    if bottom == "lookup":
+        return above, DraftSpec(source="lookup", lookup=3)
+    return above + [by[bottom]], DraftSpec(k=2)
 
 
-@pytest.mark.parametrize("bottom", ["head", "ngram"])
+@pytest.mark.parametrize("bottom", ["head", "lookup"])
 def test_four_level_chain_is_lossless_greedy(loaded, cands, bottom):
     from polyspec.decode.chain import ChainDecoder
 
     target = loaded.levels[0]
-    levels = [target, *_chain4(cands, bottom)]
+    below, draft = _chain4(cands, bottom)
     for ids in _prompts():
         ar = ChainDecoder([target], max_seq_len=64).generate(ids, 12).token_ids
-        r = ChainDecoder(levels, draft_k=2, mu=[2, 2], max_seq_len=64).generate(ids, 12)
+        r = ChainDecoder([target, *below], draft=draft, mu=[2, 2], max_seq_len=64).generate(ids, 12)
         assert r.token_ids == ar
-        assert len(r.level_stats) == 4 and r.level_stats[3].forward_passes > 0
+        assert len(r.level_stats) == 4 and r.level_stats[3].tokens_emitted > 0
 
 
 def _pair_law(target, prompt: list[int], sp) -> dict[tuple[int, int], float]:
@@ -252,7 +248,8 @@ def _chi2_pairs(loaded, cands, bottom: str, n: int = 600) -> tuple[float, float]
 
     target, sp, prompt = loaded.levels[0], SamplingParams(temperature=1.0, top_k=4), _prompts(1)[0]
     law = _pair_law(target, prompt, sp)
-    dec = ChainDecoder([target, *_chain4(cands, bottom)], draft_k=2, mu=[2, 2], max_seq_len=64)
+    below, draft = _chain4(cands, bottom)
+    dec = ChainDecoder([target, *below], draft=draft, mu=[2, 2], max_seq_len=64)
     counts: dict[tuple[int, int], int] = {}
     for seed in range(n):
         a, b = dec.generate(prompt, 2, sp, seed=seed).token_ids[:2]
@@ -266,13 +263,13 @@ def _chi2_pairs(loaded, cands, bottom: str, n: int = 600) -> tuple[float, float]
     return stat, chi2_critical(sum(e > 0 for e in exp) - 1, 1e-3)
 
 
-@pytest.mark.parametrize("bottom", ["head", "ngram"])
+@pytest.mark.parametrize("bottom", ["head", "lookup"])
 def test_four_level_chain_samples_the_targets_law(loaded, cands, bottom):
     stat, crit = _chi2_pairs(loaded, cands, bottom)
     assert stat < crit, (stat, crit)
 
 
-@pytest.mark.parametrize("bottom", ["head", "ngram"])
+@pytest.mark.parametrize("bottom", ["head", "lookup"])
 def test_a_wrong_residual_fails_the_same_check(monkeypatch, loaded, cands, bottom):
     """Resampling from p instead of normalise(max(0, p - q)) at a rejection biases the output: the check has power."""
     from polyspec.decode import sampling
@@ -289,7 +286,7 @@ def test_search_folder_is_written(tiny_parts, tmp_path):
 
     out = tmp_path / "search"
     s = search_folders([tiny_parts["target"], tiny_parts["int4"], tiny_parts["head"]], out,
-                       _settings(max_levels=3), CandidateSettings(rtn_group_sizes=(), exit_layers=1, ngram=False),
+                       _settings(max_levels=3), CandidateSettings(rtn_group_sizes=(), lookup=False),
                        device="cpu", dtype="float32", prompt_ids=_prompts(1), threads=1, say=lambda _m: None)
     data = json.loads((out / "search.json").read_text())
     assert data["decision"]["rule"] == s.decision.rule and len(data["insertions"]) == len(s.insertions)
@@ -310,15 +307,15 @@ def test_cli_profile_search(tiny_parts, tmp_path, capsys):
         "workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
         "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},
         "target": {"source": str(tiny_parts["target"]), "device": "cpu", "dtype": "float32"},
-        "profile": {"prompts": 1, "max_new_tokens": 4, "warmup": 0, "repeats": 1, "kv_length": 16,
-                    "draft_k_grid": [2], "mu_grid": [2], "search_exit_layers": 1, "search_max_levels": 3}}))
+        "profile": {"prompts": 1, "max_new_tokens": 4, "repeats": 1, "kv_length": 16,
+                    "draft_k_grid": [2], "mu_grid": [2], "lookup_grid": [3]}}))
     rc = main(["profile", str(recipe), "profile.grid_prompts=1", "--search", "--int4", str(tiny_parts["int4"]),
                "--head", str(tiny_parts["head"]), "--threads", "1"])
     out = capsys.readouterr().out
     assert rc == 0 and "Decision:" in out and "search folder:" in out
     folder = tmp_path / "w" / "profile" / "search"
     saved = json.loads((folder / "search.json").read_text())
-    assert [c["name"] for c in saved["candidates"]] == ["int4", "head", "int4_g64", "exit1", "ngram"]
+    assert [c["name"] for c in saved["candidates"]] == ["int4", "head", "int4_g64", "lookup"]
     plain, searched = (load_recipe(recipe, [f"profile.search={v}"]) for v in ("false", "true"))
     assert _settings(plain, None)[1] == _settings(searched, None)[1]
 
@@ -329,6 +326,7 @@ def test_an_eagle3_head_only_under_levels_with_the_layers_it_reads(cands):
     from polyspec.export.candidates import fits_head
 
     by = {c.name: c.level for c in cands}
-    eagle3 = SimpleNamespace(aux_layers=[0, 1])
-    assert fits_head(by["int4_g64"], eagle3) and not fits_head(by["exit1"], eagle3)
-    assert fits_head(by["exit1"], SimpleNamespace(aux_layers=[0])) and fits_head(by["exit1"], by["head"])
+    layers = by["int4_g64"].model.args.num_layers
+    assert fits_head(by["int4_g64"], SimpleNamespace(aux_layers=[0, layers - 1]))
+    assert not fits_head(by["int4_g64"], SimpleNamespace(aux_layers=[0, layers]))  # a layer it does not have
+    assert fits_head(by["int4_g64"], by["head"])  # an EAGLE-1/2 head reads the final state of any level

@@ -26,16 +26,17 @@ def smollm2_chain(smollm2_dir, tmp_path_factory):
 
 
 def test_greedy_chain_and_dual_equal_ar_on_smollm2(smollm2_chain):
+    from polyspec.chain_spec import DraftSpec, TreeShape
     from polyspec.data.prompts import mtbench_questions
-    from polyspec.decode.chain import TreeParams
     from polyspec.decode.generate import generate_text
 
-    tree_shape = TreeParams(top_k=4, depth=4, total_tokens=12)
+    tree_shape = DraftSpec(tree=TreeShape(top_k=4, depth=4, total_tokens=12))
 
     prompts = [q.turns[0] for q in mtbench_questions()[::8]][:10]
     assert len(prompts) == 10
     for prompt in prompts:
         ar = generate_text(smollm2_chain, prompt, mode="ar", max_new_tokens=128)
-        for mode, tree in (("dual", False), ("chain", False), ("dual", tree_shape), ("chain", tree_shape)):
-            out = generate_text(smollm2_chain, prompt, mode=mode, max_new_tokens=128, tree=tree)
+        for mode, tree in (("dual", DraftSpec(k=4)), ("chain", DraftSpec(k=4)), ("dual", tree_shape),
+                           ("chain", tree_shape)):
+            out = generate_text(smollm2_chain, prompt, mode=mode, max_new_tokens=128, draft=tree)
             assert out["token_ids"] == ar["token_ids"], (mode, tree, prompt[:60])

@@ -20,6 +20,11 @@ def test_lemma31_time_per_token():
         chain_time_per_token([1.0, 2.0], [])
     with pytest.raises(ValueError):
         chain_time_per_token([1.0, 2.0], [0.0])
+    # a drafter without a model (prompt lookup) costs nothing the lemma counts; a target always does
+    assert chain_time_per_token([10.0, 0.0], [2.5], beta=1) == pytest.approx(4.0)
+    for bad in ([0.0, 1.0], [10.0, -1.0], [10.0, math.inf], [0.0]):
+        with pytest.raises(ValueError):
+            chain_time_per_token(bad, [2.0] * (len(bad) - 1))
 
 
 # The paper's Table 1 rows: (T_i, L_i-new, T_new, L_new, T_i+1, L_i) -> condition 1 (lhs, rhs).

@@ -14,6 +14,7 @@ import torch
 import yaml
 from conftest import ASSETS, REPO, make_tiny_llama
 
+from polyspec.chain_spec import DraftSpec, TreeShape
 from polyspec.config import validate_tree
 from polyspec.errors import PolyspecError
 from polyspec.train.ckpt_io import load_tree, save_tree
@@ -180,7 +181,7 @@ def test_bf16_offline_training_probes_with_the_target_in_its_serving_dtype(tmp_p
     real = stage._load
     monkeypatch.setattr(stage, "_load", lambda path, dtype, device: loads.append(dtype) or real(path, dtype, device))
     recipe = _recipe(tmp_path, tiny_model, features="offline", precision="bf16-mixed", max_steps=3, epochs=1,
-                     accept_prompts=1, accept_tokens=4)
+                     accept_prompts=1)
     out = stage.train_stage(recipe, progress=False)
     info = _info(out)
     assert loads == [torch.bfloat16, torch.float32]  # the teacher, then the probe's decoder
@@ -264,7 +265,7 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     assert 0.0 <= info["heldout_top1_agreement"] <= 1.0
     alpha = info["heldout_top1_agreement"]
     assert info["acceptance_length_estimate"] == pytest.approx(expected_acceptance_length(alpha, 4))
-    # the decoder's own count on held-out prompts, linear drafts of decode.draft_k (4) and the tree
+    # the decoder's own count on held-out prompts, linear drafts of decode.draft.k (4) and the tree
     assert 1.0 <= info["decoder_accept_linear"] <= 5.0 and 1.0 <= info["decoder_accept_tree"]
     assert all("heldout/accept_linear" in e for e in info["eval_history"])
 
@@ -328,7 +329,7 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
 
 
 def test_tiny_eagle3_training_lowers_the_loss_and_decodes_losslessly(tmp_path, peaked_model):
-    from polyspec.decode.chain import ChainDecoder, TreeParams
+    from polyspec.decode.chain import ChainDecoder
     from polyspec.decode.head import load_head, read_head_config, save_head
     from polyspec.decode.head3 import Eagle3Head, draft_vocab_ids
     from polyspec.decode.levels import HeadLevel, ModelLevel
@@ -358,9 +359,9 @@ def test_tiny_eagle3_training_lowers_the_loss_and_decodes_losslessly(tmp_path, p
         assert torch.equal(head(ids, feats)[0], again(ids, feats)[0])
     prompt = [5, 17, 30, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(target, "t")], max_seq_len=64).generate(prompt, 16).token_ids
-    for tree in (None, TreeParams(top_k=3, depth=3, total_tokens=8)):
-        r = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=3, max_seq_len=64,
-                         tree=tree).generate(prompt, 16)
+    for draft in (DraftSpec(k=3), DraftSpec(tree=TreeShape(top_k=3, depth=3, total_tokens=8))):
+        r = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft=draft,
+                         max_seq_len=64).generate(prompt, 16)
         assert r.token_ids == ar
 
 
@@ -407,7 +408,7 @@ def test_eagle3_offline_cache_holds_the_fused_layers_and_final_state_and_trains(
     head = load_head(out, target)
     prompt = [5, 17, 30, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(target, "t")], max_seq_len=64).generate(prompt, 16).token_ids
-    dual = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=3, max_seq_len=64)
+    dual = ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft=DraftSpec(k=3), max_seq_len=64)
     assert dual.generate(prompt, 16).token_ids == ar
 
 
@@ -465,7 +466,7 @@ def test_lightning_ddp_with_two_gloo_processes(tmp_path, tiny_model):
 
 
 def test_loss_vocab_trains_on_the_draft_vocabulary_only(tmp_path, tiny_model):
-    """train.loss_vocab: the head's token loss reads only the N most frequent training tokens' lm_head rows, and
+    """train.draft_vocab of an EAGLE-1/2 head: the head's token loss reads only the N most frequent training tokens' lm_head rows, and
     the logits it trains are exactly those rows of the full logits."""
     from polyspec.decode.head import EagleHead, subset_logits, top_token_ids
     from polyspec.decode.model import Transformer
@@ -485,13 +486,13 @@ def test_loss_vocab_trains_on_the_draft_vocabulary_only(tmp_path, tiny_model):
     part, _ = head(torch.tensor([[1, 2, 3, 4]]), feats, vocab_ids=ids)
     assert torch.allclose(part, full[..., ids], atol=1e-5)
 
-    with pytest.raises(PolyspecError, match="loss_vocab"):
-        train_stage(_recipe(tmp_path, tiny_model, loss_vocab=10**6, max_steps=2), progress=False)
+    with pytest.raises(PolyspecError, match="draft_vocab"):
+        train_stage(_recipe(tmp_path, tiny_model, draft_vocab=10**6, max_steps=2), progress=False)
     for features in ("online", "offline"):
-        out = train_stage(_recipe(tmp_path / features, tiny_model, loss_vocab=64, max_steps=4, features=features),
+        out = train_stage(_recipe(tmp_path / features, tiny_model, draft_vocab=64, max_steps=4, features=features),
                           progress=False)
         info = _info(out)
-        assert info["steps"] == 4 and info["train"]["loss_vocab"] == 64
+        assert info["steps"] == 4 and info["train"]["draft_vocab"] == 64
         assert math.isfinite(info["train_loss_last"])
 
 
@@ -602,6 +603,10 @@ def _key_before_the_ttt_options(cfg, runtime) -> str:
         cfg = head_settings(cfg)
     train = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
     train.pop("ttt_start", None)
+    # the schema of then: an EAGLE-1/2 head's draft vocabulary was train.loss_vocab, weight decay a key (0)
+    train |= {"loss_vocab": train.pop("draft_vocab") or 0, "weight_decay": 0.0}
+    if cfg.head == "eagle3":
+        train |= {"loss_vocab": 0, "draft_vocab": cfg.draft_vocab}
     if cfg.head == "eagle":
         for k in ("head", "ttt_steps", "ttt_decay", "draft_vocab", "aux_layers"):
             train.pop(k, None)
@@ -634,7 +639,7 @@ def test_eagle_ttt_options_checked_and_keyed():
         with pytest.raises(PolyspecError, match="only apply to an unrolled head"):
             cfg(**refused)
     with pytest.raises(PolyspecError, match="only apply to train.head=eagle3"):
-        cfg(draft_vocab=100)
+        cfg(aux_layers=[1])
 
 
 def test_tiny_eagle_training_with_an_unroll_logs_each_step_and_decodes_losslessly(tmp_path, tiny_model):
@@ -666,7 +671,7 @@ def test_tiny_eagle_training_with_an_unroll_logs_each_step_and_decodes_losslessl
     head = load_head(out, target)
     prompt = [5, 17, 30, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(target, "t")], max_seq_len=64).generate(prompt, 16).token_ids
-    assert ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft_k=3,
+    assert ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft=DraftSpec(k=3),
                         max_seq_len=64).generate(prompt, 16).token_ids == ar
 
 
@@ -685,7 +690,7 @@ def test_compiled_training_step_matches_the_eager_reference(tmp_path, tiny_model
     head = EagleHead(target.args, target.embed_tokens, target.lm_head).float()
     ids = top_token_ids(torch.arange(target.args.vocab_size).flip(0), 40)
     extra = {"ttt_steps": steps, "ttt_start": 0.5} if steps > 1 else {}
-    cfg = head_settings(_recipe(tmp_path, tiny_model, compile=True, loss_vocab=40, **extra).train)
+    cfg = head_settings(_recipe(tmp_path, tiny_model, compile=True, draft_vocab=40, **extra).train)
     module = HeadModule(head, cfg, draft_k=3, loss_ids=ids)
     g = torch.Generator().manual_seed(1)
     b, t, h = 3, 24, target.args.hidden_size

@@ -45,7 +45,7 @@ class HeadModule(L.LightningModule):
                  loss_ids: torch.Tensor | None = None):
         super().__init__()
         self._probe = probe  # the decoder's acceptance on held-out prompts (rank 0, after each validation)
-        # train.loss_vocab: token loss and top-1 over these ids only (the draft vocabulary the head will decode with)
+        # train.draft_vocab: token loss and top-1 over these ids only (the draft vocabulary the head will decode with)
         self.loss_ids: torch.Tensor | None = loss_ids
         self.head = head
         self.cfg = cfg
@@ -81,7 +81,7 @@ class HeadModule(L.LightningModule):
             return hidden, hidden
 
     def _teacher_logits(self, states: torch.Tensor) -> torch.Tensor:
-        """The teacher's logits [R, V] (EAGLE-1/2 with train.loss_vocab: [R, Vd]) of lm_head inputs [R, H]. An
+        """The teacher's logits [R, V] (EAGLE-1/2 with train.draft_vocab: [R, Vd]) of lm_head inputs [R, H]. An
         EAGLE-1/2 head shares the teacher's frozen lm_head; an EAGLE-3 head has its own, so the teacher's is read."""
         if self.eagle3:
             lm_head = self._teacher_on_device().lm_head
@@ -89,7 +89,7 @@ class HeadModule(L.LightningModule):
         return self._head_logits(states)
 
     def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The head's logits [R, V or Vd] of its outputs [R, H] (EAGLE-1/2: over train.loss_vocab's ids if set)."""
+        """The head's logits [R, V or Vd] of its outputs [R, H] (EAGLE-1/2: over train.draft_vocab's ids if set)."""
         if self.eagle3:
             return self.head.draft_logits(x)
         if self.loss_ids is not None:
@@ -97,7 +97,7 @@ class HeadModule(L.LightningModule):
         return self.head.lm_head(x.to(self.head.lm_head.weight.dtype)).float()
 
     def _loss_rows(self) -> torch.Tensor:
-        """train.loss_vocab's rows of the frozen lm_head, gathered once per device and compute dtype (inside
+        """train.draft_vocab's rows of the frozen lm_head, gathered once per device and compute dtype (inside
         autocast its dtype, which the product would cast them to anyway) instead of in every call."""
         weight = self.head.lm_head.weight
         autocast = torch.is_autocast_enabled(weight.device.type)
@@ -174,7 +174,8 @@ class HeadModule(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.head.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.95))
+        # EAGLE's and EAGLE-3's recipes train the head without weight decay
+        opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
         total = self.trainer.estimated_stepping_batches
         total = int(total) if total != float("inf") else 0
         warmup = self.cfg.warmup_steps

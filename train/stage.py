@@ -38,8 +38,8 @@ TRAIN_FORMAT = 1
 TRAINING_JSON = "training.json"
 LOG_EVERY = 10  # optimizer steps between MLflow logs of loss components, lr and tokens/s
 # train settings that do not change the trained weights (left out of the key)
-OPERATIONAL_KEYS = ("checkpoint_every", "num_workers", "cache_budget_gb", "eval_every", "accept_prompts",
-                    "accept_tokens", "compile")
+OPERATIONAL_KEYS = ("checkpoint_every", "cache_budget_gb", "eval_every", "accept_prompts", "compile")
+ACCEPT_TOKENS = 48  # new tokens per held-out prompt in the acceptance probe (train.accept_prompts)
 
 
 def runtime_settings(cfg: TrainConfig, target_device: str) -> dict[str, Any]:
@@ -104,6 +104,9 @@ def train_key(target_id: str, teacher_id: str, data_key: str, cfg: TrainConfig, 
     train = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
     if not train.get("ttt_start"):  # keys from before the option existed stay as they were
         train.pop("ttt_start", None)
+    # (so do keys from before an EAGLE-1/2 head's train.loss_vocab became its train.draft_vocab)
+    train["loss_vocab"] = train.pop("draft_vocab") if cfg.head == "eagle" else 0
+    train["weight_decay"] = 0.0  # (and from before weight decay was fixed at EAGLE's 0)
     if cfg.head == "eagle":  # keys of EAGLE-1/2 heads without an unroll are what they were before EAGLE-3 existed
         dropped = ("head", *EAGLE3_ONLY, *(TTT_KEYS if cfg.ttt_steps == 1 else ()))
         for k in dropped:
@@ -299,7 +302,7 @@ def _record_head(recipe: Recipe, tracker: Any, out_dir: Path, ids: dict[str, str
         "data_split": split_record(recipe.data),
         "train": cfg.model_dump(mode="json"),
         "runtime": {k: str(v) for k, v in runtime.items()},
-        "draft_k": recipe.decode.draft_k,
+        "draft_k": recipe.decode.draft.k,
         "offline_cache": cache_info or None,
         **result,
     }
@@ -357,7 +360,7 @@ def _load(path: Path, dtype, device):
 
 def _add_token_counts(out_dir: Path, recipe: Recipe, tokenizer: Any, target_id: str) -> None:
     """A complete head written before heads carried token counts gets them from its (cached) prepared data, so
-    ``decode.draft_vocab`` works for it too. Written under a temporary name, then renamed."""
+    ``decode.draft.vocab`` works for it too. Written under a temporary name, then renamed."""
     from safetensors.torch import save_file
 
     from polyspec.data.prepare import prepare_dataset
@@ -396,12 +399,12 @@ def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict
 def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
     """A function head -> {heldout/accept_linear, heldout/accept_tree, heldout/accept_depth<j>}: the decoder's tokens
     per target verification (and the linear drafts' acceptance of draft token j given 1..j-1)
-    on the first ``train.accept_prompts`` held-out prompts (greedy dual, linear drafts of ``decode.draft_k`` and the
-    recipe's tree shape); None when turned off or nothing is held out."""
+    on the first ``train.accept_prompts`` held-out prompts (greedy dual, linear drafts of ``decode.draft.k`` and the
+    recipe's tree shape, else the default shape); None when turned off or nothing is held out."""
     import torch
 
+    from polyspec.chain_spec import DraftSpec, TreeShape
     from polyspec.decode.acceptance import decoder_acceptance, prompt_prefix
-    from polyspec.decode.chain import TreeParams
     from polyspec.decode.generate import eos_ids
 
     cfg, dec = recipe.train, recipe.decode
@@ -411,7 +414,8 @@ def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
     prompts = list(itertools.islice((p for p in rows if p), cfg.accept_prompts))  # reads only the rows it needs
     if not prompts:
         return None
-    tree = TreeParams(top_k=dec.tree.top_k, depth=dec.tree.depth, total_tokens=dec.tree.total_tokens)
+    linear = DraftSpec(k=dec.draft.k)
+    tree = linear.model_copy(update={"tree": dec.draft.tree or TreeShape()})
     eos = frozenset(eos_ids(tokenizer))
 
     def probe(head) -> dict[str, float]:
@@ -422,9 +426,9 @@ def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
         out = {}
         with torch.autocast(device.type, dtype=teacher.norm.weight.dtype,
                             enabled=teacher.norm.weight.dtype != next(head.parameters()).dtype):
-            for name, shape in (("linear", None), ("tree", tree)):
-                res = decoder_acceptance(teacher, head, prompts, max_new_tokens=cfg.accept_tokens,
-                                         draft_k=dec.draft_k, tree=shape, eos_token_ids=eos)
+            for name, draft in (("linear", linear), ("tree", tree)):
+                res = decoder_acceptance(teacher, head, prompts, max_new_tokens=ACCEPT_TOKENS, draft=draft,
+                                         eos_token_ids=eos)
                 out[f"heldout/accept_{name}"] = res.tokens_per_verification
                 out.update({f"heldout/accept_depth{j}": a for j, a in enumerate(res.depth_accept, 1)})
         head.train(was_training)
@@ -475,7 +479,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
          ) -> dict[str, Any]:
     """Build the LightningModule, loaders and Trainer, fit (resuming), evaluate; return the run's numbers.
     ``probe``: the decoder's acceptance after each validation (rank 0; or None). ``counts``: the training targets'
-    token counts (the draft vocabulary of an EAGLE-3 head, and of train.loss_vocab, comes from them)."""
+    token counts (the draft vocabulary, train.draft_vocab, comes from them)."""
     import warnings
 
     import lightning as L
@@ -488,7 +492,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     cfg = head_settings(recipe.train)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     head = _new_head(cfg, teacher, counts)
-    module = HeadModule(head, cfg, draft_k=recipe.decode.draft_k,
+    module = HeadModule(head, cfg, draft_k=recipe.decode.draft.k,
                         teacher=teacher if cfg.features == "online" or cfg.head == "eagle3" else None, probe=probe,
                         loss_ids=_loss_ids(cfg, counts))
 
@@ -536,7 +540,7 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
                "resumed_from": str(resume) if resume else None, "fit_seconds": wall,
                "tokens_seen": int(module.tokens_seen) * world, "tokens_this_run": int(tokens_this_run),
                "tokens_per_second": tokens_this_run / max(train_seconds, 1e-9)}
-    return _fit_result(numbers, module, logger_cb, recipe.decode.draft_k)
+    return _fit_result(numbers, module, logger_cb, recipe.decode.draft.k)
 
 
 def _fit_result(numbers: dict[str, Any], module: Any, logger_cb: Any, draft_k: int) -> dict[str, Any]:
@@ -579,23 +583,24 @@ def _loaders(cfg: TrainConfig, prepared: Any, cache_info: dict[str, Any]) -> tup
         val_ds = TokenDataset(prepared.heldout) if len(prepared.heldout) else None
     gen = torch.Generator().manual_seed(cfg.seed)
     train_dl = torch.utils.data.DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, generator=gen,
-                                           collate_fn=collate, num_workers=cfg.num_workers,
-                                           persistent_workers=cfg.num_workers > 0)
-    val_dl = (torch.utils.data.DataLoader(val_ds, batch_size=cfg.batch_size, shuffle=False, collate_fn=collate,
-                                          num_workers=cfg.num_workers) if val_ds is not None else None)
+                                           collate_fn=collate)
+    val_dl = (torch.utils.data.DataLoader(val_ds, batch_size=cfg.batch_size, shuffle=False, collate_fn=collate)
+              if val_ds is not None else None)
     return train_dl, val_dl
 
 
 def _loss_ids(cfg: TrainConfig, counts: Any) -> Any:
-    """train.loss_vocab's token ids: the most frequent training targets, as decode.draft_vocab picks them."""
-    if not cfg.loss_vocab:
+    """An EAGLE-1/2 head's train.draft_vocab token ids (the token loss's columns): the most frequent training
+    targets, as decode.draft.vocab picks them; None for the full vocabulary (and for EAGLE-3, whose lm_head has its
+    own rows)."""
+    if cfg.head != "eagle" or not cfg.draft_vocab:
         return None
-    if cfg.loss_vocab > counts.numel():
-        raise PolyspecError(f"train.loss_vocab={cfg.loss_vocab} exceeds the target's vocabulary ({counts.numel()} "
+    if cfg.draft_vocab > counts.numel():
+        raise PolyspecError(f"train.draft_vocab={cfg.draft_vocab} exceeds the target's vocabulary ({counts.numel()} "
                             "tokens); use at most that, or 0 for the full vocabulary", exit_code=2)
     from polyspec.decode.head import top_token_ids
 
-    return top_token_ids(counts, cfg.loss_vocab)
+    return top_token_ids(counts, cfg.draft_vocab)
 
 
 def _budget_spent(trainer: Any) -> bool:

@@ -1,17 +1,17 @@
-"""Two builds of decode/cpu_kernels.cpp against each other, alternated in one process (this machine's speed drifts
-by more than most kernel changes between runs minutes apart).
+"""Two builds of decode/cpu_kernels.cpp against each other, alternated in one process (a VM's speed drifts by more
+than most kernel changes between runs minutes apart).
 
-    g++ -O3 -march=native -fopenmp -shared -fPIC -std=c++17 cpu_kernels.cpp -o A.so     # each build
-    python scripts/measure/ab_kernels.py layers TARGET_DIR bfloat16 A.so B.so 20,300,700   # the layers' time
-    python scripts/measure/ab_kernels.py decode CHAIN_DIR A.so B.so [REPEATS [module-head]]  # whole generations
-    python scripts/measure/ab_kernels.py rows A.so B.so                                    # bf16 rows in cache
+    g++ -O3 -march=native -fopenmp -shared -fPIC -std=c++17 decode/cpu_kernels.cpp -o A.so     # each build
+    python lab/kernels_ab.py layers TARGET_DIR bfloat16 A.so B.so 20,300,700   # the decoder layers' time by width
+    python lab/kernels_ab.py decode CHAIN_DIR A.so B.so [REPEATS [module-head]]  # whole generations, ar and default
+    python lab/kernels_ab.py rows A.so B.so                                    # bf16 weight rows, ns per row
 
-``layers``: the target's decoder layers at widths 1, 2, 3, 5, 8 after each context length, 30 repetitions each
-running every width with both builds, medians. ``rows``: one thread, bf16 weights of K = 576 (6,144 rows, 7 MB: in L3) and K = 1,536, against 1-5 bf16
-input rows, ns per weight row (median of 200 calls; the compute of a row, not the memory). ``decode``: ``ar`` and
-the chain's default mode on non-bench builtin prompts (the 3rd-5th of MT-bench, HumanEval and held-out ShareGPT), 96
-new tokens, the builds alternated per generation; ``module-head``: build A also runs the draft head's step through
-the module path (a build from before the one-call step has no entry for it). docs/BENCHMARKS.md, stops 20 and 23.
+``layers``: the target's decoder layers at widths 1..8 after each context length, 30 repetitions each running every
+width with both builds, medians: the T(k)/T(1) a kernel change reports. ``rows``: one thread, bf16 weights of
+K = 576 (6,144 rows, in L3) and K = 1,536 against 1..8 input rows, ns per weight row (median of 200 calls).
+``decode``: ``ar`` and the chain's default on non-bench builtin prompts (the 3rd-5th of MT-bench, HumanEval and
+held-out ShareGPT), 96 new tokens, the builds alternated per generation; ``module-head``: build A runs the draft
+head's step through the module path.
 """
 
 import collections
@@ -49,7 +49,7 @@ def layers(target: str, dtype: str, a: str, b: str, contexts: str) -> None:
     ck.pack_weights(model)
     model.setup_cache(1024)
     ids = torch.randint(100, 20000, (1000,), generator=torch.Generator().manual_seed(0))
-    widths = (1, 2, 3, 5, 8)
+    widths = tuple(range(1, 9))
     with torch.inference_mode():
         for ctx in (int(c) for c in contexts.split(",")):
             model.truncate(0)
@@ -107,7 +107,7 @@ def rows(a: str, b: str) -> None:
     torch.set_num_threads(1)
     for k, n in ((576, 6144), (1536, 2304)):
         w = torch.randn(n, k).to(torch.bfloat16)
-        for g in (1, 2, 3, 5):
+        for g in range(1, 9):
             x = torch.randn(g, k).to(torch.bfloat16)
             med = {}
             for tag in "AB":

@@ -1,28 +1,36 @@
-"""decode/ngram.py: prompt lookup as a chain level. Its proposals are the continuation of the latest earlier
-occurrence of the longest suffix; verified exactly at T = 0 (greedy = ar) and T > 0 (chi-square against the warped
-target); a round with nothing to propose is a plain step of the level above."""
+"""decode/drafting/lookup.py: prompt lookup. Its proposals are the continuation of the latest earlier occurrence of the
+longest suffix; alone (draft.source lookup) it is verified exactly at T = 0 (greedy = ar) and T > 0 (chi-square
+against the warped target), and a round with nothing to propose is a plain step of the level above."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_chain import V_DIST, chi2_against, dist_levels, tables
+from test_chain import chi2_against, dist_levels, tables
 
+from polyspec.chain_spec import DraftSpec
 from polyspec.decode.chain import ChainDecoder, SamplingParams
+from polyspec.decode.drafting.lookup import MAX_SUFFIX, lookup_match, lookup_run
 from polyspec.decode.levels import TableLevel
-from polyspec.decode.ngram import MAX_SUFFIX, NgramLevel, lookup_match, lookup_next, lookup_run
 from polyspec.errors import PolyspecError
 
 
+def lookup_next(context, max_n=MAX_SUFFIX, min_n=1):
+    found = lookup_match(context, max_n, min_n)
+    return None if found is None else found[0]
+
+
+def alone(n: int) -> DraftSpec:
+    return DraftSpec(source="lookup", lookup=n)
+
+
 def test_proposal_is_the_latest_continuation_of_the_longest_suffix():
-    lv = NgramLevel(50, max_n=3)
-    assert lv.proposal([1, 2, 3, 9, 1, 2, 3]) == 9  # the 3-gram [1, 2, 3] was followed by 9
-    assert lv.proposal([1, 2, 7, 5, 2, 8, 1, 2]) == 7  # [1, 2] beats the more recent [2] -> 8
-    assert lv.proposal([4, 2, 8, 2, 6, 2]) == 6  # only [2] matches: its latest continuation
-    assert lv.proposal([1, 2, 3]) is None and not lv.has_proposal([1, 2, 3])
-    assert NgramLevel(50, max_n=3, min_n=2).proposal([4, 2, 8, 2, 6, 2]) is None  # 1-grams not allowed
-    with pytest.raises(PolyspecError, match="min_n"):
-        NgramLevel(50, max_n=1, min_n=2)
+    assert lookup_next([1, 2, 3, 9, 1, 2, 3], 3) == 9  # the 3-gram [1, 2, 3] was followed by 9
+    assert lookup_next([1, 2, 7, 5, 2, 8, 1, 2], 3) == 7  # [1, 2] beats the more recent [2] -> 8
+    assert lookup_next([4, 2, 8, 2, 6, 2], 3) == 6  # only [2] matches: its latest continuation
+    assert lookup_next([1, 2, 3], 3) is None
+    assert lookup_next([4, 2, 8, 2, 6, 2], 3, 2) is None  # 1-grams not allowed
+    assert lookup_match([1, 2, 3, 9, 1, 2, 3], 3) == (9, 3)
 
 
 def _reference_next(context: list[int], max_n: int, min_n: int) -> int | None:
@@ -73,15 +81,24 @@ def test_a_longer_match_beats_a_newer_one():
     assert lookup_next(text) == 3 and lookup_run(text, 2, min_n=2) == [3, 0]
 
 
-def test_rows_are_one_hot_on_the_proposal_and_the_cache_rolls_back():
-    lv = NgramLevel(10)
-    lv.setup(32)
-    logits, hidden = lv.forward([1, 2, 1], 0)
-    assert hidden is None and logits.shape == (3, 10)
-    assert int(logits[2].argmax()) == 2 and torch.isinf(logits[2]).sum() == 9  # after [1, 2, 1]: 2
-    assert torch.equal(logits[0], torch.zeros(10))  # no proposal: a uniform row (never sampled)
-    lv.forward([5], 1)  # rolled back to [1], then 5
-    assert lv.tokens == [1, 5] and lv.cache_len == 2
+def test_lookup_alone_rows_are_one_hot_and_counted():
+    """The drafter's block at T > 0: one-hot rows on the looked-up tokens; at T = 0 their hot indices."""
+    from polyspec.decode.drafting.lookup import LookupDrafter
+    from polyspec.decode.state import RunState
+
+    for sp, want in ((SamplingParams(), torch.tensor([2, 1, 2])), (SamplingParams(temperature=1.0), None)):
+        st = RunState([_cyclic_target(10)], draft_level=None, sampling=sp, generator=torch.Generator(),
+                      eos=frozenset(), limit=32, drafter_name="lookup")
+        st.vocab = 10
+        tokens, rows = LookupDrafter(3).propose(st, [1, 2, 1, 2, 1], 8)
+        assert tokens == [2, 1, 2] and st.draft_stats.lookup_tokens == 3
+        if want is not None:
+            assert torch.equal(rows, want)
+        else:
+            assert torch.equal(rows, torch.nn.functional.one_hot(torch.tensor([2, 1, 2]), 10).float())
+        assert LookupDrafter(3).propose(st, [1, 2, 3], 8) == ([], None)  # no repeated suffix: nothing
+    with pytest.raises(PolyspecError, match="lookup"):
+        LookupDrafter(0)
 
 
 def _cyclic_target(v: int) -> TableLevel:
@@ -94,11 +111,11 @@ def test_greedy_equals_ar_and_repeated_text_is_accepted_whole():
     target = _cyclic_target(v)
     ar = ChainDecoder([target], max_seq_len=64).generate([0], 30).token_ids
     target2 = _cyclic_target(v)
-    r = ChainDecoder([target2, NgramLevel(v)], draft_k=k, max_seq_len=64).generate([0], 30)
-    assert r.token_ids == ar
+    r = ChainDecoder([target2], draft=alone(k), max_seq_len=64).generate([0], 30)
+    assert r.token_ids == ar and r.stats["mode"] == "dual"
     lengths = r.level_stats[0].accept_lengths
-    assert lengths[:v - 1] == [1] * (v - 1)  # nothing to look up during the first cycle: plain steps
-    assert max(lengths) == k + 1 and sum(lengths) == 30  # later cycles: whole drafts accepted
+    assert lengths[:v] == [1] * v  # nothing to look up until a 2-token suffix repeats: plain steps
+    assert max(lengths) == k + 1 and sum(lengths) == 30  # later cycles: whole blocks accepted
 
 
 def test_greedy_equals_ar_with_rejections():
@@ -106,7 +123,7 @@ def test_greedy_equals_ar_with_rejections():
     target, _, _ = tables(v, seed=5)
     prompt = [1, 2, 3, 1, 2]
     ar = ChainDecoder([TableLevel(target, "t", 2)], max_seq_len=64).generate(prompt, 25).token_ids
-    r = ChainDecoder([TableLevel(target, "t", 2), NgramLevel(v)], draft_k=3, max_seq_len=64).generate(prompt, 25)
+    r = ChainDecoder([TableLevel(target, "t", 2)], draft=alone(3), max_seq_len=64).generate(prompt, 25)
     assert r.token_ids == ar
 
 
@@ -114,13 +131,11 @@ def test_greedy_equals_ar_with_rejections():
 def test_sampled_output_is_the_warped_target(sp):
     """One-hot proposals: kept with probability p(x), else a draw from p without x: the target's law (chi-square)."""
     t, _ = dist_levels(2)
-    dec = ChainDecoder([t, NgramLevel(V_DIST, max_n=2)], draft_k=2, max_seq_len=16)
+    dec = ChainDecoder([t], draft=alone(2), max_seq_len=16)
     stat, crit = chi2_against(dec, t, [1, 2, 1], sp, n=1000)
     assert stat < crit, (stat, crit)
 
 
-def test_ngram_refuses_a_tree():
-    from polyspec.decode.chain import TreeParams
-
-    with pytest.raises(PolyspecError, match="forward_tree"):
-        ChainDecoder([_cyclic_target(5), NgramLevel(5)], tree=TreeParams(top_k=2, depth=2, total_tokens=4))
+def test_lookup_alone_refuses_a_tree():
+    with pytest.raises(ValueError, match="tree"):
+        DraftSpec(source="lookup", lookup=4, tree={"top_k": 2, "depth": 2, "total_tokens": 4})

@@ -62,6 +62,26 @@ def swap_into_place(tmp: Path, out: Path) -> Path:
     return out
 
 
+def copy_tree(src: str | Path, dst: str | Path, ignore: Callable[..., Any] | None = None) -> Path:
+    """shutil.copytree, but a file the file system refuses (a full disk, no permission) raises its own OSError (with
+    its errno) rather than the shutil.Error copytree gathers after trying every other file."""
+    refused: list[OSError] = []
+
+    def copy(a: str, b: str) -> Any:
+        try:
+            return shutil.copy2(a, b)
+        except OSError as exc:
+            refused.append(exc)
+            raise
+
+    try:
+        return Path(shutil.copytree(src, dst, ignore=ignore, copy_function=copy))
+    except shutil.Error:
+        if refused:
+            raise refused[0] from None
+        raise
+
+
 def discard_folder(folder: str | Path) -> None:
     """Remove ``folder`` so that a kill midway leaves no half-deleted folder under its name (it is renamed to a
     temporary name first, which a later run cleans up)."""

@@ -31,6 +31,7 @@ from polyspec.errors import PolyspecError
 from polyspec.fsutil import (
     REFUSED_WRITES,
     check_replaceable,
+    copy_tree,
     swap_into_place,
     temp_folder,
     write_error,
@@ -446,7 +447,7 @@ def _copy_level(chain_dir: Path, parts: list[tuple[str, Path]], i: int) -> Level
             raise PolyspecError(f"the target {src} must be a plain model folder, got a {kind} folder")
         kind = "target"
     rel = f"levels/{name}"
-    shutil.copytree(src, chain_dir / rel, ignore=_pickles)
+    copy_tree(src, chain_dir / rel, ignore=_pickles)
     return LevelEntry(name=name, kind=kind, path=rel, files=hash_folder(chain_dir / rel), dtype=dtype,
                       quantization=quant, reads_features_from=(parts[i - 1][0] if kind == "head" else None),
                       base_model=str(src.name))

@@ -109,8 +109,9 @@ def atomic_folder(out: str | Path, write: Callable[[Path], object], *, hashes: b
         return swap_into_place(tmp, out)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in REFUSED_WRITES:
-            raise write_error(exc, out, existed) from None
+        refused = refused_write(exc)
+        if refused is not None:
+            raise write_error(refused, out, existed) from None
         raise
 
 
@@ -118,7 +119,25 @@ def atomic_folder(out: str | Path, write: Callable[[Path], object], *, hashes: b
 REFUSED_WRITES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 
 
-def write_error(exc: OSError, out: str | Path, existed: bool) -> PolyspecError:
+class WriteRefused(PolyspecError):
+    """A write the file system refused (:func:`write_error`); ``cause`` is its OSError, so that a writer around the
+    one that failed (export around assemble) names its own output instead."""
+
+    def __init__(self, message: str, cause: OSError):
+        super().__init__(message, exit_code=1)
+        self.cause = cause
+
+
+def refused_write(exc: BaseException) -> OSError | None:
+    """The OSError of a write the file system refused, when ``exc`` is one (or reports one), else None."""
+    if isinstance(exc, WriteRefused):
+        return exc.cause
+    if isinstance(exc, OSError) and exc.errno in REFUSED_WRITES:
+        return exc
+    return None
+
+
+def write_error(exc: OSError, out: str | Path, existed: bool) -> WriteRefused:
     """The error for a write of ``out`` that failed with ``exc`` after its temporary files were removed (exit 1):
     what failed, that nothing was left half-written, and what to do."""
     out = Path(out)
@@ -129,8 +148,7 @@ def write_error(exc: OSError, out: str | Path, existed: bool) -> PolyspecError:
         reason = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
         fix = "fix the permissions (or write elsewhere) and run again"
     kept = "the old one is intact" if existed else "nothing was written under that name"
-    return PolyspecError(f"writing {out} failed: {reason}; {kept}, its temporary files are removed; {fix}",
-                         exit_code=1)
+    return WriteRefused(f"writing {out} failed: {reason}; {kept}, its temporary files are removed; {fix}", exc)
 
 
 def check_replaceable(out: str | Path, *, flag: str, overwrite: bool, own: Callable[[Path], list[str]],
@@ -311,8 +329,9 @@ def atomic_file(path: str | Path, write: Callable[[Path], object]) -> Path:
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno in REFUSED_WRITES:
-            raise write_error(exc, path, existed) from None
+        refused = refused_write(exc)
+        if refused is not None:
+            raise write_error(refused, path, existed) from None
         raise
     return path
 

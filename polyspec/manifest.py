@@ -29,9 +29,9 @@ from polyspec import __version__
 from polyspec.config import DecodeConfig
 from polyspec.errors import PolyspecError
 from polyspec.fsutil import (
-    REFUSED_WRITES,
     check_replaceable,
     copy_tree,
+    refused_write,
     swap_into_place,
     temp_folder,
     write_error,
@@ -407,8 +407,9 @@ def assemble_chain(out: Path, target: Path, intermediates: list[Path] = (), draf
         return manifest
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in REFUSED_WRITES:
-            raise write_error(exc, out, existed) from None
+        refused = refused_write(exc)
+        if refused is not None:
+            raise write_error(refused, out, existed) from None
         if isinstance(exc, PolyspecError):  # name the output, not its temporary folder
             raise PolyspecError(str(exc).replace(str(tmp), str(out)), exit_code=exc.exit_code) from None
         raise

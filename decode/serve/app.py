@@ -267,6 +267,32 @@ def _refusal(request: Request, access: ServeAccess, api_key: str | None) -> JSON
     return None
 
 
+def _guard(app: FastAPI, access: ServeAccess, api_key: str | None, metrics: Metrics) -> None:
+    """Every request passes :func:`_refusal` first (then CORS, when origins are configured), is counted, and an
+    unexpected exception is a 500 with the server still up."""
+    if access.cors_origins:  # inside the guard: only allowed origins reach it
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"], max_age=600)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):  # noqa: ANN202
+        path = request.url.path
+        endpoint = path if path in ENDPOINTS else "other"
+        refused = _refusal(request, access, api_key)
+        if refused is not None:
+            resp = refused
+        else:
+            try:
+                resp = await call_next(request)
+            except Exception as exc:  # the last line of defence: the server answers and stays up
+                log.exception("unhandled error on %s", path)
+                resp = _error(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        metrics.observe_request(endpoint, resp.status_code)
+        return resp
+
+
 def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str | None = None,
                defaults: ServeDefaults | None = None, limits: ServeLimits | None = None,
                access: ServeAccess | None = None) -> FastAPI:
@@ -291,27 +317,7 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
     app.state.metrics = metrics
     app.state.model_name = model_name
     app.state.limits = limits
-    if access.cors_origins:  # inside the guard below: only allowed origins reach it
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(access.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"], max_age=600)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):  # noqa: ANN202
-        path = request.url.path
-        endpoint = path if path in ENDPOINTS else "other"
-        refused = _refusal(request, access, api_key)
-        if refused is not None:
-            resp = refused
-        else:
-            try:
-                resp = await call_next(request)
-            except Exception as exc:  # the last line of defence: the server answers and stays up
-                log.exception("unhandled error on %s", path)
-                resp = _error(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-        metrics.observe_request(endpoint, resp.status_code)
-        return resp
+    _guard(app, access, api_key, metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

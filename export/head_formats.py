@@ -40,6 +40,7 @@ FORMATS = ("speculators", "sglang", "eagle")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 layout these files match (tests load them)
 TOKEN_MAP_FILE = "hot_token_map.pt"  # SGLang's --speculative-token-map reads it with torch.load(weights_only=True)
 WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
 
 
 @dataclass
@@ -301,7 +302,7 @@ def write_export(exp: HeadExport, out: Path) -> Path:
     from polyspec.fsutil import atomic_folder
 
     def write(tmp: Path) -> None:
-        (tmp / "config.json").write_text(json.dumps(exp.config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (tmp / CONFIG_FILE).write_text(json.dumps(exp.config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         save_file(exp.tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if exp.token_map is not None:
             torch.save(exp.token_map.to(torch.int64).clone(), tmp / TOKEN_MAP_FILE)
@@ -316,13 +317,19 @@ def write_export(exp: HeadExport, out: Path) -> Path:
 def export_head(chain: Path, fmt: str, out: Path, *, verifier: str | None = None, draft_vocab: int | None = None,
                 overwrite: bool = False) -> Path:
     """Write the chain's draft head to ``out`` in ``fmt`` (one of FORMATS); every refusal comes before any write."""
+    from polyspec.fsutil import check_replaceable
+
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise PolyspecError(f"{out} exists; pass --overwrite or choose another --out")
+    check_replaceable(out, flag="--out", overwrite=overwrite, own=_not_an_export, keep=[chain])
     if fmt not in FORMATS:
         raise PolyspecError(f"unknown head format {fmt!r}; choose one of {list(FORMATS)}")
     exp = build_export(read_head_source(chain, verifier=verifier, draft_vocab=draft_vocab), fmt)
     return write_export(exp, out)
+
+
+def _not_an_export(folder: Path) -> list[str]:
+    """The entries of ``folder`` that no head export writes (--overwrite replaces an earlier export only)."""
+    return sorted(p.name for p in folder.iterdir() if p.name not in (CONFIG_FILE, WEIGHTS_FILE, TOKEN_MAP_FILE))
 
 
 __all__ = ["FORMATS", "HeadSource", "HeadExport", "read_head_source", "refusal", "build_export", "write_export",

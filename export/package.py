@@ -13,7 +13,7 @@ from typing import Any
 from polyspec.errors import PolyspecError
 from polyspec.export.report import summary_L, verdict_json
 from polyspec.export.results import Profile, to_json
-from polyspec.fsutil import FILE_HASHES, atomic_folder
+from polyspec.fsutil import FILE_HASHES, atomic_folder, copy_tree
 
 Parts = Sequence[Path] | Mapping[str, Path]  # level folders, target first; or {"target", "int4", "head"}
 MEASUREMENTS_SCHEMA = "polyspec.measurements/1"
@@ -78,17 +78,20 @@ def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool
     ``head.onnx``), and a manifest with the profile's measurements; validated before it replaces ``out``.
 
     ``decode``: the recipe's DecodeSpec, whose mode / draft / mu the decision replaces."""
-    from polyspec.manifest import _classify, assemble_chain, read_manifest, validate_chain, write_manifest
+    from polyspec.fsutil import check_replaceable
+    from polyspec.manifest import _classify, assemble_chain, not_a_chain, read_manifest, validate_chain, write_manifest
     from polyspec.stamp import hardware_stamp, software_stamp
 
     out, parts = Path(out), ordered_parts(parts)
+    # an existing output is replaced whole: only a chain (or an empty folder) may be, never a folder holding the parts
+    check_replaceable(out, flag="export.out", overwrite=True, own=not_a_chain, keep=parts, kept="the part folder")
     decode_cfg = decided(p, decode)
 
     def write(tmp: Path) -> None:
         draft, onnx_info = parts[-1], None
         if _classify(draft)[0] == "head":  # the head's ONNX lives in its level folder, so the manifest hashes it
             draft = tmp / "parts" / "head"
-            shutil.copytree(parts[-1], draft, ignore=shutil.ignore_patterns(FILE_HASHES))  # the manifest hashes
+            copy_tree(parts[-1], draft, ignore=shutil.ignore_patterns(FILE_HASHES))  # the manifest hashes
             onnx_info = _export_onnx(parts[0], draft, OPSET) if onnx else None
         chain = tmp / "chain"
         assemble_chain(chain, parts[0], parts[1:-1], draft, decode=decode_cfg)

@@ -211,6 +211,20 @@ def cmd_gpu_probe(args: argparse.Namespace) -> int:
     return gpu_probe.run(args)
 
 
+def check_prompt(prompt: str) -> None:
+    """One clear error for a --prompt that is empty or not UTF-8 (bytes the shell passed that Python could only keep
+    as lone surrogates), before any weights load."""
+    if not prompt:
+        raise PolyspecError("--prompt is empty; give the user message to answer")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(prompt[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise PolyspecError(f"--prompt is not valid UTF-8 ({what} at character {exc.start}); pass the text in UTF-8 "
+                            "(check the terminal's or the file's encoding)") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate from a chain folder (validated first) in ar, dual or chain mode; exactly the target's distribution."""
     from polyspec.chain_spec import DraftSpec, check_draft_flags
@@ -218,6 +232,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     check_sampling(args.temperature, args.top_p, args.top_k)  # fail before loading any weights
     check_draft_flags(args)
+    check_prompt(args.prompt)
     if args.max_new_tokens < 1:
         raise PolyspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from polyspec.decode.generate import generate_text, load_chain

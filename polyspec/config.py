@@ -7,6 +7,8 @@ key, the file and what is allowed.
 
 from __future__ import annotations
 
+import functools
+import os
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -16,12 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from polyspec.chain_spec import DecodeSpec
 from polyspec.device import DTYPE_CHOICES
 from polyspec.errors import PolyspecError
+from polyspec.safeload import load_yaml, read_bytes, utf8_text
 
 
 class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors, values are checked on assignment too."""
+    """Base of every recipe section: unknown keys are errors, values are checked on assignment too, and no number is
+    infinite or NaN (``inf`` passes a bound like ``gt=0``; nothing in a recipe means "unbounded" by it)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class TargetConfig(Section):
@@ -270,6 +274,11 @@ class Recipe(Section):
 # ---------------------------------------------------------------------------------------------------------------------
 # Loading, overrides and error messages
 
+# The recipes in recipes/ are 1-3 KB and one that sets every key is ~6 KB; PyYAML reads 64 KiB in ~0.25 s.
+MAX_RECIPE_BYTES = 64 << 10
+MAX_LISTED_ERRORS = 20  # a refused recipe names this many problems, then counts the rest
+MAX_SHOWN_VALUE = 120  # characters of a refused value quoted in its message
+
 
 def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The pydantic model class found by walking ``loc`` down from :class:`Recipe` (None if it leaves the tree)."""
@@ -299,7 +308,12 @@ def _describe(err: dict[str, Any], where: str) -> str:
         msg = msg[len("Value error, ") :]
     if err["type"] == "literal_error":
         msg = msg.replace("Input should be", "allowed values:")
-    return f"{where}: bad value for '{key}' ({err.get('input')!r}): {msg}."
+    return f"{where}: bad value for '{key}' ({_shown(err.get('input'))}): {msg}."
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_VALUE else text[:MAX_SHOWN_VALUE] + "..."
 
 
 def validate_tree(tree: dict[str, Any], where: str) -> Recipe:
@@ -307,7 +321,10 @@ def validate_tree(tree: dict[str, Any], where: str) -> Recipe:
     try:
         return Recipe.model_validate(tree)
     except ValidationError as exc:
-        lines = [_describe(e, where) for e in exc.errors()]
+        errors = exc.errors()
+        lines = [_describe(e, where) for e in errors[:MAX_LISTED_ERRORS]]
+        if len(errors) > MAX_LISTED_ERRORS:
+            lines.append(f"{where}: ... and {len(errors) - MAX_LISTED_ERRORS} more problems")
         raise PolyspecError("\n".join(lines), exit_code=2) from None
 
 
@@ -315,16 +332,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b=v`` -> (["a", "b"], v) with v parsed as YAML (so 3 is an int, [1,2] a list, null None)."""
     import yaml
 
+    shown = _shown(text)
     if "=" not in text:
-        raise PolyspecError(f"override {text!r} is not of the form a.b=value", exit_code=2)
+        raise PolyspecError(f"override {shown} is not of the form a.b=value", exit_code=2)
+    if len(text) > MAX_RECIPE_BYTES:
+        raise PolyspecError(f"override {shown} is over {MAX_RECIPE_BYTES:,} characters", exit_code=2)
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
     if not all(p.strip() for p in parts):
-        raise PolyspecError(f"override {text!r} has an empty key part; write it like train.lr=1e-4", exit_code=2)
+        raise PolyspecError(f"override {shown} has an empty key part; write it like train.lr=1e-4", exit_code=2)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw, f"override {shown}") if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise PolyspecError(f"override {text!r}: the value is not valid YAML ({exc})", exit_code=2) from None
+        raise PolyspecError(f"override {shown}: the value is not valid YAML ({exc})", exit_code=2) from None
     return parts, value
 
 
@@ -354,8 +374,9 @@ class _DuplicateKey(Exception):
         self.key, self.line, self.first = key, line, first
 
 
-def _strict_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses a mapping with the same key twice (plain YAML keeps the last one silently)."""
+@functools.cache
+def _strict_loader() -> type:
+    """A yaml.SafeLoader that refuses a mapping with the same key twice (plain YAML keeps the last one silently)."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
@@ -374,18 +395,20 @@ def _strict_yaml(text: str) -> Any:
                     pass
             return super().construct_mapping(node, deep=deep)
 
-    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    return StrictLoader
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    """Read a recipe file as a mapping, with errors that name the file (an empty recipe and a key given twice in one
-    mapping are errors too)."""
+    """Read a recipe file as a mapping, with errors that name the file: over MAX_RECIPE_BYTES (refused unread), not
+    UTF-8, not YAML, nested or expanding past polyspec.safeload's limits, empty, or a key given twice in one
+    mapping."""
     import yaml
 
     if not path.is_file():
         raise PolyspecError(f"recipe file {path} does not exist", exit_code=2)
+    raw = read_bytes(path, MAX_RECIPE_BYTES, "recipe", "; a recipe is a few KB of YAML (see recipes/)")
     try:
-        tree = _strict_yaml(path.read_text(encoding="utf-8"))
+        tree = load_yaml(utf8_text(raw, path), path, _strict_loader())
     except _DuplicateKey as dup:
         raise PolyspecError(f"{path}: line {dup.line}: key '{dup.key}' is given twice in the same mapping (first at "
                             f"line {dup.first}); keep one", exit_code=2) from None
@@ -398,6 +421,36 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(tree, dict):
         raise PolyspecError(f"{path}: a recipe must be a mapping of sections, got {type(tree).__name__}", exit_code=2)
     return tree
+
+
+# What polyspec writes at the top of a workdir (its stages' folders, the logs, the default MLflow store, the run's
+# record); hidden entries (polyspec's temporary folders among them) are not looked at.
+WORKDIR_NAMES = frozenset({"cache", "head", "train", "quantize", "profile", "chain", "logs", "mlflow.db",
+                           "mlflow.db-journal", "mlflow.db-wal", "mlflow.db-shm", "mlartifacts", "recipe.resolved.yaml",
+                           "command.txt"})
+
+
+def check_workdir(workdir: Path, where: str) -> None:
+    """Refuse a workdir that polyspec must not write in: the file system's root, the home folder or a folder above
+    it, a file, or an existing folder holding anything but what polyspec writes there (WORKDIR_NAMES): stages
+    replace and remove their own outputs, so they must not share a folder with unrelated files. A new folder, an
+    empty one and one an earlier run wrote are fine."""
+    path = Path(workdir).expanduser().resolve()
+    home = Path.home().resolve()
+    bad = f"{where}: bad value for 'workdir' ({str(workdir)!r}): "
+    if path.parent == path or path == home or path in home.parents:
+        what = "the file system's root" if path.parent == path else "your home folder" if path == home else \
+            "a folder above your home folder"
+        raise PolyspecError(f"{bad}{path} is {what}; give a folder of its own (e.g. runs/mine)", exit_code=2)
+    if path.exists() and not path.is_dir():
+        raise PolyspecError(f"{bad}{path} is a file; give a folder", exit_code=2)
+    strangers = sorted(n for n in os.listdir(path) if n not in WORKDIR_NAMES and not n.startswith(".")) \
+        if path.is_dir() else []
+    if strangers:
+        shown = ", ".join(strangers[:5]) + (", ..." if len(strangers) > 5 else "")
+        raise PolyspecError(f"{bad}{path} holds files polyspec did not write ({shown}); a workdir is a new or empty "
+                            f"folder, or one an earlier run wrote (it holds only {', '.join(sorted(WORKDIR_NAMES))} "
+                            "and hidden entries): choose another folder", exit_code=2)
 
 
 def check_local_sources(recipe: Recipe, where: str) -> None:
@@ -424,6 +477,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     tree = apply_overrides(read_yaml(path), list(overrides or []))
     where = str(path) + (" (with overrides)" if overrides else "")
     recipe = validate_tree(tree, where)
+    check_workdir(recipe.workdir, where)
     check_local_sources(recipe, where)
     return recipe
 

@@ -9,6 +9,7 @@ the old folder aside), so a later run can tell a dead writer's leftovers from a 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -17,9 +18,11 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from polyspec.errors import PolyspecError
 
 FILE_HASHES = "polyspec-hashes.json"
 HASHES_FORMAT = "polyspec.file-hashes/1"
@@ -60,6 +63,26 @@ def swap_into_place(tmp: Path, out: Path) -> Path:
     return out
 
 
+def copy_tree(src: str | Path, dst: str | Path, ignore: Callable[..., Any] | None = None) -> Path:
+    """shutil.copytree, but a file the file system refuses (a full disk, no permission) raises its own OSError (with
+    its errno) rather than the shutil.Error copytree gathers after trying every other file."""
+    refused: list[OSError] = []
+
+    def copy(a: str, b: str) -> Any:
+        try:
+            return shutil.copy2(a, b)
+        except OSError as exc:
+            refused.append(exc)
+            raise
+
+    try:
+        return Path(shutil.copytree(src, dst, ignore=ignore, copy_function=copy))
+    except shutil.Error:
+        if refused:
+            raise refused[0] from None
+        raise
+
+
 def discard_folder(folder: str | Path) -> None:
     """Remove ``folder`` so that a kill midway leaves no half-deleted folder under its name (it is renamed to a
     temporary name first, which a later run cleans up)."""
@@ -75,15 +98,84 @@ def atomic_folder(out: str | Path, write: Callable[[Path], object], *, hashes: b
     (KeyboardInterrupt included) the temporary folder is removed and ``out`` is left as it was. ``hashes``: record
     the sha256 of every written file in the folder (:func:`write_file_hashes`) before the swap."""
     out = Path(out)
-    tmp = temp_folder(out)
+    existed = out.exists()
+    try:
+        tmp = temp_folder(out)
+    except OSError as exc:
+        raise write_error(exc, out, existed) from None
     try:
         write(tmp)
         if hashes:
             write_file_hashes(tmp)
         return swap_into_place(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        refused = refused_write(exc)
+        if refused is not None:
+            raise write_error(refused, out, existed) from None
         raise
+
+
+# what the file system answers when it will not take a write: one error naming the output, not a traceback
+REFUSED_WRITES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+
+
+class WriteRefused(PolyspecError):
+    """A write the file system refused (:func:`write_error`); ``cause`` is its OSError, so that a writer around the
+    one that failed (export around assemble) names its own output instead."""
+
+    def __init__(self, message: str, cause: OSError):
+        super().__init__(message, exit_code=1)
+        self.cause = cause
+
+
+def refused_write(exc: BaseException) -> OSError | None:
+    """The OSError of a write the file system refused, when ``exc`` is one (or reports one), else None."""
+    if isinstance(exc, WriteRefused):
+        return exc.cause
+    if isinstance(exc, OSError) and exc.errno in REFUSED_WRITES:
+        return exc
+    return None
+
+
+def write_error(exc: OSError, out: str | Path, existed: bool) -> WriteRefused:
+    """The error for a write of ``out`` that failed with ``exc`` after its temporary files were removed (exit 1):
+    what failed, that nothing was left half-written, and what to do."""
+    out = Path(out)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = f"no space left on the device of {out}" + (" (disk quota)" if exc.errno == errno.EDQUOT else "")
+        fix = "free some space (or write elsewhere) and run again"
+    else:
+        reason = f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+        fix = "fix the permissions (or write elsewhere) and run again"
+    kept = "the old one is intact" if existed else "nothing was written under that name"
+    return WriteRefused(f"writing {out} failed: {reason}; {kept}, its temporary files are removed; {fix}", exc)
+
+
+def check_replaceable(out: str | Path, *, flag: str, overwrite: bool, own: Callable[[Path], list[str]],
+                      keep: Iterable[str | Path] = (), kept: str = "the chain") -> None:
+    """Refuse, before any work, an output ``out`` (given as ``flag``) that would destroy something else when it is
+    written atomically: one inside, equal to or holding a folder in ``keep`` (the inputs), a file, an existing
+    folder without ``overwrite``, or a non-empty folder that is not an earlier output of the same command (``own``
+    returns the entries of a folder that such an output would not hold)."""
+    out = Path(out)
+    where = out.resolve()
+    for k in keep:
+        k = Path(k).resolve()
+        how = "is" if where == k else "is inside" if k in where.parents else "holds" if where in k.parents else None
+        if how:
+            raise PolyspecError(f"{flag} {out} {how} {kept} {k}; write it elsewhere (outside {kept})")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise PolyspecError(f"{flag} {out} is a file (or a link); {flag} names a folder to write: choose another")
+    if not overwrite:
+        raise PolyspecError(f"{out} exists; pass --overwrite or choose another {flag}")
+    strangers = own(out)
+    if strangers:
+        shown = ", ".join(strangers[:5]) + (", ..." if len(strangers) > 5 else "")
+        raise PolyspecError(f"{flag} {out} holds files this command does not write ({shown}); --overwrite replaces "
+                            f"only a folder it wrote itself: choose an empty or new folder")
 
 
 def _alive(pid: int) -> bool:
@@ -237,12 +329,16 @@ def atomic_file(path: str | Path, write: Callable[[Path], object]) -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
     os.close(fd)
     tmp = Path(name)
+    existed = path.exists()
     try:
         write(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600: the artifact should read like any other file
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        refused = refused_write(exc)
+        if refused is not None:
+            raise write_error(refused, path, existed) from None
         raise
     return path
 

@@ -133,6 +133,82 @@ def test_interrupted_export_leaves_no_half_written_folder(parts, profile, tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["chain"]
 
 
+_SLOW_EXPORT = """
+import json, shutil, sys, time
+from pathlib import Path
+copy = shutil.copyfile
+def slow(src, dst, **kw):
+    out = copy(src, dst, **kw)
+    Path(sys.argv[3]).touch()  # the test kills this process once a file of the new chain is on disk
+    time.sleep(60)
+    return out
+shutil.copyfile = slow
+from polyspec.config import DecodeConfig
+from polyspec.export.package import export_chain
+from polyspec.export.report import read_profile
+parts = {k: Path(v) for k, v in json.loads(sys.argv[2]).items()}
+export_chain(Path(sys.argv[1]), parts, read_profile(Path(sys.argv[4])), DecodeConfig(), onnx=False)
+"""
+
+
+def test_export_killed_with_sigkill_then_rerun(parts, profile, tmp_path):
+    """kill -9 of an export midway (as of `polyspec run` during its export stage): the old chain is whole, the dead
+    writer's temporary folder is the only leftover, and the rerun removes it and writes a chain that validates."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from polyspec.config import DecodeConfig
+    from polyspec.export.package import export_chain
+
+    out = export_chain(tmp_path / "chain", parts, profile, DecodeConfig(), onnx=False)
+    before = validate_chain(out).model_dump()
+    started = tmp_path / "started"
+    argv = [str(out), json.dumps({k: str(v) for k, v in parts.items()}), str(started), str(profile.path)]
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_EXPORT, *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the export never started copying"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert validate_chain(out).model_dump() == before
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != "started")
+    assert len(left) == 2 and left[0].startswith(f".chain.tmp-{proc.pid}@") and left[1] == "chain"
+    export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+    assert validate_chain(out).levels == read_manifest(out).levels
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chain", "started"]
+
+
+def test_export_onto_a_full_file_system_is_one_error_and_the_old_chain_stays(parts, profile, tmp_path):
+    """A real 5 MB tmpfs (root only; skipped elsewhere, where tests/test_hostile.py's emulated ENOSPC still runs): the
+    first export fits, the second does not: one error (exit 1), the old chain intact, nothing half-written."""
+    import subprocess
+
+    from polyspec.config import DecodeConfig
+    from polyspec.export.package import export_chain
+
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5M", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode(errors='replace').strip()})")
+    try:
+        out = export_chain(small / "chain", parts, profile, DecodeConfig(), onnx=False)
+        before = validate_chain(out).model_dump()
+        with pytest.raises(PolyspecError, match="no space left on the device") as exc:
+            export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+        assert exc.value.exit_code == 1 and "the old one is intact" in str(exc.value)
+        assert validate_chain(out).model_dump() == before
+        assert sorted(p.name for p in small.iterdir()) == ["chain"]
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
 def test_tampering_and_extra_files_are_detected(chain, tmp_path):
     bad = tmp_path / "chain"
     shutil.copytree(chain, bad)

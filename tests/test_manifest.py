@@ -18,13 +18,26 @@ def _fake_level(path, cfg, payload=b"weights"):
     return path
 
 
+def _fake_head(path):
+    """A head folder whose config.json (its layer's sizes: hidden 4, vocab 8) matches its tensors' shapes."""
+    path.mkdir(parents=True)
+    args = {"vocab_size": 8, "hidden_size": 4, "intermediate_size": 8, "num_layers": 1, "num_heads": 1,
+            "num_kv_heads": 1, "head_dim": 4}
+    (path / "config.json").write_text(json.dumps({"model_type": "polyspec-eagle-head", "args": args}))
+    shapes = {"fc.weight": (4, 8), "fc.bias": (4,), "layer.input_layernorm.weight": (4,),
+              "layer.post_attention_layernorm.weight": (4,), "layer.mlp.down_proj.weight": (4, 8),
+              "layer.mlp.gate_proj.weight": (8, 4), "layer.mlp.up_proj.weight": (8, 4)}
+    shapes.update({f"layer.self_attn.{p}_proj.weight": (4, 4) for p in "qkvo"})
+    save_file({k: np.zeros(s, dtype=np.float32) for k, s in shapes.items()}, str(path / "model.safetensors"))
+    return path
+
+
 @pytest.fixture
 def parts(tmp_path):
     target = _fake_level(tmp_path / "t", {"model_type": "llama"}, b"target")
     inter = _fake_level(tmp_path / "q", {"model_type": "llama", "quantization_config": {
         "quant_method": "gptq", "bits": 4, "group_size": 128}}, b"int4")
-    head = _fake_level(tmp_path / "h", {"model_type": "polyspec-eagle-head"}, b"head")
-    return target, inter, head
+    return target, inter, _fake_head(tmp_path / "h")
 
 
 def test_assemble_round_trip(tmp_path, parts):

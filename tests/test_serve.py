@@ -45,6 +45,12 @@ def loaded(tiny_chain):
     return load_chain(tiny_chain, device="cpu")
 
 
+def _client(app) -> TestClient:
+    """A test client that sends Host: 127.0.0.1, as a client of a loopback server does (the server refuses names it
+    does not answer to, such as TestClient's default 'testserver')."""
+    return TestClient(app, base_url="http://127.0.0.1")
+
+
 def _app(loaded, **kw):
     from polyspec.decode.serve.app import create_app
 
@@ -55,7 +61,7 @@ def _app(loaded, **kw):
 def client(loaded):
     from polyspec.decode.serve.app import ServeDefaults
 
-    with TestClient(_app(loaded, defaults=ServeDefaults(temperature=0.0, top_p=1.0, max_tokens=6))) as c:
+    with _client(_app(loaded, defaults=ServeDefaults(temperature=0.0, top_p=1.0, max_tokens=6))) as c:
         yield c
 
 
@@ -342,7 +348,7 @@ def test_a_crash_in_generation_is_a_500_and_the_server_lives_on(client, monkeypa
 
 
 def test_api_key_is_required_except_on_health(loaded):
-    with TestClient(_app(loaded, api_key="s3cret")) as c:
+    with _client(_app(loaded, api_key="s3cret")) as c:
         req = {"prompt": "hi", "max_tokens": 3}
         _assert_error(c.post("/v1/completions", json=req), 401, "API key")
         _assert_error(c.post("/v1/completions", json=req, headers={"Authorization": "Bearer nope"}), 401, "API key")
@@ -439,7 +445,7 @@ def _parse_metrics(text: str) -> dict[str, float]:
 
 
 def test_metrics_parse_and_count(loaded):
-    with TestClient(_app(loaded)) as c:
+    with _client(_app(loaded)) as c:
         tokens = 0
         for _ in range(2):
             tokens += c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5}).json()["usage"][
@@ -525,13 +531,14 @@ def test_limits_at_their_edges_are_accepted(client):
     assert client.post("/v1/completions", json=deep).status_code == 200
     nested = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 2}'
     assert json_depth(nested) <= MAX_JSON_DEPTH
-    assert client.post("/v1/chat/completions", content=nested).status_code == 200
+    assert client.post("/v1/chat/completions", content=nested,
+                       headers={"content-type": "application/json"}).status_code == 200
     edge = {"prompt": "hi", "max_tokens": 2, "temperature": 2, "stop": ["z" * MAX_STOP_CHARS] * 4}
     assert client.post("/v1/completions", json=edge).status_code == 200
 
 
 def test_prompt_token_limit_is_a_400_naming_it(loaded):
-    with TestClient(_app(loaded, limits=ServeLimits(max_prompt_tokens=8))) as c:
+    with _client(_app(loaded, limits=ServeLimits(max_prompt_tokens=8))) as c:
         r = c.post("/v1/completions", json={"prompt": "hello " * 20, "max_tokens": 2})
         err = _assert_error(r, 400, "at most 8 (--max-prompt-tokens)")
         assert err["code"] == "prompt_too_long" and err["param"] == "prompt"
@@ -563,7 +570,7 @@ def _rounds_advance(engine, now: list[float], seconds: float, rounds: list[int])
 def test_deadline_stops_a_running_generation(loaded, stream):
     """A generation that runs past the deadline stops at the next round: the answer so far, finish_reason 'length'."""
     req = {"prompt": "hello there", "max_tokens": 40, "temperature": 0}
-    with TestClient(_app(loaded, limits=ServeLimits(request_timeout=25))) as c:
+    with _client(_app(loaded, limits=ServeLimits(request_timeout=25))) as c:
         full = c.post("/v1/completions", json=req).json()
         assert full["polyspec"]["deadline_exceeded"] is False
         now, rounds = [0.0], []
@@ -596,7 +603,7 @@ def test_serve_limits_options(tiny_chain, monkeypatch):
     argv = [str(tiny_chain), "--device", "cpu", "--max-queue", "3", "--request-timeout", "0", "--max-prompt-tokens",
             "0"]
     assert serve.run(_args(*argv)) == 0
-    with TestClient(apps[0]) as c:
+    with _client(apps[0]) as c:
         assert c.get("/health").json()["queue_limit"] == 3
     assert serve.run(_args(str(tiny_chain), "--device", "cpu")) == 0
     assert apps[1].state.engine.max_queue == ServeLimits.max_queue
@@ -732,7 +739,7 @@ def test_a_prompt_far_over_the_limit_is_refused_before_tokenising(loaded, monkey
     calls = []
     real = app_module.encode_text
     monkeypatch.setattr(app_module, "encode_text", lambda tok, prompt: calls.append(len(prompt)) or real(tok, prompt))
-    with TestClient(_app(loaded, limits=ServeLimits(max_prompt_tokens=8))) as c:
+    with _client(_app(loaded, limits=ServeLimits(max_prompt_tokens=8))) as c:
         r = c.post("/v1/completions", json={"prompt": "x" * (8 * app_module.MAX_CHARS_PER_TOKEN + 1), "max_tokens": 2})
         assert _assert_error(r, 400, "characters")["code"] == "prompt_too_long"
         assert calls == []

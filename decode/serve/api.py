@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 import uuid
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from polyspec.safeload import json_depth
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 # A stream holds back the last (longest stop - 1) characters, so a stop's length bounds that delay: 128 characters
@@ -129,19 +129,6 @@ class CompletionRequest(_Sampling):
 
     def token_budget(self) -> int | None:
         return self.max_tokens
-
-
-# A JSON string, or an unterminated one up to the end (so that a scan never restarts inside one: linear time)
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_DEPTH_STEP = [1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256)]
-
-
-def json_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in a JSON text, found without parsing it: strings are cut out, then the
-    brackets left are counted (C-speed scans; 4 MiB of brackets takes a fraction of a second)."""
-    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    return max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
 
 
 def parse_request(raw: bytes, model: type[_Sampling]) -> Any:

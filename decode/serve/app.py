@@ -47,6 +47,7 @@ from polyspec.decode.serve.api import (
 )
 from polyspec.decode.serve.limits import ServeLimits
 from polyspec.decode.serve.metrics import CONTENT_TYPE, Metrics
+from polyspec.decode.serve.trust import ServeAccess
 from polyspec.errors import PolyspecError
 
 log = logging.getLogger("polyspec.serve")
@@ -242,11 +243,64 @@ class _Served:
     limits: ServeLimits
 
 
+def _refusal(request: Request, access: ServeAccess, api_key: str | None) -> JSONResponse | None:
+    """The answer to a request this server does not take (docs/SERVE.md, "Trust model"), or None: a Host it does
+    not answer (400), an Origin it does not let in (403), no or a wrong API key (401), a POST body that is not
+    declared JSON (415)."""
+    host = request.headers.get("host")
+    if not access.host_allowed(host):
+        return _error(400, f"Host {host!r} is not a name this server answers to (loopback names, and --allowed-host); "
+                      "a web page cannot reach it through a domain of its own", code="invalid_host")
+    origin = request.headers.get("origin")
+    if not access.origin_allowed(origin):
+        return _error(403, f"requests from web pages of origin {origin!r} are refused; let an origin in with "
+                      "--cors-origin", code="origin_not_allowed")
+    preflight = request.method == "OPTIONS" and origin is not None  # a browser asking first: it sends no key
+    if api_key and request.url.path not in OPEN_PATHS and not preflight \
+            and not _authorized(request.headers.get("authorization"), api_key):
+        return _error(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                      code="invalid_api_key")
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if request.method == "POST" and media != "application/json":
+        return _error(415, f"the request body must be sent as 'Content-Type: application/json', got {media or 'none'!r}"
+                      " (curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
+    return None
+
+
+def _guard(app: FastAPI, access: ServeAccess, api_key: str | None, metrics: Metrics) -> None:
+    """Every request passes :func:`_refusal` first (then CORS, when origins are configured), is counted, and an
+    unexpected exception is a 500 with the server still up."""
+    if access.cors_origins:  # inside the guard: only allowed origins reach it
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(access.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"], max_age=600)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):  # noqa: ANN202
+        path = request.url.path
+        endpoint = path if path in ENDPOINTS else "other"
+        refused = _refusal(request, access, api_key)
+        if refused is not None:
+            resp = refused
+        else:
+            try:
+                resp = await call_next(request)
+            except Exception as exc:  # the last line of defence: the server answers and stays up
+                log.exception("unhandled error on %s", path)
+                resp = _error(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        metrics.observe_request(endpoint, resp.status_code)
+        return resp
+
+
 def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str | None = None,
-               defaults: ServeDefaults | None = None, limits: ServeLimits | None = None) -> FastAPI:
+               defaults: ServeDefaults | None = None, limits: ServeLimits | None = None,
+               access: ServeAccess | None = None) -> FastAPI:
     """An OpenAI-compatible app over a loaded chain. ``app.state.engine`` / ``app.state.metrics`` are the engine and
-    counters (tests use them)."""
+    counters (tests use them); ``app.state.limits`` the limits (the server's read timeout and connection cap come
+    from it)."""
     limits = limits or ServeLimits()
+    access = access or ServeAccess()
     engine = Engine(chain, mode, max_queue=limits.max_queue)
     defaults = defaults or ServeDefaults()
     started = int(time.time())
@@ -262,22 +316,8 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = model_name
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):  # noqa: ANN202
-        path = request.url.path
-        endpoint = path if path in ENDPOINTS else "other"
-        if api_key and path not in OPEN_PATHS and not _authorized(request.headers.get("authorization"), api_key):
-            resp = _error(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                          code="invalid_api_key")
-        else:
-            try:
-                resp = await call_next(request)
-            except Exception as exc:  # the last line of defence: the server answers and stays up
-                log.exception("unhandled error on %s", path)
-                resp = _error(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-        metrics.observe_request(endpoint, resp.status_code)
-        return resp
+    app.state.limits = limits
+    _guard(app, access, api_key, metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -327,9 +367,16 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
 
 
 async def _read_body(s: _Served, request: Request) -> bytes:
+    """The body, refused when it is over MAX_BODY_BYTES (413) or arrives slower than the read timeout (408; the
+    connection is closed: what is left of the body would be read as the next request)."""
     declared = request.headers.get("content-length", "")
     too_big = declared.isdigit() and int(declared) > MAX_BODY_BYTES
-    raw = b"" if too_big else await request.body()
+    try:
+        raw = b"" if too_big else await asyncio.wait_for(request.body(), s.limits.read_timeout)
+    except asyncio.TimeoutError:
+        s.metrics.observe_rejection("read_timeout")
+        raise ApiError(408, f"the request body did not arrive within {s.limits.read_timeout:g} s (--read-timeout)",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     if too_big or len(raw) > MAX_BODY_BYTES:
         s.metrics.observe_rejection("body_too_large")
         raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")

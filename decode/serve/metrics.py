@@ -14,8 +14,8 @@ from typing import Any
 TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)  # tokens/s per request
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Why a request was refused: a full queue (429), a deadline passed before its turn (503), a prompt over
-# --max-prompt-tokens (400), a body over the size limit (413)
-REJECTIONS = ("queue_full", "deadline", "prompt_too_long", "body_too_large")
+# --max-prompt-tokens (400), a body over the size limit (413), a body slower than --read-timeout (408)
+REJECTIONS = ("queue_full", "deadline", "prompt_too_long", "body_too_large", "read_timeout")
 
 
 def _label(value: str) -> str:

@@ -3,13 +3,13 @@
 This module stays light (argparse, sockets): fastapi, uvicorn and torch are imported only when a server is built, so
 ``polyspec --help`` does not pay for them. The app itself lives in :mod:`polyspec.decode.serve.app`, the wire format
 in :mod:`polyspec.decode.serve.api`, the Prometheus counters in :mod:`polyspec.decode.serve.metrics`, the load limits
-(queue, deadline, prompt length) in :mod:`polyspec.decode.serve.limits`.
+(queue, deadline, prompt length, read timeout, connections) in :mod:`polyspec.decode.serve.limits`, who may talk
+to it (Host names, web origins) in :mod:`polyspec.decode.serve.trust`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import socket
 import sys
@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from polyspec.decode.serve.limits import ServeLimits
+from polyspec.decode.serve.trust import ServeAccess, guarded_protocol, is_loopback
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.modes import MODES
 
 API_KEY_ENV = "POLYSPEC_API_KEY"
-LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -49,17 +49,18 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=ServeLimits.max_prompt_tokens,
                    help=f"longest prompt accepted, in tokens; longer is a 400 "
                    f"(default {ServeLimits.max_prompt_tokens}; 0 = the model's context)")
+    p.add_argument("--read-timeout", type=float, default=ServeLimits.read_timeout, metavar="SECONDS",
+                   help="seconds a client has to send a request's headers, then its body; slower ones get 408 and "
+                   f"are dropped (default {ServeLimits.read_timeout:g})")
+    p.add_argument("--max-connections", type=int, default=ServeLimits.max_connections,
+                   help=f"connections open at once; one more gets 503 (default {ServeLimits.max_connections})")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a Host name clients may use besides loopback ones (and the --host address); repeat for "
+                   "more, '*' for any (a web page reaching the server through its own domain is refused otherwise)")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="a web origin (scheme://host[:port]) whose pages may call the API from a browser; repeat for "
+                   "more (default none: requests that carry another Origin get 403)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only accepts connections from this machine (127.0.0.0/8, ::1, localhost)."""
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def pick_mode(chain: Any, asked: str | None, manifest_mode: str | None) -> str:
@@ -79,7 +80,8 @@ def pick_mode(chain: Any, asked: str | None, manifest_mode: str | None) -> str:
 
 
 def build_app(chain_dir: Path, *, mode: str | None = None, device: str = "auto", dtype: str | None = None,
-              api_key: str | None = None, model_name: str | None = None, limits: ServeLimits | None = None) -> Any:
+              api_key: str | None = None, model_name: str | None = None, limits: ServeLimits | None = None,
+              access: ServeAccess | None = None) -> Any:
     """Validate and load ``chain_dir`` (a chain that does not validate raises PolyspecError) and return the app."""
     try:
         import fastapi  # noqa: F401
@@ -98,7 +100,7 @@ def build_app(chain_dir: Path, *, mode: str | None = None, device: str = "auto",
     defaults = ServeDefaults(temperature=decode.temperature, top_p=decode.top_p, max_tokens=decode.max_new_tokens)
     name = model_name or Path(chain_dir).resolve().name
     return create_app(chain, mode=chosen, model_name=name, api_key=api_key or None, defaults=defaults,
-                      limits=limits)
+                      limits=limits, access=access)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -122,12 +124,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def make_server(app: Any, *, log_level: str = "info") -> Any:
-    """A uvicorn server for ``app``; start it with ``server.run(sockets=[bind_socket(...)])``."""
+    """A uvicorn server for ``app`` with its read timeout and connection cap (``app.state.limits``); start it with
+    ``server.run(sockets=[bind_socket(...)])``."""
     try:
         import uvicorn
     except ImportError:
         raise missing_extra("uvicorn", "serve") from None
-    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", timeout_graceful_shutdown=5)
+    limits = getattr(app.state, "limits", None) or ServeLimits()
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", timeout_graceful_shutdown=5,
+                            http=guarded_protocol(limits.read_timeout, limits.max_connections))
     return uvicorn.Server(config)
 
 
@@ -137,9 +142,11 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise PolyspecError(f"--port must be in 0..65535, got {args.port}")
     # checked before the chain is loaded
-    limits = ServeLimits.from_cli(args.max_queue, args.request_timeout, args.max_prompt_tokens)
+    limits = ServeLimits.from_cli(args.max_queue, args.request_timeout, args.max_prompt_tokens, args.read_timeout,
+                                  args.max_connections)
+    access = ServeAccess.for_bind(args.host, args.allowed_host, args.cors_origin)
     app = build_app(args.chain, mode=args.mode, device=args.device, dtype=args.dtype, api_key=api_key,
-                    model_name=args.model_name, limits=limits)
+                    model_name=args.model_name, limits=limits, access=access)
     if not is_loopback(args.host) and not api_key:
         print(f"polyspec serve: warning: listening on {args.host}, beyond this machine, with no API key: anyone who "
               f"can reach it can use it. Set --api-key or {API_KEY_ENV}.", file=sys.stderr)
@@ -148,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     state = app.state
     print(f"polyspec serve: {state.model_name} ({state.engine.mode}: {' <- '.join(state.engine.levels)}) on "
           f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
-          f"{'(API key required)' if api_key else '(no API key)'}", file=sys.stderr, flush=True)
+          f"{'(API key required)' if api_key else '(no API key)'}; answers {access.describe()}", file=sys.stderr,
+          flush=True)
     server = make_server(app, log_level=args.log_level)
     try:
         server.run(sockets=[sock])

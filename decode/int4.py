@@ -332,13 +332,42 @@ class Int4Linear(nn.Module):
         if tuple(scales.shape) != (n, g) or tuple(zeros.shape) != (n, g):
             raise PolyspecError(f"Int4Linear: scales/zeros must be [{n}, {g}], got {list(scales.shape)} / "
                                 f"{list(zeros.shape)}")
-        self.in_features, self.out_features, self.group_size = k, n, group_size
         codes = F.pad(q.to(torch.uint8), (0, k % 2))  # [N, K + K%2]
-        self.register_buffer("qdata", codes[:, 0::2] | (codes[:, 1::2] << 4))  # [N, ceil(K/2)]
-        self.register_buffer("scales", scales.detach().float().contiguous())
-        self.register_buffer("zeros", zeros.detach().to(torch.uint8).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._set(codes[:, 0::2] | (codes[:, 1::2] << 4), scales.detach().float().contiguous(),
+                  zeros.detach().to(torch.uint8).contiguous(), None if bias is None else bias.detach().clone(), k,
+                  group_size)
+
+    def _set(self, qdata: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+             in_features: int, group_size: int) -> None:
+        self.in_features, self.out_features, self.group_size = in_features, qdata.shape[0], group_size
+        self.register_buffer("qdata", qdata)  # [N, ceil(K/2)]
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("bias", bias)
         self.reset_kernels()
+
+    @classmethod
+    def cat(cls, layers: list[Int4Linear]) -> Int4Linear | None:
+        """One layer computing ``torch.cat([layer(x) for layer in layers], -1)``: codes, scales, zeros and biases
+        concatenated along N (model.fuse_projections: one kernel for q/k/v, one for gate/up). Each layer's buffers
+        become views of the fused ones, as fused bf16 projections do: no memory added, the same values. None where
+        the layers differ in K, group size, device or bias presence."""
+        first = layers[0]
+        if len({(lin.in_features, lin.group_size, lin.qdata.device, lin.bias is None) for lin in layers}) != 1:
+            return None
+        parts = [(lin.qdata, lin.scales, lin.zeros, lin.bias) for lin in layers]
+        qdata, scales, zeros = (torch.cat([p[i] for p in parts]) for i in range(3))
+        bias = None if first.bias is None else torch.cat([p[3] for p in parts])
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused._set(qdata, scales, zeros, bias, first.in_features, first.group_size)
+        row = 0
+        for lin in layers:
+            rows = slice(row, row + lin.out_features)
+            lin._set(qdata[rows], scales[rows], zeros[rows], None if bias is None else bias[rows], lin.in_features,
+                     lin.group_size)
+            row += lin.out_features
+        return fused
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, sym: bool = True) -> Int4Linear:
@@ -371,7 +400,7 @@ class Int4Linear(nn.Module):
     def reset_kernels(self) -> None:
         """Forget the kernel-ready copies (after the codes, scales or device change): rebuilt on next use."""
         self._kernel: tuple | None = None  # torch's int4 kernels: ((backend, device), plan, packed, scales_and_zeros)
-        self._triton: tuple | None = None  # the Triton kernel: (device, plan, scales [G, N], zeros [G, N])
+        self._triton: dict = {}  # the Triton kernel's tensors per (device, activation dtype)
 
     def _packed_for(self, backend: str, device: torch.device) -> tuple[KernelPlan, torch.Tensor, torch.Tensor] | None:
         if self._kernel is not None and self._kernel[0] == (backend, device):
@@ -389,18 +418,17 @@ class Int4Linear(nn.Module):
         return self._kernel[1:]
 
     def _triton_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 [M, K] -> [M, N] in x2's dtype on the Triton W4A16 kernel (activations rounded to bf16, as torch's
-        CUDA int4 kernel rounds them); its transposed scales and zeros and launch plan are built once per device."""
-        dev = x2.device
-        if self._triton is None or self._triton[0] != dev:
+        """x2 [M, K] -> [M, N] + bias in x2's dtype on the Triton W4A16 kernel (fp32 activations run as bf16); the
+        kernel's tensors are built once per device and dtype (int4_triton.kernel_tensors)."""
+        dtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        key = (x2.device, dtype)
+        if key not in self._triton:
             int4_triton.register()
-            props = torch.cuda.get_device_properties(dev)
-            plan = int4_triton.plan(self.out_features, self.scales.shape[1], props.multi_processor_count)
-            self._triton = (dev, plan, *int4_triton.kernel_tensors(self.scales, self.zeros, dev))
-        _, plan, scales_t, zeros_t = self._triton
-        y = int4_triton.int4_mm(x2.to(torch.bfloat16), self.qdata, scales_t, zeros_t, self.group_size,
-                                self.out_features, plan)
-        return y.to(x2.dtype)
+            self._triton[key] = int4_triton.kernel_tensors(self.q, self.scales, self.zeros, self.bias,
+                                                           self.group_size, dtype, x2.device)
+        t, n = self._triton[key], self.out_features
+        p = int4_triton.plan(n, self.in_features, self.group_size, x2.shape[0], t.sms)
+        return int4_triton.int4_mm(x2.to(dtype), t, self.group_size, n, p).to(x2.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (the one place that picks the kernel)."""
@@ -411,9 +439,9 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         backend = select_backend(x2, self.group_size)
         kernel = self._packed_for(backend, x2.device) if backend not in ("reference", "triton") else None
-        if backend == "triton":  # verification widths on CUDA (decode/int4_triton.py)
-            y = self._triton_mm(x2)
-        elif kernel is None:
+        if backend == "triton":  # verification widths on CUDA (decode/int4_triton.py), the bias added there
+            return self._triton_mm(x2).view(*lead, self.out_features)
+        if kernel is None:
             w = self.dequantized_weight().to(device=x2.device, dtype=x2.dtype)  # [N, K]
             if os.environ.get("POLYSPEC_INT4_REFERENCE", "").strip().lower() == "bf16":
                 x2 = x2.to(torch.bfloat16).to(x2.dtype)

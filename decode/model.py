@@ -362,6 +362,8 @@ def fused_projection(owner: nn.Module, x: torch.Tensor, linears: list[nn.Module]
     if y is not None:
         return y
     fused = owner.__dict__.get("_fused")
+    if isinstance(fused, nn.Module):  # int4 projections concatenated along N (Int4Linear.cat)
+        return fused(x)
     if fused is None or fused[0].dtype != x.dtype:
         return None
     return F.linear(x, fused[0], fused[1])
@@ -378,7 +380,15 @@ class FusableProjections(nn.Module):
 
 def _fuse_group(owner: nn.Module, linears: list[nn.Module]) -> bool:
     """Back ``linears`` (plain Linear layers of one dtype and device, all with or all without bias) by one weight
-    [sum of out_features, in] whose row blocks become their parameters' data; False where they do not qualify."""
+    [sum of out_features, in] whose row blocks become their parameters' data (Int4Linear layers: one Int4Linear
+    concatenated along N, Int4Linear.cat); False where they do not qualify."""
+    from polyspec.decode.int4 import Int4Linear
+
+    if all(isinstance(lin, Int4Linear) for lin in linears):
+        fused = Int4Linear.cat(linears)
+        if fused is not None:
+            owner.__dict__["_fused"] = fused
+        return fused is not None
     if not all(type(lin).forward is Linear.forward for lin in linears):
         return False
     ws = [lin.weight for lin in linears]
@@ -402,7 +412,8 @@ def fuse_projections(model: nn.Module) -> int:
     """Give every attention's q/k/v and every MLP's gate/up one weight tensor each, their own parameters becoming
     views of it (no extra memory; values, parameter identity and state-dict names unchanged), so a step runs one
     matmul where it ran three or two: fewer, larger kernels on a GPU (the compiled static step,
-    polyspec.decode.cuda_graphs). Int4 or mixed projections stay separate. Returns the number of groups fused."""
+    polyspec.decode.cuda_graphs). Int4 projections fuse into one Int4Linear each; mixed ones stay separate. Returns
+    the number of groups fused."""
     n = 0
     for mod in model.modules():
         if "_fused" in mod.__dict__:
@@ -463,7 +474,7 @@ class MLP(FusableProjections):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = fused_projection(self, x, [self.gate_proj, self.up_proj])  # [..., 2 I]: one matmul
         if gate_up is not None:
-            gate, up = gate_up.split(self.gate_proj.weight.shape[0], dim=-1)
+            gate, up = gate_up.split(self.gate_proj.out_features, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

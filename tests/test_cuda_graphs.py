@@ -119,7 +119,9 @@ def test_compiled_int4_step_first_in_a_generation_reads_packed_weights(models):
     tol = 3e-2  # torch's int4 kernel rounds activations to bf16; the CPU streaming kernel keeps them fp32
     _same(_call(ref, ids), _call(twin, ids), tol)
     assert runner.replays == 1 and not runner._eager_first
-    assert all(mod._kernel is not None for mod in twin.modules() if isinstance(mod, Int4Linear))
+    run = [m.__dict__["_fused"] for m in twin.modules() if "_fused" in m.__dict__]  # q/k/v, gate/up: Int4Linear.cat
+    run += [lin for layer in twin.layers for lin in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    assert len(run) == 4 * len(twin.layers) and all(isinstance(m, Int4Linear) and m._kernel is not None for m in run)
     _same(_call(ref, torch.tensor([7])), _call(twin, torch.tensor([7])), tol)
 
 

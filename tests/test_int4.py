@@ -163,6 +163,44 @@ def test_reference_path_when_grad_is_needed():
     assert torch.allclose(x.grad, dequantize(q, s, z, 128).sum(0).expand(2, -1), atol=1e-5)
 
 
+def test_cat_is_the_concatenation_and_shares_its_buffers():
+    """Int4Linear.cat (model.fuse_projections' int4 q/k/v and gate/up): the concatenated output, column for column;
+    the parts' buffers become views of the fused ones (no memory added), their values and own outputs unchanged."""
+    parts = [Int4Linear(*quantize_rtn(_w(n, 256, n), 64, sym=n != 32), 64, torch.randn(n)) for n in (32, 16, 16)]
+    before = [(p.q.clone(), p.scales.clone(), p.zeros.clone(), p.bias.clone()) for p in parts]
+    x = torch.randn(3, 256)
+    sep = [p(x) for p in parts]
+    fused = Int4Linear.cat(parts)
+    assert (fused.in_features, fused.out_features, fused.group_size) == (256, 64, 64)
+    assert torch.equal(fused(x), torch.cat(sep, -1))
+    for p, (q, s, z, b), y in zip(parts, before, sep, strict=True):
+        assert torch.equal(p.q, q) and torch.equal(p.scales, s) and torch.equal(p.zeros, z) and torch.equal(p.bias, b)
+        assert torch.equal(p(x), y)
+    assert parts[1].qdata.data_ptr() == fused.qdata[32:].data_ptr()  # a view: no copy kept
+    assert parts[2].scales.data_ptr() == fused.scales[48:].data_ptr()
+    odd = Int4Linear(*quantize_rtn(_w(16, 256), 128), 128)
+    assert Int4Linear.cat([parts[0], odd]) is None  # another group size: not fused
+
+
+def test_fuse_projections_fuses_int4_groups_and_computes_the_same(tiny_dir):
+    from polyspec.decode.model import fuse_projections
+
+    model = quantize_model_rtn(Transformer.from_pretrained(tiny_dir), group_size=64)
+    ids = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(1))
+    ref = _logits(model, ids)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert fuse_projections(model) == 2 * model.args.num_layers
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert isinstance(attn.__dict__["_fused"], Int4Linear) and attn.__dict__["_fused"].out_features == sum(
+        lin.out_features for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert mlp.__dict__["_fused"].out_features == 2 * mlp.gate_proj.out_features
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.allclose(_logits(model, ids), ref, atol=1e-5, rtol=1e-5)  # column blocks computed alike
+    model.to(torch.float32)  # a cast gives each projection its own tensors again: the fused layer is dropped
+    assert "_fused" not in attn.__dict__
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 8])

@@ -65,9 +65,10 @@ def test_fused_projections_compute_the_same(tiny, monkeypatch):
     assert (out[1], out[3]) == (7 * layers + 1, 4 * layers + 1)  # matmuls per layer: 7 separate, 4 fused; lm_head
 
 
-def test_int4_projections_stay_separate():
+def test_int4_projections_fuse_too():
+    """Int4 q/k/v and gate/up fuse into one Int4Linear each (Int4Linear.cat; parity in tests/test_int4.py)."""
     model = random_model(shape_args("tiny"), dtype=torch.float32, device="cpu", int4_group=32)
-    assert fuse_projections(model) == 0
+    assert fuse_projections(model) == 2 * model.args.num_layers
 
 
 def test_wrapper_launches_reads_the_call_function():

@@ -20,9 +20,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyspec.decode.timing import sync
 from polyspec.errors import PolyspecError
 from polyspec.export.results import LevelRun, Run
-from polyspec.export.timing import sync
 
 
 class RecordingLevel:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from typing import Any
 
+from polyspec.decode.timing import timed
 from polyspec.errors import PolyspecError
 from polyspec.export.results import CostRow
 
@@ -28,14 +28,6 @@ def summarize_times(seconds: list[float]) -> dict[str, float]:
 
     return {"median_s": statistics.median(xs), "p10_s": q(0.1), "p90_s": q(0.9), "mean_s": statistics.fmean(xs),
             "min_s": xs[0], "repeats": len(xs)}
-
-
-def sync(device: Any) -> None:
-    """Wait for queued GPU work, so that a wall-clock interval covers it."""
-    if getattr(device, "type", "cpu") == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
 
 
 def _fill_cache(level: Any, prefix: list[int], kv_length: int, feats: Any) -> None:
@@ -82,12 +74,10 @@ def time_forwards(level: Any, widths: list[int], kv_length: int, *, warmup: int 
     times: list[list[float]] = [[] for _ in widths]
     for i in range(warmup + repeats):
         for j, w in enumerate(widths):
-            sync(device)
-            t0 = time.perf_counter()
-            logits, _ = level.forward(block[:w], kv_length, feats[kv_length:kv_length + w] if needs else None)
-            float(logits[-1, 0])  # make sure the work is done (and on CUDA, synchronised)
+            _, dt = timed(lambda w=w: level.forward(block[:w], kv_length, feats[kv_length:kv_length + w]
+                                                    if needs else None), device)
             if i >= warmup:
-                times[j].append(time.perf_counter() - t0)
+                times[j].append(dt)
     level.reset()
     return [CostRow(width=w, kv_length=kv_length, **summarize_times(ts)) for w, ts in zip(widths, times, strict=True)]
 

@@ -143,11 +143,11 @@ def slow(src, dst, **kw):
     time.sleep(60)
     return out
 shutil.copyfile = slow
-from polyspec.config import DecodeConfig
+from polyspec.chain_spec import DecodeSpec
 from polyspec.export.package import export_chain
 from polyspec.export.report import read_profile
 parts = {k: Path(v) for k, v in json.loads(sys.argv[2]).items()}
-export_chain(Path(sys.argv[1]), parts, read_profile(Path(sys.argv[4])), DecodeConfig(), onnx=False)
+export_chain(Path(sys.argv[1]), parts, read_profile(Path(sys.argv[4])), DecodeSpec(), onnx=False)
 """
 
 
@@ -159,10 +159,10 @@ def test_export_killed_with_sigkill_then_rerun(parts, profile, tmp_path):
     import sys
     import time
 
-    from polyspec.config import DecodeConfig
+    from polyspec.chain_spec import DecodeSpec
     from polyspec.export.package import export_chain
 
-    out = export_chain(tmp_path / "chain", parts, profile, DecodeConfig(), onnx=False)
+    out = export_chain(tmp_path / "chain", parts, profile, DecodeSpec(), onnx=False)
     before = validate_chain(out).model_dump()
     started = tmp_path / "started"
     argv = [str(out), json.dumps({k: str(v) for k, v in parts.items()}), str(started), str(profile.path)]
@@ -179,7 +179,7 @@ def test_export_killed_with_sigkill_then_rerun(parts, profile, tmp_path):
     assert validate_chain(out).model_dump() == before
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != "started")
     assert len(left) == 2 and left[0].startswith(f".chain.tmp-{proc.pid}@") and left[1] == "chain"
-    export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+    export_chain(out, parts, profile, DecodeSpec(), onnx=False)
     assert validate_chain(out).levels == read_manifest(out).levels
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chain", "started"]
 
@@ -189,7 +189,7 @@ def test_export_onto_a_full_file_system_is_one_error_and_the_old_chain_stays(par
     first export fits, the second does not: one error (exit 1), the old chain intact, nothing half-written."""
     import subprocess
 
-    from polyspec.config import DecodeConfig
+    from polyspec.chain_spec import DecodeSpec
     from polyspec.export.package import export_chain
 
     small = tmp_path / "small"
@@ -198,10 +198,10 @@ def test_export_onto_a_full_file_system_is_one_error_and_the_old_chain_stays(par
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode(errors='replace').strip()})")
     try:
-        out = export_chain(small / "chain", parts, profile, DecodeConfig(), onnx=False)
+        out = export_chain(small / "chain", parts, profile, DecodeSpec(), onnx=False)
         before = validate_chain(out).model_dump()
         with pytest.raises(PolyspecError, match="no space left on the device") as exc:
-            export_chain(out, parts, profile, DecodeConfig(), onnx=False)
+            export_chain(out, parts, profile, DecodeSpec(), onnx=False)
         assert exc.value.exit_code == 1 and "the old one is intact" in str(exc.value)
         assert validate_chain(out).model_dump() == before
         assert sorted(p.name for p in small.iterdir()) == ["chain"]

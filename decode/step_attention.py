@@ -24,7 +24,7 @@ share their kv head's program, so K/V are read once per group. Each split keeps 
 its unnormalised output, max and sum; a second kernel combines the active splits. Two launches a layer; the
 partial buffers are the op's own (a CUDA graph keeps them in its pool).
 
-Supported by the kernels: CUDA tensors, bf16 / fp16 / fp32, head_dim a power of two 16..256, ``qk``/``v`` with unit
+Supported by the kernels: CUDA tensors (CPU ones under Triton's interpreter), bf16 / fp16 / fp32, head_dim a power of two 16..256, ``qk``/``v`` with unit
 stride within a head and heads adjacent (views of the fused q/k/v projection are). Parity: tests/test_step_attention.py
 (the kernels under Triton's interpreter against torch's SDPA and :func:`reference`, on CUDA marked ``gpu``).
 ``POLYSPEC_STEP_ATTENTION=0`` keeps :func:`reference` on CUDA too (the ablation).
@@ -61,10 +61,15 @@ def splits_for(slots: int) -> tuple[int, int]:
     return splits, -(-blocks // splits) * BLOCK_N
 
 
+def interpreting() -> bool:
+    """Triton's interpreter runs the kernels on CPU tensors (the parity tests)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
 def supported(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the Triton kernels take this call (see the module docstring); otherwise :func:`reference` does."""
     d = qk.shape[-1]
-    return (qk.is_cuda and enabled() and qk.dtype in DTYPES and qk.dtype == v.dtype == k_cache.dtype
+    return ((qk.is_cuda or interpreting()) and enabled() and qk.dtype in DTYPES and qk.dtype == v.dtype == k_cache.dtype
             and 16 <= d <= 256 and d & (d - 1) == 0 and qk.shape[0] == 1 and _heads_packed(qk)
             and _heads_packed(v) and k_cache.is_contiguous())
 

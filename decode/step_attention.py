@@ -13,8 +13,9 @@ attends over the keys it sees: every slot before ``prefix``, and slot ``prefix +
 (c < C; the block's own keys are columns ``start - prefix ..``: a causal block, a draft tree, or a tree that also sees
 its K earlier nodes, ``prefix = start - K``). ``bounds`` [2] holds (start, prefix). The output is [1, W, h, D], the
 layout the o projection reads. The maths is the reference layer's (decode/model.py: ``apply_rope`` over the whole head,
-``attend``'s scaled softmax with grouped K/V heads): :func:`reference` *is* those functions over the whole cache under
-the equivalent mask, and runs wherever the Triton kernels do not (the CPU, where the compiled step counts kernels).
+``attend``'s scaled softmax with grouped K/V heads): :func:`reference` *is* those functions (over the valid slots on
+the CPU; over the whole cache under the equivalent mask elsewhere, which needs no host sync) and runs wherever the
+Triton kernels do not (the CPU, where the compiled step counts kernels).
 
 How, on CUDA (:func:`supported`): flash-decoding. One program per (kv head, block of query rows, split of the keys):
 each split covers CHUNK cache slots below ``start`` and returns at once when its slots start past it, so the work
@@ -89,19 +90,32 @@ def step_mask(bounds: torch.Tensor, inner: torch.Tensor, slots: int) -> torch.Te
 
 
 def reference(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos_t: torch.Tensor,
-              sin_t: torch.Tensor, pos: torch.Tensor, bounds: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
-    """The op through the reference layer's own functions: RoPE (model.apply_rope), ``index_copy_`` into the cache at
-    slots start.., attention (model.attend) over the whole cache under :func:`step_mask`. No host sync, any device."""
+              sin_t: torch.Tensor, pos: torch.Tensor, bounds: torch.Tensor, inner: torch.Tensor,
+              host_lengths: bool | None = None) -> torch.Tensor:
+    """The op through the reference layer's own functions: RoPE (model.apply_rope), the K/V write at slots start..,
+    attention (model.attend). ``host_lengths`` (default: on the CPU, where reading them is free): slices at the read
+    lengths, attention over the valid slots only; otherwise an ``index_copy_`` and attention over the whole cache under
+    :func:`step_mask`, with no host sync (a CUDA graph can capture it)."""
     from polyspec.decode.model import apply_rope, attend
 
     h = qk.shape[2] - v.shape[2]
     w = qk.shape[1]
-    pos = pos.long()
     rot = apply_rope(qk.transpose(1, 2), cos_t.index_select(0, pos), sin_t.index_select(0, pos))  # [1, h+kv, W, D]
-    slots = bounds[0].long() + torch.arange(w, device=qk.device)
-    k_cache.index_copy_(2, slots, rot[:, h:])
-    v_cache.index_copy_(2, slots, v.transpose(1, 2))
-    out = attend(rot[:, :h], k_cache, v_cache, step_mask(bounds, inner, k_cache.shape[2]))  # [1, h, W, D]
+    if host_lengths if host_lengths is not None else qk.is_cpu:
+        start, prefix = bounds.tolist()
+        end = start + w
+        k_cache[:, :, start:end] = rot[:, h:]
+        v_cache[:, :, start:end] = v.transpose(1, 2)
+        mask = None  # one row that sees every slot (a decode step): SDPA's unmasked path
+        if w > 1 or prefix != start:
+            seen = torch.ones(w, prefix, dtype=torch.bool, device=qk.device)
+            mask = torch.cat((seen, inner[:, :end - prefix] != 0), dim=1)  # [W, end]
+        out = attend(rot[:, :h], k_cache[:, :, :end], v_cache[:, :, :end], mask)
+    else:
+        slots = bounds[0].long() + torch.arange(w, device=qk.device)
+        k_cache.index_copy_(2, slots, rot[:, h:])
+        v_cache.index_copy_(2, slots, v.transpose(1, 2))
+        out = attend(rot[:, :h], k_cache, v_cache, step_mask(bounds, inner, k_cache.shape[2]))  # [1, h, W, D]
     return out.transpose(1, 2).contiguous()
 
 

@@ -5,6 +5,7 @@ the model's forward, and on CUDA (marked ``gpu``) the kernels in a CUDA graph re
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -175,13 +176,17 @@ def _case_module():
     return ns
 
 
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["valid-slots", "whole-cache"])
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reference_matches_sdpa(dtype, tree):
+def test_reference_matches_sdpa(dtype, tree, host_lengths):
+    """Both ways the reference attends: over the valid slots (host-read lengths, the CPU's), and over the whole cache
+    under step_mask (no host sync: the one a CUDA device without the kernels captures)."""
     ns = _case_module()
     tol = 2e-5 if dtype == torch.float32 else 3e-2
+    run = functools.partial(A.reference, host_lengths=host_lengths)
     for c in ns["CASES"]:
-        ns["check"](A.reference, ns["make_case"](*c[:7], c[7], dtype, tree, poison=1e4), tol)
+        ns["check"](run, ns["make_case"](*c[:7], c[7], dtype, tree, poison=1e4), tol)
 
 
 @pytest.mark.parametrize("earlier,tree", [(0, None), (0, "tree"), (3, "tree")])

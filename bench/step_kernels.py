@@ -47,6 +47,7 @@ def _step_inputs(model: Any, width: int) -> tuple:
     runner._sync_cache(cache)
     bk = runner._bucket(width, False)
     bk.fill(width, 7, 0, None, None, runner._cos.shape[0])
+    bk.meta.copy_(bk.staging)  # (on the CPU the same tensor) what the runner's step copies first
     index = cuda_graphs.StepIndex(bk.pos, bk.bounds, bk.inner, runner._cos, runner._sin)
     return model, bk.ids, None, index, cache.k, cache.v
 

@@ -284,7 +284,7 @@ class StaticRunner:
             bk.graph.replay()
             out = bk.out
         if bk.meta.is_cuda:
-            bk.done = torch.cuda.Event()
+            bk.done = bk.done or torch.cuda.Event()
             bk.done.record()
         return out
 

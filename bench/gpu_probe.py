@@ -132,7 +132,7 @@ def _median_ms(fn: Any, device: Any, repeats: int) -> float:
 def _decode_step_ops(args: Any, *, dtype: Any, device: Any, prompt: int,
                      compiled: bool = False) -> list[tuple[str, float]]:
     """(name, microseconds) of each device kernel (leaf CPU op on the CPU) of one static decode step (``compiled``:
-    each layer torch.compile'd with fused projections, decode/cuda_graphs.compiled_layer_step)."""
+    the whole step torch.compile'd with fused projections, decode/cuda_graphs.compiled_step)."""
     from polyspec.bench.shape_bench import random_model
     from polyspec.decode import cpu_kernels, cuda_graphs
 

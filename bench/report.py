@@ -79,9 +79,9 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
         console.print(table)
     rl = report.get("roofline")
     if rl:
-        line = (f"memory roofline of the target: {rl['weight_bytes'] / 1e6:.0f} MB of weights per decode step at "
-                f"{rl['bandwidth_GBps']:.1f} GB/s (read bandwidth) -> at most {rl['roofline_tokens_per_second']:.1f} "
-                "tokens/s at batch 1")
+        line = (f"memory roofline of the target: {rl.get('streamed_bytes', rl['weight_bytes']) / 1e6:.0f} MB of "
+                f"weights per decode step at {rl['bandwidth_GBps']:.1f} GB/s (a GEMV's stream) -> at most "
+                f"{rl['roofline_tokens_per_second']:.1f} tokens/s at batch 1")
         if rl.get("fraction_of_roofline") is not None:
             line += (f"; ar reaches {rl['measured_tokens_per_second']:.2f} tokens/s = "
                      f"{100 * rl['fraction_of_roofline']:.0f}% of it")

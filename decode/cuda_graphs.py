@@ -1,48 +1,57 @@
 """Static-shape decode and verify steps, replayed as CUDA graphs on a GPU.
 
-A decode step of a 7B model at batch 1 launches some 500 small kernels; on a GPU the launch overhead alone is a large
+A decode step of a 7B model at batch 1 launches some 300 small kernels; on a GPU the launch overhead alone is a large
 share of the step. Capturing the step once as a CUDA graph and replaying it removes that overhead, but a graph fixes
 every tensor address and shape. :class:`StaticRunner` therefore runs a forward of T <= ``max_width`` tokens as a
 *static* step of width W (the next bucket >= T, see :data:`BUCKETS`):
 
-* token ids, RoPE positions, features and the attention mask live in pre-allocated buffers; rows T..W-1 are padding
-  (token 0 at the positions after the block, each seeing only itself) whose outputs are dropped;
-* K/V are written with ``index_copy_`` at the positions held in a tensor, and attention reads the *whole* cache
-  (its physical length, ``max_seq_len + max_width``) under a bool mask [W, S] that hides everything not yet valid:
-  no shape depends on the cache length;
-* RoPE cos/sin come from a table over every cache position, gathered by the position tensor.
+* what changes from one forward to the next is a few integers: the RoPE positions, the block's first cache slot and
+  the start of the part of the cache every row sees, and which of the last slots each row sees (a causal block, a
+  draft tree, padding rows that see only themselves). The host writes them into one small buffer (pinned on CUDA);
+  the step's first operation copies it to the device, inside the graph, and everything else is derived there. Token
+  ids (and a head's features) are copied into their buffers before the replay; rows T..W-1 are padding whose outputs
+  are dropped;
+* each layer's RoPE, K/V write and attention are one op (:mod:`polyspec.decode.step_attention`) that reads the
+  length from the device: it attends over the valid slots only, so no shape depends on the cache length and no
+  replay reads the whole cache.
 
 Each layer of the step is the model's own :class:`~polyspec.decode.model.DecoderLayer` (the one reference definition
-of the maths), called with a :class:`LayerSlots` as its KV store and the static mask.
+of the maths), called with a :class:`LayerSlots` as its KV store: the layer hands such a store its projections and the
+store runs the op.
 
-The same static step runs eagerly on any device (``graphs=False``): that is the pure-torch path the tests compare
-with the model's own forward on the CPU. With ``graphs=True`` (CUDA only) each width bucket is captured on first use
-(after two warm-up runs on a side stream, which also build the int4 kernels' packed weights) and replayed afterwards.
-Graphs are dropped whenever the cache is re-allocated or the model is moved or cast.
+The same static step runs eagerly on any device (``graphs=False``): that is the path the tests compare with the
+model's own forward on the CPU. With ``graphs=True`` (CUDA only) each width bucket is captured on first use (after two
+warm-up runs on a side stream, which also build the int4 kernels' packed weights) and replayed afterwards. Graphs are
+dropped whenever the cache is re-allocated or the model is moved or cast.
 
-With ``compiled=True`` (the default on CUDA, ``POLYSPEC_COMPILE_STEP=0`` turns it off) the step runs through
-``torch.compile`` layer by layer with the projections fused (:func:`compiled_layer_step`); the graph then captures the compiled code.
+With ``compiled=True`` (the default on CUDA, ``POLYSPEC_COMPILE_STEP=0`` turns it off) the whole step (embedding,
+every layer, the final norm and the lm_head) runs as one ``torch.compile`` graph with the projections fused
+(:func:`compiled_step`); the CUDA graph then captures the compiled code.
 
-Prefill blocks wider than ``max_width``, batches > 1, autograd and calls without a cache take the model's ordinary
-forward; both paths share the cache tensors. ``POLYSPEC_CUDA_GRAPHS=0`` keeps :func:`enable_for_device` from
-attaching runners (the ordinary forward then runs everywhere).
+Prefill blocks wider than ``max_width``, batches > 1, autograd, calls without a cache, trees that see more than
+TREE_COLUMNS earlier nodes and layers with a feature the op does not declare take the model's ordinary forward; both
+paths share the cache tensors. ``POLYSPEC_CUDA_GRAPHS=0`` keeps :func:`enable_for_device` from attaching runners (the
+ordinary forward then runs everywhere).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
+from polyspec.decode.step_attention import SUPPORT, step_attention
 from polyspec.errors import PolyspecError
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # static widths; a block of T tokens runs at the first bucket >= T
 ENV = "POLYSPEC_CUDA_GRAPHS"
 COMPILE_ENV = "POLYSPEC_COMPILE_STEP"
 RECOMPILE_LIMIT = 64  # compiled static steps per code object: a width bucket x model (target, int4 copy, head) each
+TREE_COLUMNS = 64  # earlier draft-tree nodes a step's rows may see beyond its own block (a larger tree: ordinary path)
 
 
 def _none() -> None:
@@ -76,40 +85,75 @@ def bucket_for(t: int, max_width: int) -> int | None:
     return None
 
 
+class StepIndex(NamedTuple):
+    """Where a static step reads its positions: device tensors filled from the host buffer inside the step, and the
+    RoPE tables over every cache slot (see polyspec.decode.step_attention for the visibility rule)."""
+
+    pos: torch.Tensor  # [W] int32: RoPE positions
+    bounds: torch.Tensor  # [2] int32: the block's first slot (start), and prefix: every row sees the slots before it
+    inner: torch.Tensor  # [W, C] int32: row w sees slot prefix + c where inner[w, c] != 0
+    cos: torch.Tensor  # [S, D] in the compute dtype
+    sin: torch.Tensor
+
+
 class LayerSlots:
     """The static step's KV store for one layer, handed to a :class:`~polyspec.decode.model.DecoderLayer` in place of
-    the dynamic cache (same ``store`` method): the block's K/V [1, kv, W, D] go to the cache slots held in the tensor
-    ``slots`` [W] (``index_copy_``: fixed addresses, no host sync), and attention reads the layer's whole cache
-    [1, kv, S, D] under the step's mask [W, S], which hides every slot not yet valid. One store per layer, so the
-    layer's step is the same code for every layer (one compiled graph serves them all)."""
+    the dynamic cache: the layer's attention calls :meth:`attention` with its projections, and the store runs RoPE,
+    the K/V write into the layer's cache [1, kv, S, D] and attention over the valid slots as one op, at the positions
+    in the step's :class:`StepIndex` (tensors: a captured graph replays at any position)."""
 
-    __slots__ = ("k", "v", "slots")
+    __slots__ = ("k", "v", "index")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-        self.k, self.v, self.slots = k, v, slots
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, index: StepIndex):
+        self.k, self.v, self.index = k, v, index
 
-    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer`` and ``start`` are unused: this store is one layer's, its positions are in ``slots`` (a tensor,
-        so a captured graph replays anywhere)."""
-        self.k.index_copy_(2, self.slots, k)
-        self.v.index_copy_(2, self.slots, v)
-        return self.k, self.v
+    def attention(self, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """qk [1, W, h + kv, D] and v [1, W, kv, D] before RoPE -> attention output [1, W, h, D]."""
+        i = self.index
+        return step_attention(qk, v, self.k, self.v, i.cos, i.sin, i.pos, i.bounds, i.inner)
 
 
 class _Bucket:
-    """Input/output buffers of one static width, and its graph once captured."""
+    """Input/output buffers of one static width, and its graph once captured. ``meta`` holds the StepIndex integers
+    ([W] positions, [2] bounds, [W, C] visibility) on the device; ``staging`` is what the host writes (pinned on CUDA,
+    ``meta`` itself on the CPU) and ``host`` its numpy view."""
 
-    def __init__(self, width: int, s: int, hidden: int, head_dim: int, dtype: torch.dtype, features: bool,
-                 device: torch.device):
+    def __init__(self, width: int, hidden: int, dtype: torch.dtype, features: bool, device: torch.device):
         self.width = width
-        self.cos = torch.zeros(width, head_dim, dtype=dtype, device=device)  # RoPE rows of the block's positions
-        self.sin = torch.zeros(width, head_dim, dtype=dtype, device=device)
+        self.columns = width + TREE_COLUMNS
+        n = 2 + width * (1 + self.columns)
+        self.meta = torch.zeros(n, dtype=torch.int32, device=device)
+        self.staging = self.meta if device.type == "cpu" else torch.zeros(n, dtype=torch.int32, pin_memory=True)
+        self.host = self.staging.numpy()
+        self.pos, self.bounds = self.meta[:width], self.meta[width:width + 2]
+        self.inner = self.meta[width + 2:].view(width, self.columns)
+        self.rows = np.arange(width)
+        self.causal = np.tril(np.ones((width, width), dtype=np.int32))
         self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
-        self.positions = torch.arange(width, dtype=torch.long, device=device)
-        self.mask = torch.zeros(width, s, dtype=torch.bool, device=device)
         self.feats = torch.zeros(1, width, hidden, dtype=dtype, device=device) if features else None
         self.graph: Any = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None  # the graph's static outputs
+        self.done: Any = None  # CUDA: an event after the last step that read ``staging``
+
+    def fill(self, t: int, start: int, earlier: int, tree_mask: Any, offsets: Any, slots: int) -> bool:
+        """Write a block of ``t`` tokens at cache slot ``start`` into the staging buffer: positions (start + offsets,
+        padding rows after the block), bounds, and visibility (the tree mask's [T, earlier + T] or causal; a padding
+        row sees itself). False (nothing written) where a position falls outside the RoPE table's ``slots``."""
+        w, a = self.width, self.host
+        pos = start + self.rows
+        if offsets is not None:
+            pos[:t] = start + offsets
+        if pos.min() < 0 or pos.max() >= slots:
+            return False
+        if self.done is not None:
+            self.done.synchronize()  # the last step's copy has read the staging buffer
+        a[:w] = pos
+        a[w], a[w + 1] = start, start - earlier
+        inner = a[w + 2:].reshape(w, self.columns)
+        inner[:] = 0
+        inner[:t, :earlier + t] = self.causal[:t, :t] if tree_mask is None else tree_mask
+        inner[self.rows[t:], earlier + self.rows[t:]] = 1
+        return True
 
 
 class StaticRunner:
@@ -124,12 +168,13 @@ class StaticRunner:
             raise PolyspecError(f"max_width must lie in 1..{BUCKETS[-1]}, got {max_width}")
         self.model = model
         self.graphs = graphs
-        self.compiled = compiled  # layers through torch.compile, projections fused (see compiled_layer_step)
+        self.compiled = compiled  # the whole step through torch.compile, projections fused (see compiled_step)
         self._eager_first = compiled  # a compiled runner's first step after (re)syncing runs eagerly (see _step)
         self.max_width = max_width
         self._buckets: dict[int, _Bucket] = {}
         self._cache_key: tuple | None = None
         self._cos = self._sin = None
+        self._layers_ok: bool | None = None
         self.replays = 0  # forwards served by a static step (graph replays or eager static runs)
         self.captures = 0
 
@@ -147,6 +192,7 @@ class StaticRunner:
         self._buckets.clear()
         self._cache_key = None
         self._cos = self._sin = None
+        self._layers_ok = None
 
     def _sync_cache(self, cache: Any) -> None:
         key = (cache.k[0].data_ptr(), cache.k[0].shape, cache.k[0].dtype)
@@ -166,8 +212,10 @@ class StaticRunner:
 
     def applies(self, ids: torch.Tensor) -> bool:
         cache = self.model._cache
-        return (cache is not None and ids.dim() == 2 and ids.shape[0] == 1 and cache.batch_size == 1
-                and bucket_for(ids.shape[1], self.max_width) is not None
+        if self._layers_ok is None:  # every layer within what the step's attention op declares
+            self._layers_ok = all(getattr(layer, "features", SUPPORT) <= SUPPORT for layer in self.model._layers())
+        return (self._layers_ok and cache is not None and ids.dim() == 2 and ids.shape[0] == 1
+                and cache.batch_size == 1 and bucket_for(ids.shape[1], self.max_width) is not None
                 and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()))
                 and cache.k[0].shape[2] >= cache.max_seq_len + self.slack)
 
@@ -182,62 +230,63 @@ class StaticRunner:
         t = ids.shape[1]
         start = cache.length
         model._check_block(1, t, start, tree_mask)
+        earlier = 0 if tree_mask is None else tree_mask.shape[1] - t
+        if earlier > TREE_COLUMNS:
+            return None
+        offsets = None if position_offsets is None else _host_offsets(position_offsets, t)
         self._sync_cache(cache)
-        dev = cache.k[0].device
-        width = bucket_for(t, self.max_width)
-        bk = self._buckets.get(width)
-        if bk is None:
-            kc = cache.k[0]
-            bk = self._buckets[width] = _Bucket(width, kc.shape[2], model.args.hidden_size, kc.shape[3], kc.dtype,
-                                                features is not None, dev)
-        # -- fill the static inputs (eager, outside any graph) --
+        bk = self._bucket(bucket_for(t, self.max_width), features is not None)
+        mask = None if tree_mask is None else tree_mask.detach().to("cpu", torch.int32).numpy()
+        if not bk.fill(t, start, earlier, mask, offsets, self._cos.shape[0]):
+            return None
+        # the only copies outside the step: the token ids (and a head's features), from wherever the caller has them;
+        # padding rows keep earlier ids and features (any values do: their outputs are dropped)
         bk.ids[0, :t].copy_(ids[0])
-        bk.ids[0, t:].zero_()
-        offsets = torch.arange(width, device=dev)
-        if position_offsets is not None:
-            offsets[:t] = torch.as_tensor(position_offsets, device=dev).long().flatten()
-        # RoPE positions of the block; cache slots are start.. in order (padding rows after it)
-        rope_pos = start + offsets
-        slots = torch.arange(start, start + width, device=dev)
-        bk.positions.copy_(slots)
-        bk.mask.zero_()
-        if tree_mask is None:
-            inner = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        else:
-            inner = tree_mask.to(device=dev, dtype=torch.bool)
-        k = inner.shape[1] - t
-        bk.mask[:t, :start - k] = True
-        bk.mask[:t, start - k:start + t] = inner
-        pad = torch.arange(t, width, device=dev)
-        bk.mask[pad, start + pad] = True  # a padding row sees only itself
         if bk.feats is not None:
             bk.feats[0, :t].copy_(features[0])
-            bk.feats[0, t:].zero_()
-        bk.cos.copy_(self._cos.index_select(0, rope_pos))
-        bk.sin.copy_(self._sin.index_select(0, rope_pos))
         logits, hidden = self._run(bk)
         cache.length = start + t
         self.replays += 1
         rows = slice(t - 1, t) if last_only else slice(0, t)
         return logits[:, rows].clone(), hidden[:, rows].clone()
 
+    def _bucket(self, width: int, features: bool) -> _Bucket:
+        bk = self._buckets.get(width)
+        if bk is None:
+            kc = self.model._cache.k[0]
+            bk = self._buckets[width] = _Bucket(width, self.model.args.hidden_size, kc.dtype, features, kc.device)
+        return bk
+
     def _step(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The static forward over bucket ``bk``'s buffers -> (logits [1, W, V] float32, hidden [1, W, H])."""
-        args = (self.model, bk.ids, bk.feats, bk.cos, bk.sin, bk.mask, bk.positions)
-        if self.compiled and self._eager_first:
+        if bk.staging is not bk.meta:  # captured with the step: a replay reads the pinned buffer as it is then
+            bk.meta.copy_(bk.staging, non_blocking=True)
+        cache = self.model._cache
+        args = (self.model, bk.ids, bk.feats, StepIndex(bk.pos, bk.bounds, bk.inner, self._cos, self._sin),
+                cache.k, cache.v)
+        if not self.compiled:
+            return static_step(*args)
+        if self._eager_first:
             # int4 layers build their kernels' packed weights on first use: eagerly, so the compiled graph reads
             # them and never traces the packing (the step rewrites the same cache slots)
             static_step(*args)
             self._eager_first = False
-        return static_step(*args, compiled=self.compiled)
+        if _out_traceable(self.model):
+            return compiled_step()(*args)
+        return self.model._out(compiled_step()(*args, out=False), last_only=False)
 
     def _run(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.graphs:
-            return self._step(bk)
-        if bk.graph is None:
-            self._capture(bk)
-        bk.graph.replay()
-        return bk.out
+            out = self._step(bk)
+        else:
+            if bk.graph is None:
+                self._capture(bk)
+            bk.graph.replay()
+            out = bk.out
+        if bk.meta.is_cuda:
+            bk.done = bk.done or torch.cuda.Event()
+            bk.done.record()
+        return out
 
     def prewarm(self, max_seq_len: int | None = None) -> int:
         """Run every width bucket once now, compiling and capturing it, so that no timed forward pays for that later
@@ -281,44 +330,47 @@ class StaticRunner:
         self.captures += 1
 
 
-def layer_step(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One reference layer of the static step: x [1, W, H] -> [1, W, H], its K/V written to ``slots`` [W] of its
-    cache k/v [1, kv, S, D], attention over the whole cache under ``mask`` [W, S]."""
-    return layer(x, cos, sin, mask, LayerSlots(k_cache, v_cache, slots), 0, 0)
-
-
-def static_step(model: nn.Module, ids: torch.Tensor, feats: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, *,
-                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One static forward: ids [1, W] (features [1, W, H] for a head) at cache slots ``slots`` [W], RoPE rows
-    cos/sin [W, D], mask [W, S] over the whole cache -> (logits [1, W, V] float32, hidden [1, W, H]).
-    ``compiled``: each layer through :func:`compiled_layer_step`."""
-    run_layer = compiled_layer_step() if compiled else layer_step
-    cache = model._cache
+def static_step(model: nn.Module, ids: torch.Tensor, feats: torch.Tensor | None, index: StepIndex,
+                ks: list[torch.Tensor], vs: list[torch.Tensor], *,
+                out: bool = True) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """One static forward: ids [1, W] (features [1, W, H] for a head) at the positions in ``index``, layer i's K/V in
+    ks[i], vs[i] [1, kv, S, D] -> (logits [1, W, V] float32, hidden [1, W, H]); ``out=False``: the last layer's
+    output [1, W, H] instead (the caller runs ``model._out``)."""
     x = model._embed(ids, feats)  # [1, W, H]
     for i, layer in enumerate(model._layers()):
-        x = run_layer(layer, x, cos, sin, mask, cache.k[i], cache.v[i], slots)
-    return model._out(x, last_only=False)
+        x = layer(x, None, None, None, LayerSlots(ks[i], vs[i], index), i, 0)
+    return model._out(x, last_only=False) if out else x
+
+
+def _out_traceable(model: nn.Module) -> bool:
+    """Whether ``model._out`` compiles: a head with a draft vocabulary caches its lm_head rows by address (eager)."""
+    return getattr(model, "draft_ids", None) is None
+
+
+def _host_offsets(position_offsets: Any, t: int) -> np.ndarray:
+    offsets = torch.as_tensor(position_offsets).detach().to("cpu", torch.int64).flatten().numpy()
+    if offsets.size != t:
+        raise PolyspecError(f"position_offsets has {offsets.size} entries for a block of {t} tokens")
+    return offsets
 
 
 _compiled = None
 
 
-def compiled_layer_step():
-    """:func:`layer_step` through ``torch.compile`` (inductor, whole graph, static shapes): RMSNorm, RoPE with the
-    K/V write, SwiGLU and the residual adds fuse into a few generated kernels around the matmuls, which the fused
-    projections (model.fuse_projections) make four per layer. The layer, not the whole step, is what is compiled, so
-    one compiled graph serves every layer of a model (compile time does not grow with depth); it is compiled once per
-    kind of layer (plain, int4), dtype and width bucket, on first use. The same maths as the eager step
-    (tests/test_cuda_graphs.py compares them)."""
+def compiled_step():
+    """:func:`static_step` through ``torch.compile`` (inductor, whole graph, static shapes): the embedding, every
+    layer, the final norm and the lm_head in one graph, so each layer's residual add fuses into the next layer's
+    RMSNorm and the layer is its four matmuls (the projections fused by model.fuse_projections), the attention op,
+    two norms and SwiGLU (bench/step_kernels.py counts them). Compiled once per model, dtype and width bucket, on first
+    use (compile time grows with depth: docs/DECODE.md). The same maths as the eager step (tests/test_cuda_graphs.py
+    compares them)."""
     global _compiled
     if _compiled is None:
         import torch._dynamo.config as dynamo_config
 
         # one code object serves every model and width: keep each compiled variant instead of falling back to eager
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-        _compiled = torch.compile(layer_step, fullgraph=True, dynamic=False)
+        _compiled = torch.compile(static_step, fullgraph=True, dynamic=False)
     return _compiled
 
 

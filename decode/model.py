@@ -437,25 +437,37 @@ class Attention(FusableProjections):
         self.v_proj = Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
         self.o_proj = Linear(args.num_heads * d, h, bias=args.has_o_bias)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [B, T, H]; cos/sin [T, D] -> q [B, h, T, D] and k [B, kv, T, D] (RoPE applied), v [B, kv, T, D]."""
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> (qk [B, T, h + kv, D]: the query heads then the key heads, before RoPE; v [B, T, kv, D]).
+        Fused projections give views of one matmul's output [B, T, (h + 2 kv) D]; separate ones a q/k concatenation,
+        so RoPE is one call either way."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = fused_projection(self, x, [self.q_proj, self.k_proj, self.v_proj])  # [B, T, (h + 2 kv) D]
-        if qkv is not None:  # one matmul for q, k, v; one RoPE call for q and k
-            qk = apply_rope(qkv[..., :(h + kv) * d].view(b, t, h + kv, d).transpose(1, 2), cos, sin)
-            return qk[:, :h], qk[:, h:], qkv[..., (h + kv) * d:].view(b, t, kv, d).transpose(1, 2)
-        q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)  # [B, h, T, D]
-        k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, kv, T, D]
-        v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)  # [B, kv, T, D]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if qkv is not None:
+            heads = qkv.view(b, t, h + 2 * kv, d)
+            return heads[:, :, :h + kv], heads[:, :, h + kv:]
+        qk = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1).view(b, t, h + kv, d)
+        return qk, self.v_proj(x).view(b, t, kv, d)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, H]; cos/sin [T, D] -> q [B, h, T, D] and k [B, kv, T, D] (RoPE applied), v [B, kv, T, D]."""
+        qk, v = self.projections(x)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, h + kv, T, D]
+        return qk[:, :self.num_heads], qk[:, self.num_heads:], v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: Any, layer_idx: int, start: int) -> torch.Tensor:
         """x [B, T, H]; cos/sin [T, D]; ``cache``: a KV store (``store(layer_idx, start, k, v)`` keeps the block's
         K/V and returns the [B, kv, S, D] keys/values to attend over; None: the block's own); mask bool [T, S]
-        over those keys (None: all of them) -> [B, T, H]."""
+        over those keys (None: all of them) -> [B, T, H]. A store with an ``attention(qk, v)`` method (the static
+        step's, polyspec.decode.cuda_graphs) takes RoPE, its K/V write and attention over in one op instead: its
+        positions and mask are its own, so cos, sin and mask are unused then."""
         b, t, _ = x.shape
+        fused = getattr(cache, "attention", None)
+        if fused is not None:
+            out = fused(*self.projections(x))  # [B, T, h, D]
+            return self.o_proj(out.view(b, t, self.num_heads * self.head_dim))
         q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
             k, v = cache.store(layer_idx, start, k, v)  # [B, kv, S, D] each

@@ -132,6 +132,55 @@ def test_static_step_matches_the_heads_forward(models, compiled):
     _script(ref, twin, runner, head=True)
 
 
+def test_a_static_forward_copies_only_the_token_ids_outside_the_step(models, monkeypatch):
+    """Positions, slots and visibility are written by the host into one buffer that the step itself copies (inside
+    the graph on CUDA): around the step a decode forward dispatches one copy (the ids) and the two output clones."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    twin, runner = _twin(models["target"])
+    twin.setup_cache(32)
+    _call(twin, torch.tensor([1, 2, 3]))
+    _call(twin, torch.tensor([4]))  # the width-1 bucket's buffers exist from here on
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    step = runner._step
+
+    def unseen(bk):
+        with _disable_current_modes():
+            return step(bk)
+
+    monkeypatch.setattr(runner, "_step", unseen)
+    ids = torch.tensor([5])
+    with torch.inference_mode(), Ops():
+        twin(ids)
+    assert runner.replays == 3 and sorted(seen) == ["clone", "clone", "copy_"], seen
+
+
+def test_layers_or_trees_outside_the_declared_support_take_the_ordinary_path(models, monkeypatch):
+    """A layer feature the step's attention op does not declare, or a tree that sees more earlier nodes than a
+    bucket's mask holds: the ordinary forward runs (same results), the static step is not used."""
+    ref = copy.deepcopy(models["target"])
+    twin, runner = _twin(models["target"])
+    for m in (ref, twin):
+        m.setup_cache(32)
+    _same(_call(ref, torch.tensor([1, 2, 3])), _call(twin, torch.tensor([1, 2, 3])))
+    monkeypatch.setattr(cuda_graphs, "TREE_COLUMNS", 1)
+    tree = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)  # sees 2 earlier nodes
+    kw = {"tree_mask": tree, "position_offsets": torch.tensor([1, 2])}
+    _same(_call(ref, torch.tensor([5, 6]), **kw), _call(twin, torch.tensor([5, 6]), **kw))
+    assert runner.replays == 1
+    twin.layers[1].features = twin.layers[1].features | {"a_new_feature"}
+    runner.invalidate()
+    _same(_call(ref, torch.tensor([7])), _call(twin, torch.tensor([7])))
+    assert runner.replays == 1
+
+
 def test_bucket_for():
     assert [cuda_graphs.bucket_for(t, 16) for t in (1, 2, 3, 5, 8, 9, 16, 17)] == [1, 2, 4, 8, 8, 16, 16, None]
     assert cuda_graphs.bucket_for(5, 4) is None and cuda_graphs.bucket_for(3, 4) == 4

@@ -1,5 +1,6 @@
 """The compiled static step: projections fused into one weight each (model.fuse_projections) and the kernels per
-layer it leaves (polyspec.bench.step_kernels), on the CPU through inductor."""
+layer the whole compiled step leaves (polyspec.bench.step_kernels), on the CPU through inductor (its C++ code, and its
+Triton code generated for an sm_90 target without running it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from polyspec.bench.shape_bench import random_model, shape_args
-from polyspec.bench.step_kernels import count, wrapper_launches
+from polyspec.bench.step_kernels import count, layer_calls, wrapper_launches
 from polyspec.decode.model import fuse_projections
 
 
@@ -82,8 +83,34 @@ def test_wrapper_launches_reads_the_call_function():
                                       "triton_poi_fused_mul_1.run"]
 
 
-def test_compiled_step_needs_at_most_ten_kernels_per_layer():
-    (row,) = count(shape_args("tiny"), widths=[5], dtype=torch.float32, device="cpu")
-    assert row["compiled_kernels_per_layer"] <= 10 < row["eager_ops_per_layer"]
-    calls = row["compiled_calls"]
+def test_layer_calls_is_one_period_of_a_two_layer_step():
+    a = "torch.ops.polyspec.step_attention"
+    calls = ["k0", "mm", a, "mm", "k1", "mm", "k2", "mm", "k3", "mm", a, "mm", "k4", "lm"]
+    assert layer_calls(calls) == ["mm", "k1", "mm", "k2", "mm", "k3", "mm", a]
+    assert layer_calls(["mm", a, "mm"]) == []
+
+
+def _check_layer(row, limit):
+    assert row["compiled_kernels_per_layer"] <= limit < row["eager_ops_per_layer"]
+    calls = row["layer_calls"]
+    assert len(calls) == row["compiled_kernels_per_layer"]  # the difference is one period of the two-layer step
     assert sum(c == "extern_kernels.mm" for c in calls) == 4  # q/k/v, o, gate/up, down
+    assert calls.count("torch.ops.polyspec.step_attention") == 1  # RoPE, the K/V write and attention: one op
+    assert row["compiled_kernels_outside_layers"] <= 4  # embedding and first norm, final add + norm, lm_head, cast
+
+
+def test_compiled_step_needs_at_most_eight_kernels_per_layer():
+    """The whole step compiled as one graph (C++ codegen): each residual add fuses into the next RMSNorm, so a layer
+    is its four matmuls, the attention op, two norms and SwiGLU's product."""
+    (row,) = count(shape_args("tiny"), widths=[5], dtype=torch.float32, device="cpu")
+    _check_layer(row, 8)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="needs triton")
+def test_triton_codegen_needs_at_most_eight_calls_per_layer():
+    """Inductor's Triton scheduling (its CUDA backend's), code generated for an sm_90 target and read, not run: the
+    same eight calls, nine launches with the attention op's two (the issue's aim on CUDA: at most ten)."""
+    (row,) = count(shape_args("tiny"), widths=[1], dtype=torch.bfloat16, device="cpu", codegen="triton")
+    _check_layer(row, 8)
+    assert row["codegen"] == "triton" and all(c.startswith(("triton_", "extern_kernels.", "torch.ops."))
+                                              for c in row["layer_calls"])

@@ -13,7 +13,6 @@ H200, docs/BENCHMARKS.md), so a roofline from it would be too easy to reach.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 GEMV_K = 4096  # the GEMV's input width (a 7B model's hidden size)
@@ -84,18 +83,14 @@ def measure_bandwidth(device: Any = "cpu", *, mbytes: int = 512, repeats: int = 
 
 def _rates(fn: Any, nbytes: int, dev: Any, repeats: int) -> list[float]:
     """GB/s of ``repeats`` passes (after one warm-up), each calling ``fn`` enough times to move PASS_BYTES."""
-    from polyspec.decode.timing import sync
+    from polyspec.decode.timing import timed
 
     calls = max(1, -(-PASS_BYTES // nbytes))
     out = []
     for r in range(repeats + 1):
-        sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync(dev)
+        _, seconds = timed(lambda: [fn() for _ in range(calls)], dev)
         if r:
-            out.append(calls * nbytes / (time.perf_counter() - t0) / 1e9)
+            out.append(calls * nbytes / seconds / 1e9)
     return out
 
 

@@ -361,7 +361,7 @@ def compiled_step():
     """:func:`static_step` through ``torch.compile`` (inductor, whole graph, static shapes): the embedding, every
     layer, the final norm and the lm_head in one graph, so each layer's residual add fuses into the next layer's
     RMSNorm and the layer is its four matmuls (the projections fused by model.fuse_projections), the attention op,
-    two norms and SwiGLU (bench/step_kernels.py counts them). Compiled once per model, dtype and width bucket, on first
+    two norms and SwiGLU (lab/gpu/step_kernels.py counts them). Compiled once per model, dtype and width bucket, on first
     use (compile time grows with depth: docs/DECODE.md). The same maths as the eager step (tests/test_cuda_graphs.py
     compares them)."""
     global _compiled

@@ -204,13 +204,6 @@ def cmd_shape_bench(args: argparse.Namespace) -> int:
     return shape_bench.run(args)
 
 
-def cmd_gpu_probe(args: argparse.Namespace) -> int:
-    """Versions, the SDPA backends and the kernel split of one decode step on this machine (docs/GPU.md)."""
-    from polyspec.bench import gpu_probe
-
-    return gpu_probe.run(args)
-
-
 def check_prompt(prompt: str) -> None:
     """One clear error for a --prompt that is empty or not UTF-8 (bytes the shell passed that Python could only keep
     as lone surrogates), before any weights load."""
@@ -399,9 +392,6 @@ def build_parser() -> argparse.ArgumentParser:
     from polyspec.bench import shape_bench as _shape_bench  # light: no torch at import
 
     _shape_bench.configure_parser(verb("shape-bench", cmd_shape_bench))
-    from polyspec.bench import gpu_probe as _gpu_probe  # light: no torch at import
-
-    _gpu_probe.configure_parser(verb("gpu-probe", cmd_gpu_probe))
 
     _add_generate(verb("generate", cmd_generate))
     _add_chain(verb("chain", cmd_chain))

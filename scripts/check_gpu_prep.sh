@@ -82,7 +82,7 @@ run() { say "\$ $*"; "$@"; }
 run polyspec --help >/dev/null
 run polyspec run --help >/dev/null
 run polyspec shape-bench llama2-7b --help >/dev/null
-run polyspec gpu-probe --help >/dev/null
+run python lab/gpu/probe.py --help >/dev/null
 run python3 -c 'import polyspec.data.prepare, datasets, dill, multiprocess, pydantic, gguf, transformers
 import polyspec.config, polyspec.manifest, polyspec.data.sharegpt, polyspec.pipeline
 print("imports ok: datasets", datasets.__version__, "pydantic", pydantic.VERSION)'
@@ -92,7 +92,7 @@ run polyspec validate recipes/smollm2_cpu.yaml target.device=cuda target.dtype=b
     >/dev/null
 python3 - <<'EOF'
 from pathlib import Path
-from polyspec.bench.gpu_probe import wheel_requirements
+from lab.gpu.probe import wheel_requirements
 unmet = {k: v for k, v in wheel_requirements(Path(".whl")).items() if v}
 if unmet:
     raise SystemExit(f"check_gpu_prep: carried wheels with unmet requirements: {unmet}")
@@ -100,7 +100,7 @@ print("check_gpu_prep: every requirement of every carried wheel is met in the st
 EOF
 if python3 -c 'import torch' 2>/dev/null; then
     run python3 -m pytest -q -p no:cacheprovider -m gpu tests/
-    run polyspec gpu-probe --tiny --wheels .whl --json "$WORK/probe.json" >/dev/null
+    run python lab/gpu/probe.py --tiny --wheels .whl --json "$WORK/probe.json" >/dev/null
     run polyspec shape-bench tiny --device cpu --new-tokens 8 --repeats 1 --forward-repeats 2 --forward-prefix 16 \
         --widths 1 5 >/dev/null
     mkdir -p "$WORK/no_chain"  # what call 1 meets when gpu-prep found no CPU chain: one clear error, exit 2

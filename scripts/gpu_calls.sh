@@ -43,7 +43,7 @@ call_a() {  # the GPU tests, the probe, the kernel count per layer (GPU.md call 
     stage_first_half
     install
     step pytest_gpu 300 python3 -m pytest -q -m gpu tests/ -rA --durations=15 -p no:cacheprovider
-    step probe 170 polyspec gpu-probe --wheels .whl --json "$OUT/probe.json"
+    step probe 170 python lab/gpu/probe.py --wheels .whl --json "$OUT/probe.json"
     step step_kernels 150 python3 -m polyspec.bench.step_kernels llama2-7b --device cuda --widths 1,5 \
         --json "$OUT/step_kernels_7b.json"
     grep -E "passed|failed|error|UNMET|SDPA|decode step|kernels|per layer" "$LOG" | tail -n 60

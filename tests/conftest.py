@@ -25,6 +25,15 @@ def pytest_configure(config):
         config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
+def lab_module(relpath: str):
+    """A script of ``lab/`` (not installed, not a package), loaded from its file for its tests."""
+    path = REPO / "lab" / relpath
+    spec = importlib.util.spec_from_file_location(f"lab_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(autouse=True)
 def _offline_env(monkeypatch, tmp_path):
     """Tests never reach the hub and never write to the user's caches."""

@@ -1,4 +1,4 @@
-"""polyspec gpu-probe: versions, carried wheels' requirements, SDPA backends and the op split of one decode step
+"""lab/gpu/probe.py: versions, carried wheels' requirements, SDPA backends and the op split of one decode step
 (the tiny shape on the CPU here; docs/GPU.md runs it on the GPU)."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import lab_module
 
-from polyspec.bench import gpu_probe
-from polyspec.cli import main
+gpu_probe = lab_module("gpu/probe.py")
+main = gpu_probe.main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -19,7 +20,7 @@ def test_tiny_probe_counts_the_ops_of_one_decode_step(tmp_path, capsys):
     (wheels / "pydantic-2.0-py3-none-any.whl").write_bytes(b"")  # only the file name is read
     (wheels / "surely_not_installed_pkg-1.0-py3-none-any.whl").write_bytes(b"")
     out = tmp_path / "probe.json"
-    assert main(["gpu-probe", "--tiny", "--wheels", str(wheels), "--json", str(out)]) == 0
+    assert main(["--tiny", "--wheels", str(wheels), "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["shape"] == "tiny" and r["device"] == "cpu" and r["versions"]["python"]
     assert r["carried_wheels"] == {"pydantic": [], "surely_not_installed_pkg": ["not installed"]}
@@ -50,10 +51,10 @@ def test_kernel_families_by_name():
 
 
 def test_probe_bad_input(tmp_path, capsys):
-    assert main(["gpu-probe", "--tiny", "--wheels", str(tmp_path / "none")]) == 2
+    assert main(["--tiny", "--wheels", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert "--wheels" in err and "not a folder" in err
-    assert main(["gpu-probe", "--tiny", "--cache-len", "2"]) == 2
+    assert main(["--tiny", "--cache-len", "2"]) == 2
     assert "--cache-len must be >= 8" in capsys.readouterr().err
 
 

@@ -1,5 +1,5 @@
 """The compiled static step: projections fused into one weight each (model.fuse_projections) and the kernels per
-layer the whole compiled step leaves (polyspec.bench.step_kernels), on the CPU through inductor (its C++ code, and its
+layer the whole compiled step leaves (lab/gpu/step_kernels.py), on the CPU through inductor (its C++ code, and its
 Triton code generated for an sm_90 target without running it)."""
 
 from __future__ import annotations
@@ -8,10 +8,13 @@ import copy
 
 import pytest
 import torch
+from conftest import lab_module
 
 from polyspec.bench.shape_bench import random_model, shape_args
-from polyspec.bench.step_kernels import count, layer_calls, wrapper_launches
 from polyspec.decode.model import fuse_projections
+
+_sk = lab_module("gpu/step_kernels.py")
+count, layer_calls, wrapper_launches = _sk.count, _sk.layer_calls, _sk.wrapper_launches
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ Inductor's backend decides the fusion: its C++ backend on the CPU (``--codegen c
 CPU device; the code is read, not run, so no GPU or Triton CPU backend is needed). On CUDA the attention op is two
 kernel launches (polyspec.decode.step_attention), counted as one call here.
 
-``python -m polyspec.bench.step_kernels llama2-7b --widths 1,5 --dtype bfloat16 --device cpu``
+``python lab/gpu/step_kernels.py llama2-7b --widths 1,5 --dtype bfloat16 --device cpu``
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyspec.bench.shape_bench import SHAPES, shape_args
     from polyspec.device import resolve_device
 
-    p = argparse.ArgumentParser(prog="python -m polyspec.bench.step_kernels", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python lab/gpu/step_kernels.py", description=__doc__.split("\n")[0])
     p.add_argument("shape", nargs="?", default="llama2-7b", choices=sorted(SHAPES))
     p.add_argument("--widths", default="1,5", help="step widths, comma-separated (default 1,5)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])

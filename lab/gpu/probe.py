@@ -1,4 +1,4 @@
-"""``polyspec gpu-probe``: what a device machine gives the decode path, in one short run (docs/GPU.md, call 1).
+"""``python lab/gpu/probe.py``: what a device machine gives the decode path, in one short run (docs/GPU.md, call 1).
 
 * **Versions**: Python, torch (and its CUDA), triton, transformers, the GPU's name; and whether every requirement
   of the wheels carried in ``--wheels`` (``make gpu-prep``'s ``.whl``) is met by what is installed there, since
@@ -310,3 +310,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python lab/gpu/probe.py", description=__doc__.split("\n")[0])
+    configure_parser(p)
+    try:
+        return run(p.parse_args(argv))
+    except PolyspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

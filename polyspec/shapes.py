@@ -224,15 +224,16 @@ def chain_problems(names: list[str], claims: list[Claims | None], reads: list[st
         if i == 0 or c is None:
             continue
         if c.head:
-            problems += _head_against_target(i, name, c, names[0], top, names, reads[i])
+            problems += _head_against_target(i, name, c, claims, names, reads[i])
         elif c.vocab is not None and top.vocab is not None and c.vocab != top.vocab:
             problems.append(f"level {name}: vocab_size {c.vocab} differs from the target's {top.vocab}; every level "
                             "of a chain needs the target's vocabulary (levels exchange token ids)")
     return problems
 
 
-def _head_against_target(i: int, name: str, c: Claims, top_name: str, top: Claims, names: list[str],
+def _head_against_target(i: int, name: str, c: Claims, claims: list[Claims | None], names: list[str],
                          reads: str | None) -> list[str]:
+    top_name, top = names[0], claims[0]
     problems = []
     if reads not in names[:i]:
         problems.append(f"level {name}: reads_features_from = {reads!r} names no level above it (levels above: "
@@ -242,6 +243,11 @@ def _head_against_target(i: int, name: str, c: Claims, top_name: str, top: Claim
         problems.append(f"level {name}: the head is made for hidden size {c.hidden} and vocabulary {c.vocab}, its "
                         f"target (level {top_name}) has hidden size {top.hidden} and vocabulary {top.vocab}; train a "
                         "head for this target")
+    fed = claims[names.index(reads)] if reads in names[1:i] else None
+    if fed is not None and None not in (fed.hidden, c.hidden) and fed.hidden != c.hidden:
+        # the head takes its features from this verifier, not from the target: their widths must agree too
+        problems.append(f"level {name}: reads features of hidden size {fed.hidden} from level {reads}, the head is "
+                        f"made for hidden size {c.hidden}; read the target's features or train a head for {reads}")
     bad = [a for a in c.aux_layers if top.layers is not None and a >= top.layers]
     if bad:
         problems.append(f"level {name}: the EAGLE-3 head fuses target layers {list(c.aux_layers)}, the target "

@@ -186,6 +186,26 @@ def test_levels_that_disagree_with_each_other_are_refused(tiny_parts, tmp_path, 
     assert code != 0 and "reads_features_from = 'nope' names no level above it" in err
 
 
+def test_a_head_reading_a_verifier_of_another_width_is_refused(tiny_parts, tmp_path, capsys):
+    """A head takes its features from the level above it; a verifier of another hidden size (same vocabulary, so a
+    valid level on its own) cannot feed it: refused when written, and when read with the head pointed at it."""
+    from conftest import make_tiny_llama
+
+    from polyspec.manifest import assemble_chain
+
+    narrow = make_tiny_llama(tmp_path / "narrow", hidden=64, heads=2, kv_heads=1, intermediate=128)
+    want = r"level draft: reads features of hidden size 64 from level intermediate, the head is made for hidden size 128"
+    with pytest.raises(PolyspecError, match=want):
+        assemble_chain(tmp_path / "a", tiny_parts["target"], [narrow], tiny_parts["head"])
+    assert not (tmp_path / "a").exists()
+    chain = tmp_path / "b"
+    assemble_chain(chain, tiny_parts["target"], [narrow, tiny_parts["int4"]], tiny_parts["head"])
+    assert _cli(capsys, "validate-chain", chain)[0] == 0  # the head reads the int4 level above it
+    _edit_json(chain / "manifest.json", lambda raw: raw["levels"][3].update(reads_features_from="intermediate1"))
+    code, err = _cli(capsys, "validate-chain", chain)
+    assert code != 0 and "reads features of hidden size 64 from level" in err
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The chain folder: what its files are
 

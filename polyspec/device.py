@@ -110,7 +110,8 @@ def heap_kept() -> Iterator[bool]:
 
     Why: a CPU training step allocates and frees the same buffers every step (logits over the loss vocabulary are
     ~34 MB, above glibc's largest mmap threshold, 32 MB), and each mmap'd one is faulted in page by page again: on
-    the 2-core CPU the fit ran 1.14-1.24x faster with the heap kept, bitwise the same head (docs/TRAIN.md, stop 34)."""
+    the 2-core CPU the fit ran 1.14-1.24x faster with the heap kept, bitwise the same head (docs/TRAIN.md,
+    "Logits on the rows that count")."""
     libc = _glibc()
     if libc is None:
         yield False

@@ -71,7 +71,7 @@ def fast_decode_dtype(device: Any) -> str:
     """The dtype a target is expected to decode fastest in on ``device`` before anything is measured (the profile
     times :func:`decode_dtype_candidates` when ``target.dtype`` is auto, and the chain records what it measured):
     bfloat16 on a GPU and on a CPU whose kernel library has the AVX512-BF16 rows (half the bytes per decode step and
-    bf16 dot products, docs/DECODE.md), else float32."""
+    bf16 dot products, docs/KERNELS.md), else float32."""
     import torch
 
     if torch.device(device).type == "cuda":

@@ -101,7 +101,7 @@ static inline void by_pass(int64_t g, F&& f) {
 // reads them), and the hardware prefetcher alone leaves a verification of 2-5 rows waiting on memory: each 128-byte
 // step also asks for the lines PREFETCH_BYTES ahead, as non-temporal (prefetchnta), so a model's weights streaming
 // through do not evict what is read again soon (the draft head's weights between two target steps, the KV cache).
-// Measured on the 2-core AMD EPYC VM (docs/DECODE.md): bf16 SmolLM2 generations 1.03x (ar) and 1.07x (dual) faster than
+// Measured on the 2-core AMD EPYC VM (docs/KERNELS.md): bf16 SmolLM2 generations 1.03x (ar) and 1.07x (dual) faster than
 // without it, 1.02x / 1.04x faster than with temporal prefetches. A prefetch never faults: running past the end of
 // a weight is harmless.
 static constexpr int64_t PREFETCH_BYTES = 9216;
@@ -113,7 +113,7 @@ static inline void prefetch_ahead(const void* p) {
 
 // Pins two loaded weight vectors in registers for the loop body. Without it GCC folds the load into every input
 // row's multiply (one weight load per input row instead of one per row: 2G loads per step where 2 do), and at
-// widths 2-5 the loads, not the multiplies, fill the load ports (docs/DECODE.md, "One weight load per step").
+// widths 2-5 the loads, not the multiplies, fill the load ports (docs/KERNELS.md, "The CPU fast path").
 template <typename V>
 static inline void in_register(V& a, V& b) {
     asm("" : "+v"(a), "+v"(b));
@@ -341,8 +341,8 @@ inline __m512bh dp_chunk<int8_t>(const int8_t* p, __mmask32 m) {
 // R consecutive weight rows (one block of R K elements: pack_weights' row-major layout; bf16 bits or int8 codes)
 // against G bf16 input rows on vdpbf16ps, lane i of a 32-word chunk accumulating the products of words 2i and 2i + 1.
 // Per chunk the G input chunks are loaded once and each row's chunk once: R + G loads per R G products, where one row
-// at a time took 2 + 2G per 2G and left a verification of 2-5 rows waiting on the load ports (docs/DECODE.md, "Blocks
-// of rows"). One accumulator per (row, input), the chunks in order, a masked last chunk (xb is zero past K), a
+// at a time took 2 + 2G per 2G and left a verification of 2-5 rows waiting on the load ports (docs/KERNELS.md, "The
+// CPU fast path"). One accumulator per (row, input), the chunks in order, a masked last chunk (xb is zero past K), a
 // fixed-order lane sum: every (row, input) pair gets the same sequence for every R and G, so the result is
 // batch-invariant. An int8 row's chunks are its codes plus I8_OFFSET, exact in bf16; the caller takes the offset back
 // off and scales the sums.

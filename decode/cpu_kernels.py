@@ -6,7 +6,7 @@ single-threaded GEMV at one row (~10 GB/s on a 2-core EPYC that reads 30+ GB/s) 
 threads, for fp32 and bf16 weights (fp32 accumulation) and GPTQ-layout int4 weights (:func:`int4_linear`), and runs a
 whole decoder layer in one call (:func:`run_layers`) for the layers :data:`LAYER_SUPPORT` declares (every other layer
 runs decode/model.py's DecoderLayer, the reference). :func:`pack_weights` puts a loaded model's
-weights in one block in the order a step reads them. docs/DECODE.md describes the design.
+weights in one block in the order a step reads them. docs/KERNELS.md describes the design.
 
 The kernels are batch-invariant: a row's output is bitwise the same whether it is computed alone or with any number
 of others, so a verification over k + 1 positions (or a draft tree's nodes) gives each position exactly the logits a
@@ -413,7 +413,7 @@ def rows_limit(start: int, tree: bool) -> int:
     kernels for. A verification's rows must get bitwise a decode step's logits (greedy speculation equals ``ar``
     only then), so it stays on them up to VERIFY_ROWS: a draft tree of 32 nodes plus a lookup path is 41 rows. A
     prompt (a causal block at an empty cache) is the same work in every mode, so above MAX_ROWS it keeps torch's
-    GEMM, the faster one from ~30 rows (docs/DECODE.md, "Batch invariance")."""
+    GEMM, the faster one from ~30 rows (docs/KERNELS.md, "Batch invariance")."""
     return VERIFY_ROWS if start > 0 or tree else MAX_ROWS
 
 
@@ -590,7 +590,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """softmax(q k^T / sqrt(D), masked) v through the layer kernel's attention (model.attend's contract: q [1, h, T, D],
     k/v [1, kv, L, D] views of a KV cache or tensors of their own, mask bool [T, L] or None), or None where it does not
     apply: other dtypes or layouts, autograd, a tracer or compiler. A prompt's attention then costs a third of torch's
-    fused CPU attention (docs/DECODE.md) and each row's result is the one a decode step computes."""
+    fused CPU attention (docs/KERNELS.md) and each row's result is the one a decode step computes."""
     if not (_ready() and q.is_cpu and q.dim() == 4 and q.shape[0] == 1 and k.dim() == 4 and k.shape[0] == 1):
         return None
     dtype, (_, h, t, d), kv, n = q.dtype, q.shape, k.shape[1], k.shape[2]

@@ -11,7 +11,7 @@ What it computes: ``y = x @ dequantize(q, scales, zeros).T (+ bias)`` for :class
 with fp32 accumulation. Each group's ``(q - zero)`` is exact in the 16-bit dtype and its scale (the checkpoint's
 fp16 value) is applied in fp32 once per group after the group's MMAs, so no dequantised weight is rounded.
 
-How (docs/DECODE.md, "int4 at verification widths on CUDA"; the Triton source is decode/int4_kernel.py):
+How (docs/KERNELS.md, "int4 at verification widths on CUDA"; the Triton source is decode/int4_kernel.py):
 
 * Layout (:func:`kernel_tensors`, built once per device and dtype from the layer's codes; the on-disk GPTQ format
   and ``Int4Linear.qdata`` are unchanged): codes int16 [N, KU], K zero-padded to blocks of 4L values; in each block,
@@ -154,7 +154,7 @@ class Tile:
 
 # (L, most rows) -> tile, chosen on the sm_90 compile (lab/int4/sm90_report.py --sweep): the fewest warp instructions
 # per weight in the loop with no spills and >= 2 resident blocks per SM; not timed on a GPU yet. Registers, shared
-# memory and the instruction mix of the 7B shapes are in docs/DECODE.md and checked by tests/test_int4_triton.py.
+# memory and the instruction mix of the 7B shapes are in docs/KERNELS.md and checked by tests/test_int4_triton.py.
 TILES = {(64, 16): Tile(16, 128, 4, 3), (64, 32): Tile(32, 128, 4, 2), (64, MAX_ROWS): Tile(64, 64, 4, 2),
          (32, 16): Tile(16, 256, 4, 3), (32, 32): Tile(32, 128, 4, 2), (32, MAX_ROWS): Tile(64, 128, 4, 2)}
 

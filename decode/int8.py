@@ -9,13 +9,13 @@ Why 7 bits: the AVX512-BF16 rows widen a code v to the bf16 number v + 192 (bits
 integer instructions and take 192 times the input's sum back off; full 8-bit codes need a float conversion (seven
 instructions per 32 weights), which made the level compute-bound in this VM's fast memory state. Greedy agreement
 with the bf16 SmolLM2 target on its own answers: 0.951 (8-bit codes 0.974, the GPTQ int4 g128 level 0.817;
-docs/BENCHMARKS.md, "CPU, stop 27").
+docs/KERNELS.md, "An int8 level").
 
 :func:`int8_copy` makes such a level from a loaded bf16 model in memory; in a chain it takes the target's K/V of the
 prompt instead of a prefill of its own. The fast path is ``cpu_kernels.int8_linear`` (whole layers:
 ``polyspec_layer_i8`` through ``cpu_kernels.run_layers``); the reference (:meth:`Int8Linear.forward` without the
 kernel) is what tests hold it to. Not yet a pipeline stage: ``polyspec run`` still quantises M2 to GPTQ int4
-(docs/DECODE.md, "An int8 level").
+(docs/KERNELS.md, "An int8 level").
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     or [B, 1, T, S] (True = visible; None: all) -> [B, h, T, D].
 
     torch's fused CPU attention takes ~10x the time of two batched matmuls for 16-bit inputs at decode widths (a few
-    query rows per head: batched generation, docs/DECODE.md), so that case runs :func:`attend_matmul` (the same
+    query rows per head: docs/KERNELS.md), so that case runs :func:`attend_matmul` (the same
     maths: fp32 scores and softmax); a prompt of one sequence on the CPU takes the layer kernel's attention
     (:func:`polyspec.decode.cpu_kernels.attention`); everything else, training and compiled steps included (inductor
     lowers it to one attention kernel), is ``F.scaled_dot_product_attention``."""

@@ -71,7 +71,7 @@ def fast_decode_dtype(device: Any) -> str:
     """The dtype a target is expected to decode fastest in on ``device`` before anything is measured (the profile
     times :func:`decode_dtype_candidates` when ``target.dtype`` is auto, and the chain records what it measured):
     bfloat16 on a GPU and on a CPU whose kernel library has the AVX512-BF16 rows (half the bytes per decode step and
-    bf16 dot products, docs/DECODE.md), else float32."""
+    bf16 dot products, docs/KERNELS.md), else float32."""
     import torch
 
     if torch.device(device).type == "cuda":
@@ -110,7 +110,8 @@ def heap_kept() -> Iterator[bool]:
 
     Why: a CPU training step allocates and frees the same buffers every step (logits over the loss vocabulary are
     ~34 MB, above glibc's largest mmap threshold, 32 MB), and each mmap'd one is faulted in page by page again: on
-    the 2-core CPU the fit ran 1.14-1.24x faster with the heap kept, bitwise the same head (docs/TRAIN.md, stop 34)."""
+    the 2-core CPU the fit ran 1.14-1.24x faster with the heap kept, bitwise the same head (docs/TRAIN.md,
+    "Logits on the rows that count")."""
     libc = _glibc()
     if libc is None:
         yield False

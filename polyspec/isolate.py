@@ -5,7 +5,7 @@ threads, and each thread that runs a torch op gets an OpenMP team of its own; on
 the machine has CPUs it shortens every barrier's spin, so every later parallel region in the same process (polyspec's
 CPU kernels run ~5 per decoder layer) waits on a futex instead. Measured on the 2-core VM: `ar` on the demo chain
 164 tok/s before a GPTQ run in the same process, 77-84 after it, 142-151 after it with ``OMP_WAIT_POLICY=active``
-(docs/BENCHMARKS.md, "CPU, stop 22"). ``polyspec run`` profiles the chain right after quantising, so it timed every
+(docs/FINDINGS.md, 2026-11-24). ``polyspec run`` profiles the chain right after quantising, so it timed every
 level at about half speed. A spawned child shares none of it and exits with it.
 """
 

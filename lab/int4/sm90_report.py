@@ -3,7 +3,7 @@ count: registers and spills (ptxas -v), shared memory, resident blocks per SM, a
 (cuobjdump -sass, both shipped in Triton's wheel): the main loop's warp instructions per 32 weights and the
 conversions, dequant ops, FMAs, MMAs and loads by width of the whole kernel.
 
-    .venv/bin/python lab/int4/sm90_report.py                 # the kernel's plans (docs/DECODE.md's table)
+    .venv/bin/python lab/int4/sm90_report.py                 # the kernel's plans (docs/KERNELS.md's table)
     .venv/bin/python lab/int4/sm90_report.py --sweep 16      # every (L, block_n, warps, stages) at 16 rows
     .venv/bin/python lab/int4/sm90_report.py --old dcbf133   # the kernel at a git revision before the rework
     .venv/bin/python lab/int4/sm90_report.py --gemv          # the no-tl.dot GEMV variant that was not kept

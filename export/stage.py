@@ -16,9 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ from polyspec.errors import PolyspecError
 from polyspec.export.package import Parts, ordered_parts
 from polyspec.export.profile import ProfileSettings
 from polyspec.export.prompts import CALIBRATION_FORMAT
-from polyspec.export.results import PROFILE_FORMAT, Profile
+from polyspec.export.results import PROFILE_FORMAT, Profile, Search
 
 Say = Callable[[str], None]
 WARMUP = 2  # untimed forwards before each level's timed ones
@@ -292,11 +295,11 @@ def profile_folders(parts: Parts, out_dir: Path, settings: ProfileSettings, *, p
 def search_folders(parts: Parts, out_dir: Path, settings: Any, cand: Any, *, prompts: int = 8,
                    device: str = "auto", dtype: str | None = None, data: Mapping[str, Any] | None = None,
                    prompt_ids: list[list[int]] | None = None, threads: int | None = None, say: Say = _say,
-                   draft_vocab: int = 0) -> Any:
+                   draft_vocab: int = 0, key: str | None = None) -> Search:
     """The chain search (:func:`polyspec.export.search.search_chain`) over the levels of ``parts`` (target first;
     the others are candidates) and those made from the target (``cand``: a CandidateSettings); writes ``out_dir``
     (search.json, search.md) atomically and returns the :class:`~polyspec.export.results.Search`. Arguments as
-    :func:`profile_folders`; ``settings``: a SearchSettings."""
+    :func:`profile_folders`; ``settings``: a SearchSettings; ``key``: what keys the stored search (its notes)."""
     import torch
 
     from polyspec.decode.generate import eos_ids
@@ -321,26 +324,47 @@ def search_folders(parts: Parts, out_dir: Path, settings: Any, cand: Any, *, pro
     finally:
         torch.set_num_threads(old_threads)
     result.device, result.dtype, result.seconds = lv.device, lv.dtype, time.perf_counter() - t0
-    result.stamps = stamps()
+    result.stamps, result.notes = stamps(), {**result.notes, **({"key": key} if key else {})}
     write_search(Path(out_dir), result)
     return result
 
 
-def search_stage(recipe: Any, *, parts: Parts | None = None, threads: int | None = None, say: Say = _say) -> Path:
-    """The recipe's chain search (``polyspec profile --search``): its level folders (default: the target, quantize
-    and train stages'), its profile settings; writes ``<workdir>/profile/search``. Returns the folder."""
+def search_stage(recipe: Any, *, parts: Parts | None = None, threads: int | None = None, say: Say = _say) -> Search:
+    """The recipe's chain search (``profile.search``, ``polyspec profile --search``): its level folders (default:
+    the target, quantize and train stages'), its profile settings; writes ``<workdir>/profile/search`` unless that
+    folder already holds the search of these inputs (its files intact). Returns the search (its folder in ``path``)."""
     from polyspec.export.candidates import CandidateSettings
     from polyspec.export.search import SearchSettings
 
     folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
-    settings, _ = _settings(recipe, threads)
+    settings, keyed = _settings(recipe, threads)
     ss = SearchSettings(profile=replace(settings, tree=None))
     cs = CandidateSettings(lookup=bool(settings.lookups))
+    key = profile_key(folders, {**keyed, "search": repr((ss.max_levels, ss.mus, cs))})
     out = Path(recipe.workdir) / "profile" / "search"
-    search_folders(folders, out, ss, cs, prompts=recipe.profile.prompts, device=recipe.target.device,
-                   dtype=recipe.target.dtype, threads=threads, draft_vocab=recipe.decode.draft.vocab, say=say,
-                   data=_calibration_data(recipe.data))
-    return out
+    stored = _stored_search(out, say)
+    if stored is not None and stored.notes.get("key") == key:
+        say(f"search: the search of these inputs already exists: {out}")
+        return stored
+    s = search_folders(folders, out, ss, cs, prompts=recipe.profile.prompts, device=recipe.target.device,
+                       dtype=recipe.target.dtype, threads=threads, draft_vocab=recipe.decode.draft.vocab, say=say,
+                       data=_calibration_data(recipe.data), key=key)
+    s.path = str(out)
+    return s
+
+
+def _stored_search(out_dir: Path, say: Say) -> Search | None:
+    """The search stored in ``out_dir`` when its files match their hashes (None: none, or damaged)."""
+    from polyspec.export.report import read_search
+    from polyspec.fsutil import damage_note, verify_output
+
+    if not (out_dir / "search.json").is_file():
+        return None
+    damage = verify_output(out_dir)
+    if damage:
+        say(f"search: {damage_note(out_dir, damage)}")
+        return None
+    return read_search(out_dir)
 
 
 def _calibration_data(d: Any) -> dict[str, Any]:
@@ -431,29 +455,60 @@ def _log_profile(tracker: Any, p: Profile, out_dir: Path, cached: bool) -> None:
 
 
 def export_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = None, profile: Profile | None = None,
-                 notes: dict[str, Any] | None = None, threads: int | None = None, say: Say = _say) -> Path:
-    """Profile (or reuse the stored profile) and write the chain folder (``export.out``, default
-    ``<workdir>/chain``); log it to MLflow as artifacts. Returns the chain folder."""
-    from polyspec.export.package import check_onnx_head, export_chain
+                 search: Search | None = None, notes: dict[str, Any] | None = None, threads: int | None = None,
+                 say: Say = _say) -> Path:
+    """Write the chain folder (``export.out``, default ``<workdir>/chain``) and log it to MLflow as artifacts: with
+    ``profile.search``, the chain the search chose (:func:`search_stage`, or ``search``); else the recipe's chain
+    with the profile's decision (:func:`profile_stage`, or ``profile``). Returns the chain folder."""
+    from polyspec.export.package import check_onnx_head, export_chain, export_profiled, search_measurements, searched
 
     folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
     if recipe.export.onnx:
         check_onnx_head(folders[-1])  # before minutes of profiling
-    if profile is None:
-        profile = profile_stage(recipe, tracker, parts=folders, notes=notes, threads=threads, say=say)
     out = Path(recipe.export.out) if recipe.export.out else Path(recipe.workdir) / "chain"
     t0 = time.perf_counter()
-    export_chain(out, folders, profile, recipe.decode, onnx=recipe.export.onnx)
+    if recipe.profile.search:
+        search = search or search_stage(recipe, parts=folders, threads=threads, say=say)
+        with _scratch(Path(recipe.workdir)) as work:
+            levels = _searched_folders(search, folders, work)
+            export_chain(out, levels, searched(search, recipe.decode), search_measurements(search),
+                         onnx=recipe.export.onnx, stamps=search.stamps)
+    else:
+        profile = profile or profile_stage(recipe, tracker, parts=folders, notes=notes, threads=threads, say=say)
+        export_profiled(out, folders, profile, recipe.decode, onnx=recipe.export.onnx)
     say(f"export: chain written to {out} ({time.perf_counter() - t0:.1f} s)")
     _log_export(tracker, out)
     if recipe.tracking.log_model and tracker is not None and getattr(tracker, "enabled", False):
-        from polyspec.export.mlflow_model import log_chain_model
-
-        t0 = time.perf_counter()
-        uri = log_chain_model(tracker, out, register_as=recipe.tracking.register_as)
-        named = f", registered as {recipe.tracking.register_as!r}" if recipe.tracking.register_as else ""
-        say(f"export: MLflow model {uri}{named} ({time.perf_counter() - t0:.1f} s)")
+        _log_model(tracker, out, recipe.tracking.register_as, say)
     return out
+
+
+def _searched_folders(s: Search, folders: list[Path], work: Path) -> list[Path]:
+    """The folders of the chain the search chose (copies it made in memory written under ``work``)."""
+    from polyspec.export.candidates import chosen_folders
+
+    return chosen_folders(s.decision.levels, s.candidates, dict(zip(level_names(folders)[1], folders, strict=True)),
+                          work)
+
+
+@contextmanager
+def _scratch(workdir: Path) -> Iterator[Path]:
+    """A folder under ``workdir`` removed afterwards (level folders written only to be copied into a chain)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=workdir))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _log_model(tracker: Any, out: Path, register_as: str | None, say: Say) -> None:
+    from polyspec.export.mlflow_model import log_chain_model
+
+    t0 = time.perf_counter()
+    uri = log_chain_model(tracker, out, register_as=register_as)
+    named = f", registered as {register_as!r}" if register_as else ""
+    say(f"export: MLflow model {uri}{named} ({time.perf_counter() - t0:.1f} s)")
 
 
 def _log_export(tracker: Any, out: Path) -> None:

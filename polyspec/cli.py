@@ -160,7 +160,7 @@ def _search(args: argparse.Namespace, recipe: Any) -> int:
 
     with quiet(recipe.workdir, "profile"):
         parts, _ = _stage_inputs(args, recipe)
-        out = search_stage(recipe, parts=parts, threads=args.threads)
+        out = search_stage(recipe, parts=parts, threads=args.threads).path
     print(Path(out, "search.md").read_text(encoding="utf-8"))
     print(f"search folder: {out}")
     return 0

@@ -77,22 +77,22 @@ def _run_stages(recipe: Recipe, command: list[str] | None) -> int:
                            lambda d: f"{recipe.target.source} -> {d}")
         stage("data", lambda tr: _data_logged(recipe, target_dir, tr), _fmt_counts)
 
-        from polyspec.export import export_stage, profile_stage
+        from polyspec.export import export_stage
         from polyspec.quantize import quantize_stage
         from polyspec.train import train_stage
 
         head = stage("train", lambda tr: train_stage(recipe, tracker=tr), lambda d: f"draft head {d}")
         int4 = stage("quantize", lambda tr: quantize_stage(recipe, tracker=tr), lambda d: f"int4 intermediate {d}")
         parts = {"target": Path(target_dir), "int4": Path(int4), "head": Path(head)}
-        prof = stage("profile", lambda tr: profile_stage(recipe, tracker=tr, parts=parts),
-                     lambda p: f"profile {p.path}")
-        chain = stage("export", lambda tr: export_stage(recipe, tracker=tr, parts=parts, profile=prof),
+        measured = stage("profile", lambda tr: _measure(recipe, tr, parts), lambda p: f"{_kind(recipe)} {p.path}")
+        kw = {"search": measured} if recipe.profile.search else {"profile": measured}
+        chain = stage("export", lambda tr: export_stage(recipe, tracker=tr, parts=parts, **kw),
                       lambda d: f"chain {d}")
 
-        verdict = Path(prof.path) / "verdict.md"
-        if verdict.is_file():
-            console.rule("[bold]verdicts")
-            console.print(verdict.read_text(encoding="utf-8"), markup=False)
+        table = Path(measured.path) / ("search.md" if recipe.profile.search else "verdict.md")
+        if table.is_file():
+            console.rule("[bold]" + ("chain search" if recipe.profile.search else "verdicts"))
+            console.print(table.read_text(encoding="utf-8"), markup=False)
 
         from polyspec.decode.generate import generate_text, load_chain
 
@@ -109,6 +109,19 @@ def _run_stages(recipe: Recipe, command: list[str] | None) -> int:
         console.print(f"done in {time.perf_counter() - t_all:.0f} s; chain: {chain}  "
                       f"(try: polyspec generate {chain} --prompt '...'; polyspec serve {chain})")
     return 0
+
+
+def _kind(recipe: Recipe) -> str:
+    return "search" if recipe.profile.search else "profile"
+
+
+def _measure(recipe: Recipe, tracker, parts: dict[str, Path]):
+    """The profile stage: the recipe's chain profiled, or (``profile.search``) the chain search."""
+    from polyspec.export import profile_stage, search_stage
+
+    if recipe.profile.search:
+        return search_stage(recipe, parts=parts)
+    return profile_stage(recipe, tracker=tracker, parts=parts)
 
 
 def _target_logged(recipe: Recipe, tracker) -> Path:

@@ -6,8 +6,9 @@ Data flow, one module each: :mod:`~polyspec.export.timing` (T_i) and :mod:`~poly
 profile folder (tables, verdict.md, :mod:`~polyspec.export.plots`); :mod:`~polyspec.export.package` writes the chain
 folder (manifest, :mod:`~polyspec.export.onnx_head`); :mod:`~polyspec.export.stage` is the recipe-level glue.
 
-``profile_stage(recipe, tracker=None) -> Profile`` (or, with ``profile.search``, ``search_stage(recipe) -> Search``)
-and ``export_stage(recipe, tracker=None) -> Path`` are the pipeline's profile and export stages (torch loads only when they run), resolved lazily (PEP 562).
+``profile_stage(recipe.profile, ...) -> Profile`` (or ``search_stage(recipe.profile, ...) -> Search``) and
+``export_stage(recipe.export, ...) -> Path`` are the pipeline's profile and export stages (torch loads only when they
+run), resolved lazily (PEP 562); :mod:`polyspec.pipeline` calls them with a recipe's sections.
 Serving lives in :mod:`polyspec.decode.serve`.
 """
 

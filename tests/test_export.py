@@ -228,7 +228,7 @@ def test_tampering_and_extra_files_are_detected(chain, tmp_path):
 
 def test_export_stage_logs_to_the_tracker(parts, profile, tmp_path):
     from polyspec.config import validate_tree
-    from polyspec.export.stage import export_stage
+    from polyspec.pipeline import run_export
 
     recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
                             "export": {"out": str(tmp_path / "out" / "chain"), "onnx": False},
@@ -245,7 +245,7 @@ def test_export_stage_logs_to_the_tracker(parts, profile, tmp_path):
         def log_artifact(self, path, artifact_path=None):
             calls.append(("artifact", Path(path), artifact_path))
 
-    out = export_stage(recipe, Tracker(), parts=parts, profile=profile, say=lambda _m: None)
+    out = run_export(recipe, Tracker(), parts=parts, measured=profile, say=lambda _m: None)
     assert out == tmp_path / "out" / "chain"
     m = validate_chain(out)
     assert m.measurements["onnx"] is None and "head.onnx" not in m.levels[2].files
@@ -258,7 +258,7 @@ def test_export_stage_logs_the_chain_as_an_mlflow_model(parts, profile, tmp_path
     tracking.register_as (the model itself: tests/test_mlflow_model.py)."""
     from polyspec.config import validate_tree
     from polyspec.export import mlflow_model
-    from polyspec.export.stage import export_stage
+    from polyspec.pipeline import run_export
 
     recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"register_as": "demo-chain"},
                             "export": {"out": str(tmp_path / "chain"), "onnx": False}}, "test")
@@ -273,11 +273,11 @@ def test_export_stage_logs_the_chain_as_an_mlflow_model(parts, profile, tmp_path
             return lambda *a, **k: None
 
     said = []
-    out = export_stage(recipe, Tracker(), parts=parts, profile=profile, say=said.append)
+    out = run_export(recipe, Tracker(), parts=parts, measured=profile, say=said.append)
     assert logged == [(out, "demo-chain")]
     assert any("MLflow model models:/m, registered as 'demo-chain'" in s for s in said)
     off = recipe.model_copy(update={"tracking": recipe.tracking.model_copy(update={"log_model": False})})
-    export_stage(off, Tracker(), parts=parts, profile=profile, say=said.append)
+    run_export(off, Tracker(), parts=parts, measured=profile, say=said.append)
     assert len(logged) == 1  # tracking.log_model: false
 
 

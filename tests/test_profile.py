@@ -169,7 +169,7 @@ def test_profile_json_round_trips_and_old_formats_say_rerun(profile, tmp_path):
 
 def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
     from polyspec.config import validate_tree
-    from polyspec.export.stage import profile_stage
+    from polyspec.pipeline import run_profile as profile_stage
 
     recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
                             "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},

@@ -317,7 +317,9 @@ def test_cli_profile_search(tiny_parts, tmp_path, capsys):
     saved = json.loads((folder / "search.json").read_text())
     assert [c["name"] for c in saved["candidates"]] == ["int4", "head", "int4_g64", "lookup"]
     plain, searched = (load_recipe(recipe, [f"profile.search={v}"]) for v in ("false", "true"))
-    assert _settings(plain, None)[1] == _settings(searched, None)[1]
+    keyed = [_settings(r.profile, r.decode.draft, r.target.device, r.target.dtype, r.data, None)[1]
+             for r in (plain, searched)]
+    assert keyed[0] == keyed[1]
 
 
 def test_an_eagle3_head_only_under_levels_with_the_layers_it_reads(cands):

@@ -321,7 +321,7 @@ def run_benchmark(chain_dir: Path, questions: list[Any], settings: BenchSettings
     """Run every question (each turn, each repeat) through every mode, interleaved; return the report dict
     (overall, by_category, mismatches, not_applicable, acceptance histograms, per-generation records)."""
     from polyspec.decode.chain import SamplingParams
-    from polyspec.decode.generate import encode_messages, eos_ids, load_chain
+    from polyspec.decode.generate import eos_ids, load_chain
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     sampling = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
@@ -334,62 +334,94 @@ def run_benchmark(chain_dir: Path, questions: list[Any], settings: BenchSettings
     order = [m for m in settings.modes if m in runners]
     if not order:
         raise PolyspecError("no requested mode can run: " + "; ".join(f"{m}: {r}" for m, r in not_applicable.items()))
-    reference = "ar" if "ar" in order else order[0]
-    tok, eos = chain.tokenizer, eos_ids(chain.tokenizer)
-
-    first = encode_messages(tok, [{"role": "user", "content": questions[0].turns[0]}], chat=settings.chat)
-    for mode in order:  # warm-up, untimed
-        for _ in range(settings.warmup):
-            runners[mode].generate(first, min(8, settings.max_new_tokens), sampling, settings.seed, eos)
-    # CUDA: the warm-up generations reach only some static-step widths; the first GPU bench timed the compiler
-    from polyspec.decode import cuda_graphs
-
-    cuda_graphs.prewarm(chain.models.values(), say=lambda msg: log(f"bench: {msg}"))
-
-    records: list[dict[str, Any]] = []
-    skipped: list[dict[str, Any]] = []
-    step = 0
+    p = _Pass(runners, order, "ar" if "ar" in order else order[0], chain, settings, sampling, eos_ids(chain.tokenizer))
+    _warm_up(p, questions[0], log)
     t_run = time.perf_counter()
     for qi, q in enumerate(questions):
-        for rep in range(settings.repeats):
-            history: list[dict[str, str]] = []
-            for turn, text in enumerate(q.turns):
-                history.append({"role": "user", "content": text})
-                ids = encode_messages(tok, history, chat=settings.chat)
-                if len(ids) + settings.max_new_tokens > chain.context:
-                    skipped.append({"question_id": q.question_id, "turn": turn, "prompt_tokens": len(ids),
-                                    "reason": f"prompt + max_new_tokens exceed the context ({chain.context})"})
-                    break
-                rot = step % len(order)
-                step += 1
-                answers: dict[str, list[int]] = {}
-                for mode in order[rot:] + order[:rot]:
-                    g = runners[mode].generate(ids, settings.max_new_tokens, sampling, settings.seed + rep, eos)
-                    answers[mode] = g.token_ids
-                    records.append({"mode": mode, "question_id": q.question_id, "category": q.category,
-                                    "turn": turn, "repeat": rep, "prompt_tokens": len(ids),
-                                    "new_tokens": len(g.token_ids), "seconds": g.seconds, "token_ids": g.token_ids,
-                                    "levels": g.levels, "accept_lengths": g.accept_lengths})
-                history.append({"role": "assistant",
-                                "content": tok.decode(answers[reference], skip_special_tokens=True)})
-        done = sum(r["new_tokens"] for r in records if r["mode"] == reference)
-        log(f"[{qi + 1}/{len(questions)}] {q.category} {q.question_id}: {done} {reference} tokens so far, "
+        _run_question(p, q)
+        done = sum(r["new_tokens"] for r in p.records if r["mode"] == p.reference)
+        log(f"[{qi + 1}/{len(questions)}] {q.category} {q.question_id}: {done} {p.reference} tokens so far, "
             f"{time.perf_counter() - t_run:.0f} s")
-    wall = time.perf_counter() - t_run
+    report = _report(p, not_applicable)
+    report.update(wall_seconds=time.perf_counter() - t_run, load_seconds=load_seconds)
+    return report
 
+
+@dataclass
+class _Pass:
+    """One benchmark pass: the runners in their order, the reference mode, the settings, and what it recorded."""
+
+    runners: dict[str, Any]
+    order: list[str]
+    reference: str
+    chain: Any
+    settings: BenchSettings
+    sampling: Any
+    eos: set[int]
+    records: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    step: int = 0  # turns run so far: each starts the modes' rotation one further
+
+
+def _warm_up(p: _Pass, question: Any, log: Any) -> None:
+    """Untimed generations of the first question per mode, then (CUDA) every static-step width compiled: the
+    warm-up generations reach only some, and the first GPU bench timed the compiler."""
+    from polyspec.decode import cuda_graphs
+    from polyspec.decode.generate import encode_messages
+
+    s = p.settings
+    first = encode_messages(p.chain.tokenizer, [{"role": "user", "content": question.turns[0]}], chat=s.chat)
+    for mode in p.order:
+        for _ in range(s.warmup):
+            p.runners[mode].generate(first, min(8, s.max_new_tokens), p.sampling, s.seed, p.eos)
+    cuda_graphs.prewarm(p.chain.models.values(), say=lambda msg: log(f"bench: {msg}"))
+
+
+def _run_question(p: _Pass, q: Any) -> None:
+    """Every turn of ``q`` (each repeat) through every mode, the modes' order rotated per turn; the reference
+    mode's answer is the conversation's next assistant turn."""
+    from polyspec.decode.generate import encode_messages
+
+    s, tok = p.settings, p.chain.tokenizer
+    for rep in range(s.repeats):
+        history: list[dict[str, str]] = []
+        for turn, text in enumerate(q.turns):
+            history.append({"role": "user", "content": text})
+            ids = encode_messages(tok, history, chat=s.chat)
+            if len(ids) + s.max_new_tokens > p.chain.context:
+                p.skipped.append({"question_id": q.question_id, "turn": turn, "prompt_tokens": len(ids),
+                                  "reason": f"prompt + max_new_tokens exceed the context ({p.chain.context})"})
+                break
+            rot = p.step % len(p.order)
+            p.step += 1
+            answers: dict[str, list[int]] = {}
+            for mode in p.order[rot:] + p.order[:rot]:
+                g = p.runners[mode].generate(ids, s.max_new_tokens, p.sampling, s.seed + rep, p.eos)
+                answers[mode] = g.token_ids
+                p.records.append({"mode": mode, "question_id": q.question_id, "category": q.category,
+                                  "turn": turn, "repeat": rep, "prompt_tokens": len(ids),
+                                  "new_tokens": len(g.token_ids), "seconds": g.seconds, "token_ids": g.token_ids,
+                                  "levels": g.levels, "accept_lengths": g.accept_lengths})
+            history.append({"role": "assistant", "content": tok.decode(answers[p.reference], skip_special_tokens=True)})
+
+
+def _report(p: _Pass, not_applicable: dict[str, str]) -> dict[str, Any]:
+    """The report of a pass (the caller adds its wall and load seconds)."""
+    records, order, reference = p.records, p.order, p.reference
+    greedy = p.settings.temperature == 0
     categories = sorted({r["category"] for r in records})
     report: dict[str, Any] = {
         "overall": summarize(records, order),
         "by_category": {c: summarize([r for r in records if r["category"] == c], order) for c in categories},
-        "mismatches": find_mismatches(records, reference) if settings.temperature == 0 else [],
-        "mismatch_check": ("greedy: every mode compared with " + reference) if settings.temperature == 0
+        "mismatches": find_mismatches(records, reference) if greedy else [],
+        "mismatch_check": ("greedy: every mode compared with " + reference) if greedy
         else "not checked (temperature > 0: outputs are samples)",
         "not_applicable": not_applicable,
         "reference_mode": reference,
         "acceptance_histograms": accept_histograms(records),
-        "skipped": skipped,
-        "wall_seconds": wall,
-        "load_seconds": load_seconds,
+        "skipped": p.skipped,
+        "wall_seconds": 0.0,
+        "load_seconds": 0.0,
         "prompts": {c: len({r["question_id"] for r in records if r["category"] == c}) for c in categories},
         "generations": [{k: v for k, v in r.items() if k not in ("token_ids", "accept_lengths")} for r in records],
     }

@@ -311,12 +311,8 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
     tdtype = resolve_dtype(dtype, dev)
     name = str(tdtype).removeprefix("torch.")
     args = shape_args(shape)
-    if prompt_len + new_tokens + 8 > args.max_position_embeddings:
-        raise PolyspecError(f"prompt ({prompt_len}) + new tokens ({new_tokens}) exceed the {shape} context "
-                            f"({args.max_position_embeddings})")
     widths = needed_widths(measurements, widths or [1, 4, 5, 9])
-    if forward_prefix + max(widths) + 1 > args.max_position_embeddings:
-        raise PolyspecError(f"--forward-prefix {forward_prefix} + width {max(widths)} exceed the {shape} context")
+    _check_lengths(shape, args.max_position_embeddings, (prompt_len, new_tokens), forward_prefix, max(widths))
     use_graphs = cuda_graphs.graphs_wanted(dev) if graphs is None else graphs
     if use_graphs and dev.type != "cuda":
         raise PolyspecError("CUDA graphs need --device cuda")
@@ -345,16 +341,31 @@ def run_shape_bench(shape: str, *, device: str = "auto", dtype: str | None = Non
         "projection": None,
     }
     if measurements is not None:
-        report["projection"] = {
-            "label": "projection: this shape's measured T_i with the acceptance lengths the chain measured when it "
-                     "was profiled (Lemma 3.1)",
-            "chain": str(chain_dir), "profiled_on": {"device": measurements.get("device"),
-                                                     "dtype": measurements.get("dtype")},
-            "configs": project(measurements, ms),
-        }
+        report["projection"] = _projection(measurements, Path(chain_dir), ms)
     if dev.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(dev)
     return report
+
+
+def _check_lengths(shape: str, context: int, tokens: tuple[int, int], forward_prefix: int, width: int) -> None:
+    """One clear error where the generation (``tokens``: prompt, new tokens) or the widest timed forward after
+    ``forward_prefix`` positions would not fit the shape's ``context``."""
+    prompt_len, new_tokens = tokens
+    if prompt_len + new_tokens + 8 > context:
+        raise PolyspecError(f"prompt ({prompt_len}) + new tokens ({new_tokens}) exceed the {shape} context "
+                            f"({context})")
+    if forward_prefix + width + 1 > context:
+        raise PolyspecError(f"--forward-prefix {forward_prefix} + width {width} exceed the {shape} context")
+
+
+def _projection(measurements: dict[str, Any], chain_dir: Path, ms: dict[str, dict[int, float]]) -> dict[str, Any]:
+    return {
+        "label": "projection: this shape's measured T_i with the acceptance lengths the chain measured when it "
+                 "was profiled (Lemma 3.1)",
+        "chain": str(chain_dir), "profiled_on": {"device": measurements.get("device"),
+                                                 "dtype": measurements.get("dtype")},
+        "configs": project(measurements, ms),
+    }
 
 
 def print_report(r: dict[str, Any], out: Any = None) -> None:

@@ -1,6 +1,6 @@
 """Turn a recipe's ``data`` section into tokenised train / held-out Arrow datasets, cached under the workdir.
 
-``prepare_dataset(recipe, tokenizer, tokenizer_id=...)`` loads the conversations (:mod:`polyspec.data.sharegpt`),
+``prepare_dataset(data, tokenizer, workdir=..., tokenizer_id=...)`` loads the conversations (:mod:`polyspec.data.sharegpt`),
 splits them by conversation into train and held-out sets (``data.heldout_fraction``, ``data.seed``), tokenises each
 with the tokenizer's chat template and an assistant-only loss mask (:mod:`polyspec.data.chat`), and saves both
 splits with ``datasets.Dataset.save_to_disk`` under ``<workdir>/cache/data/<key>/``. The key is a SHA-256 over the
@@ -33,7 +33,7 @@ from polyspec.fsutil import sha256_file, temp_folder
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
-    from polyspec.config import Recipe
+    from polyspec.config import DataConfig
 
 FORMAT_VERSION = 1  # bump when the on-disk layout or the tokenisation rules change
 HASH_CONTENT_LIMIT = 64 * 1024 * 1024  # local files up to this size are identified by their content hash
@@ -92,18 +92,13 @@ def tokenizer_identity(tokenizer: Any, tokenizer_id: str) -> dict[str, Any]:
     return ident
 
 
-def data_identity(recipe: Recipe) -> dict[str, Any]:
-    """The data settings that change the prepared sequences."""
-    return recipe.data.model_dump(mode="json")
-
-
-def cache_key(recipe: Recipe, tokenizer: Any, tokenizer_id: str) -> tuple[str, dict[str, Any]]:
-    """(hex key, the identity it hashes) for this recipe's data section and tokenizer."""
+def cache_key(data: DataConfig, tokenizer: Any, tokenizer_id: str) -> tuple[str, dict[str, Any]]:
+    """(hex key, the identity it hashes) for a recipe's data section and tokenizer."""
     identity = {
         "format_version": FORMAT_VERSION,
-        "source": source_identity(recipe.data.source),
+        "source": source_identity(data.source),
         "tokenizer": tokenizer_identity(tokenizer, tokenizer_id),
-        "data": data_identity(recipe),
+        "data": data.model_dump(mode="json"),  # every data setting changes the prepared sequences
     }
     blob = json.dumps(identity, sort_keys=True, ensure_ascii=False).encode("utf-8")
     return hashlib.sha256(blob).hexdigest(), identity
@@ -255,11 +250,13 @@ def _load_cached(path: Path) -> PreparedData:
     return PreparedData(train=train, heldout=heldout, path=path, report=report)
 
 
-def prepare_dataset(recipe: Recipe, tokenizer: Any, *, tokenizer_id: str, progress: bool = False) -> PreparedData:
-    """Tokenised train/held-out datasets for ``recipe.data``, from ``<workdir>/cache/data/<key>/`` when cached."""
-    cfg = recipe.data
-    key, identity = cache_key(recipe, tokenizer, tokenizer_id)
-    root = Path(recipe.workdir) / "cache" / "data"
+def prepare_dataset(data: DataConfig, tokenizer: Any, *, workdir: Path, tokenizer_id: str,
+                    progress: bool = False) -> PreparedData:
+    """Tokenised train/held-out datasets for a recipe's ``data`` section, from ``<workdir>/cache/data/<key>/`` when
+    cached."""
+    cfg = data
+    key, identity = cache_key(data, tokenizer, tokenizer_id)
+    root = Path(workdir) / "cache" / "data"
     final = root / key[:20]
     if (final / REPORT_FILE).is_file():
         return _load_cached(final)

@@ -61,24 +61,15 @@ static inline float lane_sum(v16f v) {  // fixed pairwise order: halves, quarter
     return a + b;
 }
 
-typedef int8_t v16c __attribute__((vector_size(16)));
-
 template <typename W>
 static inline v16f load_w(const W* p);
 template <>
 inline v16f load_w<float>(const float* p) { return load_f32(p); }
 template <>
 inline v16f load_w<uint16_t>(const uint16_t* p) { return load_bf16(p); }
-template <>
-inline v16f load_w<int8_t>(const int8_t* p) {  // int8 codes (an Int8Linear's weight), widened exactly
-    v16c c;
-    memcpy(&c, p, sizeof(c));
-    return __builtin_convertvector(c, v16f);
-}
 
 static inline float w_scalar(const float* p) { return *p; }
 static inline float w_scalar(const uint16_t* p) { return bf16_to_f32(*p); }
-static inline float w_scalar(const int8_t* p) { return (float)*p; }
 
 // Calls f(std::integral_constant<int, G>{}) for a pass of g input rows (1..MAX - 1; MAX and more: MAX): every row
 // kernel's passes are compiled for each G, so the accumulators stay in registers.
@@ -321,31 +312,21 @@ static int64_t bf16_prepare(const float* x, int64_t M, int64_t K, std::vector<ui
     return row;
 }
 
-// 32 weights of a chunk as bf16: bf16 bits as they are; an Int8Linear's 7-bit codes v (-63..63) as the bf16 number
-// v + 192 = 128 + (v + 64), whose bits are 0x4300 | (v + 64): three integer instructions, no conversion (the rows
-// take 192 times the input's sum back off: I8_OFFSET). Masked lanes read 0, i.e. 192, against a zero input.
-static constexpr float I8_OFFSET = 192.0f;
+// 32 weights of a chunk as bf16 (bf16 bits as they are); masked lanes read 0.
 template <typename W>
 static inline __m512bh dp_chunk(const W* p, __mmask32 m);
 template <>
 inline __m512bh dp_chunk<uint16_t>(const uint16_t* p, __mmask32 m) {
     return (__m512bh)(m == (__mmask32)~0u ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p));
 }
-template <>
-inline __m512bh dp_chunk<int8_t>(const int8_t* p, __mmask32 m) {
-    const __m256i c = m == (__mmask32)~0u ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi8(m, p);
-    const __m512i u = _mm512_cvtepu8_epi16(_mm256_add_epi8(c, _mm256_set1_epi8(64)));
-    return (__m512bh)_mm512_or_si512(u, _mm512_set1_epi16(0x4300));
-}
 
-// R consecutive weight rows (one block of R K elements: pack_weights' row-major layout; bf16 bits or int8 codes)
+// R consecutive weight rows (one block of R K elements: pack_weights' row-major layout; bf16 bits)
 // against G bf16 input rows on vdpbf16ps, lane i of a 32-word chunk accumulating the products of words 2i and 2i + 1.
 // Per chunk the G input chunks are loaded once and each row's chunk once: R + G loads per R G products, where one row
 // at a time took 2 + 2G per 2G and left a verification of 2-5 rows waiting on the load ports (docs/KERNELS.md, "The
 // CPU fast path"). One accumulator per (row, input), the chunks in order, a masked last chunk (xb is zero past K), a
 // fixed-order lane sum: every (row, input) pair gets the same sequence for every R and G, so the result is
-// batch-invariant. An int8 row's chunks are its codes plus I8_OFFSET, exact in bf16; the caller takes the offset back
-// off and scales the sums.
+// batch-invariant.
 template <int R, int G, typename W>
 static inline void block_dots_dp(const uint16_t* xb, int64_t xrow, const W* w, int64_t K, float* out) {
     __m512 acc[R][G];
@@ -355,12 +336,8 @@ static inline void block_dots_dp(const uint16_t* xb, int64_t xrow, const W* w, i
     const __mmask32 all = (__mmask32)~0u;
     for (int64_t k = 0; k < k32; k += 32) {
         // the block is read in address order as a whole, R chunks per step: prefetch that sweep, 128 bytes a call
-        if constexpr (sizeof(W) == 2) {
-            if (R % 2 == 0 || k % 64 == 0)
-                for (int r = 0; r < R; r += 2) prefetch_ahead(w + k * R + r * 32);
-        } else if ((k * R) % 128 == 0) {
-            prefetch_ahead(w + k * R);
-        }
+        if (R % 2 == 0 || k % 64 == 0)
+            for (int r = 0; r < R; r += 2) prefetch_ahead(w + k * R + r * 32);
         __m512bh xs[G];
         for (int g = 0; g < G; g++) xs[g] = (__m512bh)_mm512_loadu_si512(xb + g * xrow + k);
         for (int r = 0; r < R; r++) {
@@ -385,36 +362,30 @@ static inline void block_dots_dp(const uint16_t* xb, int64_t xrow, const W* w, i
 }
 
 // One block of R rows against all M input rows: balanced passes of up to 5 (R G accumulators, G input chunks and a
-// weight chunk fit the 32 registers), the block read from memory in the first pass and from L1 in later ones. Int8
-// rows: xsum (each input row's sum) takes the codes' offset back off and scale (one per output row) multiplies the
-// sum before its bias; both NULL for bf16 rows.
+// weight chunk fit the 32 registers), the block read from memory in the first pass and from L1 in later ones.
 template <int R, typename W>
-static void block_rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* xsum, const float* scale,
-                          const float* bias, int64_t M, int64_t K, int64_t N, int64_t n, float* y) {
+static void block_rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* bias, int64_t M, int64_t K,
+                          int64_t N, int64_t n, float* y) {
     float out[R * 8];
     const int64_t passes = (M + 4) / 5;
     for (int64_t q = 0, m0 = 0; q < passes; q++) {
         const int64_t g = (M - m0) / (passes - q);
         by_pass<5>(g, [&](auto G) { block_dots_dp<R, decltype(G)::value>(xb + m0 * xrow, xrow, w + n * K, K, out); });
         for (int r = 0; r < R; r++)
-            for (int64_t i = 0; i < g; i++) {
-                const float v = scale ? (out[r * 8 + i] - I8_OFFSET * xsum[m0 + i]) * scale[n + r] : out[r * 8 + i];
-                y[(m0 + i) * N + n + r] = v + (bias ? bias[n + r] : 0.0f);
-            }
+            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
         m0 += g;
     }
 }
 
-// Rows n_begin..n_end-1 of a bf16 or int8 weight against the M prepared input rows in blocks of 4 rows (single rows
-// at the end): bf16 rows from 4 inputs, single rows below (one address-ordered stream; blocks measured 0-8 % slower
-// there, DECODE.md); int8 rows at every width.
+// Rows n_begin..n_end-1 of a bf16 weight against the M prepared input rows in blocks of 4 rows (single rows at the
+// end) from 4 inputs, single rows below (one address-ordered stream; blocks measured 0-8 % slower there, DECODE.md).
 template <typename W>
-static void rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* xsum, const float* scale,
-                    const float* bias, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end, float* y) {
+static void rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* bias, int64_t M, int64_t K, int64_t N,
+                    int64_t n_begin, int64_t n_end, float* y) {
     int64_t n = n_begin;
-    if (M >= 4 || sizeof(W) == 1)  // int8: measured 0.60 against single rows' 0.64x the target's step at width 2
-        for (; n + 4 <= n_end; n += 4) block_rows_dp<4>(xb, xrow, w, xsum, scale, bias, M, K, N, n, y);
-    for (; n < n_end; n++) block_rows_dp<1>(xb, xrow, w, xsum, scale, bias, M, K, N, n, y);
+    if (M >= 4)
+        for (; n + 4 <= n_end; n += 4) block_rows_dp<4>(xb, xrow, w, bias, M, K, N, n, y);
+    for (; n < n_end; n++) block_rows_dp<1>(xb, xrow, w, bias, M, K, N, n, y);
 }
 #endif
 
@@ -432,10 +403,6 @@ struct WI4 {
     const uint8_t* z;   // [N, ceil(K / gs)]
     int64_t gs;
 };
-struct WI8 {
-    const int8_t* q;  // [N, K]: per output row symmetric codes, w = q * s
-    const float* s;   // [N]
-};
 
 static inline void rows_w(const float* x, const I4Input&, const WF32& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
@@ -444,24 +411,10 @@ static inline void rows_w(const float* x, const I4Input&, const WF32& w, const f
 static inline void rows_w(const float* x, const I4Input& in, const WBF16& w, const float* bias, int64_t M,
                           int64_t K, int64_t N, int64_t nb, int64_t ne, float* y) {
 #ifdef POLYSPEC_DPBF16
-    if (w.dot) return rows_dp<uint16_t>(in.xb, in.xb_row, w.w, nullptr, nullptr, bias, M, K, N, nb, ne, y);
+    if (w.dot) return rows_dp<uint16_t>(in.xb, in.xb_row, w.w, bias, M, K, N, nb, ne, y);
 #endif
     rows<uint16_t>(x, w.w, bias, M, K, N, nb, ne, y);
 }
-// int8 rows against the bf16-rounded input (an int8 level of a bf16 model): the codes' sums (in.xs: each input row's
-// sum, for the offset), times the row's scale, plus the bias. The portable build sums the widened codes against the
-// fp32 input (the same values: the caller's input is bf16).
-static inline void rows_w(const float* x, const I4Input& in, const WI8& w, const float* bias, int64_t M, int64_t K,
-                          int64_t N, int64_t nb, int64_t ne, float* y) {
-#ifdef POLYSPEC_DPBF16
-    return rows_dp<int8_t>(in.xb, in.xb_row, w.q, in.xs, w.s, bias, M, K, N, nb, ne, y);
-#else
-    rows<int8_t>(x, w.q, nullptr, M, K, N, nb, ne, y);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = nb; n < ne; n++) y[m * N + n] = y[m * N + n] * w.s[n] + (bias ? bias[n] : 0.0f);
-#endif
-}
-
 // One pass of G input rows (from row m0) over an int4 weight row, with this build's row kernel. Passes hold up to
 // I4_PASS rows: 4 on the bf16 path (2 accumulators + 1 total per row in registers), 8 on the portable one.
 #ifdef POLYSPEC_DPBF16
@@ -501,11 +454,9 @@ static inline void rows_w(const float*, const I4Input& in, const WI4& w, const f
 static inline bool dot_rows(const WF32&) { return false; }
 static inline bool dot_rows(const WBF16& w) { return w.dot; }
 static inline bool dot_rows(const WI4&) { return false; }
-static inline bool dot_rows(const WI8&) { return true; }
 static inline int64_t group_size_of(const WF32&) { return 0; }
 static inline int64_t group_size_of(const WBF16&) { return 0; }
 static inline int64_t group_size_of(const WI4& w) { return w.gs; }
-static inline int64_t group_size_of(const WI8&) { return 0; }
 
 // Up to three weights side by side, y = [x w0^T | x w1^T | x w2^T] (+ biases), [M, n0 + n1 + n2] (q/k/v or gate/up in
 // one call). The concatenated rows are cut into one contiguous slice per thread, at multiples of 16 rows.
@@ -542,15 +493,9 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
         in.xs = xs.data();
     }
 #ifdef POLYSPEC_DPBF16
-    if (dot_rows(ws[0])) {  // bf16 and int8 rows: the input rounded to bf16 once
+    if (dot_rows(ws[0])) {  // bf16 rows: the input rounded to bf16 once
         in.xb_row = bf16_prepare(x, M, K, xb);
         in.xb = xb.data();
-        if (std::is_same<WT, WI8>::value) {  // int8 rows: each rounded input row's sum, in one fixed order
-            xs.assign(M, 0.0f);
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t k = 0; k < K; k++) xs[m] += bf16_to_f32(xb[m * in.xb_row + k]);
-            in.xs = xs.data();
-        }
     }
 #endif
     if (threads < 1) threads = 1;
@@ -980,9 +925,9 @@ static int attention_checked(const float* q, const C* k, const C* v, int64_t S, 
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 10; }
+int polyspec_linear_abi(void) { return 11; }
 
-// Which row kernels this build has for int4, int8 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs,
+// Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs,
 // 0 = the portable fp32 ones.
 int polyspec_dot_path(void) {
 #ifdef POLYSPEC_DPBF16
@@ -1022,15 +967,6 @@ int polyspec_linear_i4(const float* x, const uint8_t* q, const float* s, const u
     return 0;
 }
 
-// One int8 weight (Int8Linear buffers: codes [N, K], one fp32 scale per row); fp32 input (bf16 values), bias and
-// output. Returns 1 when K is not a multiple of 32.
-int polyspec_linear_i8(const float* x, const int8_t* q, const float* s, const float* bias, int64_t N, int64_t M,
-                       int64_t K, float* y, int threads) {
-    if (K % 32 != 0) return 1;
-    run1(x, WI8{q, s}, bias, N, M, K, y, threads);
-    return 0;
-}
-
 // A decoder layer with fp32 weights: ptrs = 7 weights, 7 biases (NULL = none), 2 norm weights.
 int polyspec_layer_f32(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
                        int64_t D, int64_t I, const float* cos_, const float* sin_, float* kcache, float* vcache,
@@ -1059,21 +995,6 @@ int polyspec_layer_i4(float* x, const void* const* ptrs, int64_t gs, float eps, 
     for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[21 + i];
     w.in_norm = (const float*)ptrs[28];
     w.post_norm = (const float*)ptrs[29];
-    return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
-}
-
-// A decoder layer of a bf16 model whose projections are int8 (Int8Linear): ptrs = (codes, scales) x 7, 7 biases,
-// 2 norms; bf16 KV cache, fp32 residual stream as for polyspec_layer_bf16. Returns 2 unless H, nh D and I are
-// multiples of 32.
-int polyspec_layer_i8(float* x, const void* const* ptrs, float eps, int64_t T, int64_t H, int64_t nh, int64_t nkv,
-                      int64_t D, int64_t I, const float* cos_, const float* sin_, uint16_t* kcache, uint16_t* vcache,
-                      int64_t S, int64_t start, const uint8_t* mask, int threads) {
-    if (H % 32 != 0 || (nh * D) % 32 != 0 || I % 32 != 0) return 2;
-    LayerWeights<WI8> w;
-    for (int i = 0; i < 7; i++) w.w[i] = {(const int8_t*)ptrs[2 * i], (const float*)ptrs[2 * i + 1]};
-    for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[14 + i];
-    w.in_norm = (const float*)ptrs[21];
-    w.post_norm = (const float*)ptrs[22];
     return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
 }
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_ABI = 10
+_ABI = 11
 MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (faster from ~30 rows)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -158,11 +158,6 @@ def _load() -> ctypes.CDLL | None:
             lib.polyspec_layer_f32.restype = ctypes.c_int
             lib.polyspec_layer_bf16.argtypes = lib.polyspec_layer_f32.argtypes
             lib.polyspec_layer_bf16.restype = ctypes.c_int
-            lib.polyspec_layer_i8.argtypes = lib.polyspec_layer_f32.argtypes
-            lib.polyspec_layer_i8.restype = ctypes.c_int
-            lib.polyspec_linear_i8.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-                                               + [ctypes.c_void_p, ctypes.c_int])
-            lib.polyspec_linear_i8.restype = ctypes.c_int
             lib.polyspec_layer_i4.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
                                               + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
                                               + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
@@ -347,34 +342,12 @@ def int4_linear(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor | None:
     return y if rc == 0 else None
 
 
-def int8_linear(x: torch.Tensor, mod: torch.nn.Module, max_rows: int = MAX_ROWS) -> torch.Tensor | None:
-    """``mod(x)`` for an Int8Linear through the kernel (bf16 input [..., K], at most ``max_rows`` rows, no autograd;
-    fp32 sums, rounded to bf16 once), or None when it does not apply (then the caller takes the reference path)."""
-    if not _ready() or x.dtype != torch.bfloat16 or not x.is_cpu or not int8_ok(mod):
-        return None
-    k = mod.in_features
-    if x.shape[-1] != k or x.numel() == 0 or x.numel() > min(max_rows, VERIFY_ROWS) * k:
-        return None
-    if (torch.is_grad_enabled() and x.requires_grad) or torch.jit.is_tracing() or torch.compiler.is_compiling():
-        return None
-    if _load() is None:
-        return None
-    xf = x.float().contiguous()
-    bias = None if mod.bias is None else mod.bias.float().contiguous()
-    y = torch.empty((*x.shape[:-1], mod.out_features), dtype=torch.float32)
-    rc = _lib.polyspec_linear_i8(xf.data_ptr(), mod.qweight.data_ptr(), mod.scale.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), mod.out_features, xf.numel() // k, k,
-                                 y.data_ptr(), torch.get_num_threads())
-    return y.to(x.dtype) if rc == 0 else None
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Whole decoder layers, one call each (fp32, bf16, int4 or int8 projections)
+# Whole decoder layers, one call each (fp32, bf16 or int4 projections)
 # ---------------------------------------------------------------------------------------------------------------
 
 _PTRS = ctypes.c_void_p * 16
 _PTRS_I4 = ctypes.c_void_p * 30
-_PTRS_I8 = ctypes.c_void_p * 23
 
 
 @dataclass(frozen=True)
@@ -384,8 +357,7 @@ class LayerSupport:
     and :func:`block_supported` read it; a layer or block that needs anything else runs the reference Python layer."""
 
     features: frozenset[str]
-    weights: frozenset[str]  # "f32" / "bf16": plain model.Linear weights (and norms) of that dtype; "i4": Int4Linear;
-    #                          "i8": Int8Linear projections in a bf16 model
+    weights: frozenset[str]  # "f32" / "bf16": plain model.Linear weights (and norms) of that dtype; "i4": Int4Linear
     activations: frozenset[torch.dtype]
     max_rows: int  # positions per block (batch 1)
 
@@ -402,7 +374,7 @@ class LayerSupport:
 LAYER_SUPPORT = LayerSupport(
     features=frozenset({"rms_norm", "rope_rotate_half", "softmax_attention", "silu_glu_mlp", "gqa", "qkv_bias",
                         "o_bias", "mlp_bias"}),
-    weights=frozenset({"f32", "bf16", "i4", "i8"}),
+    weights=frozenset({"f32", "bf16", "i4"}),
     activations=frozenset({torch.float32, torch.bfloat16}),
     max_rows=VERIFY_ROWS,
 )
@@ -418,9 +390,8 @@ def rows_limit(start: int, tree: bool) -> int:
 
 
 class LayerPlan:
-    """What :func:`run_layers` needs of one model.DecoderLayer: its kind ("f32", "bf16", "i4" or "i8"), the data
-    pointers (7 weights, 7 x (codes, scales, zeros) for int4, 7 x (codes, scales) for int8; 7 biases or NULL; 2 norm
-    weights), the sizes, and
+    """What :func:`run_layers` needs of one model.DecoderLayer: its kind ("f32", "bf16" or "i4"), the data
+    pointers (7 weights, or 7 x (codes, scales, zeros) for int4; 7 biases or NULL; 2 norm weights), the sizes, and
     references to those tensors (so their memory outlives the plan). A bf16 layer's biases and norm weights are held
     as fp32 copies. Built once per layer by :func:`layer_plan`; DecoderLayer drops it whenever ``Module._apply``
     runs (``.to()``, ``.float()``, ...). In-place updates of the weights keep it valid (not of a bf16 layer's norms
@@ -438,9 +409,6 @@ class LayerPlan:
         if kind == "i4":
             weights = tuple(t for lin in lins for t in (lin.qdata, lin.scales, lin.zeros))
             table = _PTRS_I4
-        elif kind == "i8":
-            weights = tuple(t for lin in lins for t in (lin.qweight, lin.scale))
-            table = _PTRS_I8
         else:
             weights = tuple(lin.weight.detach() for lin in lins)
             table = _PTRS
@@ -494,20 +462,7 @@ def _weight_kind(layer: torch.nn.Module) -> tuple[str, int] | None:
         sizes = {lin.group_size for lin in lins}
         if len(sizes) == 1 and all(int4_layer_ok(lin) for lin in lins):
             return "i4", sizes.pop()
-    if dtype == torch.bfloat16 and all(int8_ok(lin) for lin in lins):
-        return "i8", 0
     return None
-
-
-def int8_ok(lin: torch.nn.Module) -> bool:
-    """Whether the int8 rows take ``lin``: an Int8Linear (decode/int8.py) with in_features a multiple of 32, its codes,
-    scales and an fp32-castable bias on the CPU and contiguous."""
-    from polyspec.decode.int8 import Int8Linear
-
-    if not isinstance(lin, Int8Linear) or lin.in_features % 32:
-        return False
-    return all(t.is_cpu and t.is_contiguous() for t in (lin.qweight, lin.scale)) and \
-        (lin.bias is None or lin.bias.is_cpu)
 
 
 def layer_plan(layer: torch.nn.Module) -> LayerPlan | None:
@@ -559,8 +514,6 @@ def _layer_call(plan: LayerPlan, x: torch.Tensor) -> tuple[object, tuple]:
         return _lib.polyspec_layer_f32, (plan.ptrs,)
     if plan.kind == "i4" and x.dtype == torch.float32:
         return _lib.polyspec_layer_i4, (plan.ptrs, plan.group_size)
-    if plan.kind == "i8" and x.dtype == torch.bfloat16:
-        return _lib.polyspec_layer_i8, (plan.ptrs,)
     raise ValueError(f"a {plan.kind} layer plan cannot run a {x.dtype} block")
 
 

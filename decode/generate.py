@@ -59,7 +59,7 @@ class LoadedChain:
                                     "draft: --draft source=lookup,lookup=8)")
             return models[:1] if lookup else [self.order[0], self.order[-1]]
         if mode == CHAIN:
-            if len(self.order) < 3:
+            if len(models) + lookup < 3:  # prompt lookup drafting counts as the bottom level
                 raise PolyspecError(f"chain mode needs at least 3 levels; this chain has {len(self.order)} "
                                     f"({', '.join(self.order)}): use --mode dual or ar")
             return models

@@ -119,13 +119,6 @@ class ModelLevel:
     def setup(self, max_seq_len: int) -> None:
         self.model.setup_cache(max_seq_len)
 
-    def adopt_prompt(self, top: ModelLevel, n: int) -> bool:
-        """A model made from the target (``prompt_from_target``, set by decode.int8.int8_copy) takes the target's K/V
-        of the first ``n`` positions instead of a prefill of its own; False where it is not one or cannot."""
-        if not getattr(self.model, "prompt_from_target", False) or not hasattr(self.model, "adopt_prompt"):
-            return False
-        return bool(self.model.adopt_prompt(top.model, n))
-
     def reset(self) -> None:
         self.model.reset()
 

@@ -605,24 +605,6 @@ class CachedDecoder(nn.Module):
         if self._cache is not None:
             self._cache.length = 0
 
-    def adopt_prompt(self, other: CachedDecoder, n: int) -> bool:
-        """Take the first ``n`` K/V entries of ``other``'s cache as this model's own (cache_len becomes n) where both
-        caches have one layout (layers, heads, head size, dtype, device) and room; False (nothing changed) otherwise.
-        For a quantised copy of ``other`` in a chain (decode/int8.py): its prompt then costs a copy, not a prefill,
-        and it attends to the target's own states of the prompt (it only proposes, so the output stays exact)."""
-        mine, theirs = self._cache, other._cache
-        if mine is None or theirs is None or len(mine.k) != len(theirs.k) or n > theirs.length \
-                or n > mine.max_seq_len:
-            return False
-        a, b = mine.k[0], theirs.k[0]
-        if a.shape[:2] != b.shape[:2] or a.shape[3] != b.shape[3] or a.dtype != b.dtype or a.device != b.device:
-            return False
-        for dst, src in ((mine.k, theirs.k), (mine.v, theirs.v)):
-            for layer in range(len(dst)):
-                dst[layer][:, :, :n] = src[layer][:, :, :n]
-        mine.length = n
-        return True
-
     def compact(self, src_positions: torch.Tensor | list[int], dst_start: int) -> None:
         """Copy the K/V entries at absolute positions ``src_positions`` [n] to ``dst_start .. dst_start + n - 1``
         and set cache_len to ``dst_start + n`` (keeps the accepted path of a verified tree)."""

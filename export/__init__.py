@@ -6,8 +6,9 @@ Data flow, one module each: :mod:`~polyspec.export.timing` (T_i) and :mod:`~poly
 profile folder (tables, verdict.md, :mod:`~polyspec.export.plots`); :mod:`~polyspec.export.package` writes the chain
 folder (manifest, :mod:`~polyspec.export.onnx_head`); :mod:`~polyspec.export.stage` is the recipe-level glue.
 
-``profile_stage(recipe, tracker=None) -> Profile`` and ``export_stage(recipe, tracker=None) -> Path`` are the
-pipeline's profile and export stages (torch loads only when they run), resolved lazily (PEP 562).
+``profile_stage(recipe.profile, ...) -> Profile`` (or ``search_stage(recipe.profile, ...) -> Search``) and
+``export_stage(recipe.export, ...) -> Path`` are the pipeline's profile and export stages (torch loads only when they
+run), resolved lazily (PEP 562); :mod:`polyspec.pipeline` calls them with a recipe's sections.
 Serving lives in :mod:`polyspec.decode.serve`.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["export_stage", "profile_stage"]
+__all__ = ["export_stage", "profile_stage", "search_stage"]
 
 
 def __getattr__(name: str) -> Any:

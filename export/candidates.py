@@ -1,7 +1,9 @@
-"""Candidate levels for the chain search, made in memory from a loaded target (and the folders already built).
+"""Candidate levels for the chain search, made in memory from a loaded target (and the folders already built), and
+written as level folders once the search has chosen them (:func:`chosen_folders`).
 
 * ``int4`` (and ``int4_2`` ...): the int4 copies given as folders (the quantize stage's output), loaded as usual.
-* ``int4_g<G>``: an RTN int4 copy of the target at another group size (:func:`rtn_copy`).
+* ``int4_g<G>``: an RTN int4 copy of the target at another group size (:func:`rtn_copy`); exported as the GPTQ
+  folder ``decode.int4.save_int4_checkpoint`` writes (the same RTN codes, the format the quantize stage writes).
 * ``head``: the EAGLE head (folder); it reads the features of a level above, so it can only be the bottom level.
 * ``lookup``: prompt lookup alone drafting (no model, no level: ``draft.source: lookup``); bottom only.
 
@@ -13,6 +15,7 @@ never beat dual on any device measured: docs/PROFILE.md, "The chain search".)
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from polyspec.errors import PolyspecError
@@ -27,6 +30,7 @@ class Candidate:
     level: Any  # a chain level (ModelLevel, HeadLevel); None for prompt lookup (a drafter, not a level)
     bottom_only: bool
     note: str = ""
+    group_size: int | None = None  # rtn_int4 only
 
 
 @dataclass
@@ -91,7 +95,7 @@ def make_candidates(target: Any, given: list[tuple[str, Any]], s: CandidateSetti
     for g in s.rtn_group_sizes:
         name = f"int4_g{g}"
         out.append(Candidate(name, "rtn_int4", ModelLevel(_ready(rtn_copy(model, g), dev), name), False,
-                             note=f"RTN int4 g{g} of the target"))
+                             note=f"RTN int4 g{g} of the target", group_size=g))
     if s.lookup:
         out.append(Candidate("lookup", "lookup", None, True, note="prompt lookup alone"))
     return out
@@ -103,3 +107,27 @@ def fits_head(level: Any, head: Any) -> bool:
     aux = getattr(head, "aux_layers", None)
     model = getattr(level, "model", None)
     return not aux or model is None or model.args.num_layers > max(aux)
+
+
+def chosen_folders(levels: list[str], cands: list[Any], given: dict[str, Path], work: Path) -> list[Path]:
+    """The level folders of a searched chain, top first: ``levels`` as the search names them (the target, then
+    candidates; prompt lookup is no level and has no folder), ``cands`` the search's CandidateInfo list, ``given``
+    the folders it loaded by tag ("target", "int4", "head" ...). A copy made in memory is written under ``work``."""
+    by = {c.name: c for c in cands}
+    out = []
+    for name in (n for n in levels if n != "lookup"):
+        if name in given:
+            out.append(Path(given[name]))
+        elif name in by and by[name].kind == "rtn_int4" and by[name].group_size:
+            out.append(_write_rtn(Path(given["target"]), by[name].group_size, Path(work) / name))
+        else:
+            raise PolyspecError(f"the searched chain's level {name!r} is neither a given folder nor a copy export "
+                                "can write; search again with this polyspec")
+    return out
+
+
+def _write_rtn(target_dir: Path, group_size: int, out: Path) -> Path:
+    """The RTN int4 copy at ``group_size`` as a GPTQ folder (what :func:`rtn_copy` makes in memory)."""
+    from polyspec.decode.int4 import save_int4_checkpoint
+
+    return save_int4_checkpoint(target_dir, out, group_size=group_size, overwrite=True)

@@ -12,11 +12,12 @@ from typing import Any
 
 from polyspec.errors import PolyspecError
 from polyspec.export.report import summary_L, verdict_json
-from polyspec.export.results import Profile, to_json
+from polyspec.export.results import Profile, Search, to_json
 from polyspec.fsutil import FILE_HASHES, atomic_folder, copy_tree
 
 Parts = Sequence[Path] | Mapping[str, Path]  # level folders, target first; or {"target", "int4", "head"}
 MEASUREMENTS_SCHEMA = "polyspec.measurements/1"
+SEARCH_MEASUREMENTS_SCHEMA = "polyspec.search-measurements/1"  # a searched chain's
 _GRID_KEYS = ("label", "mode", "draft", "mu", "L", "beta", "predicted_time_per_token_s", "measured_tokens_per_second")
 OPSET = 18  # ONNX opset of the head's export: torch's dynamo exporter's own, read by onnxruntime >= 1.14
 
@@ -33,9 +34,9 @@ def ordered_parts(parts: Parts) -> list[Path]:
     return [Path(x) for x in parts]
 
 
-def measurements_for_manifest(p: Profile, onnx: dict[str, Any] | None) -> dict[str, Any]:
+def measurements_for_manifest(p: Profile) -> dict[str, Any]:
     """What the manifest's ``measurements`` carries: T and L tables, verdicts (``verdict`` / ``candidates``: the first
-    insertion's, ``insertions``: all), decision, speedups, ONNX parity."""
+    insertion's, ``insertions``: all), decision, speedups (:func:`export_chain` adds the ONNX parity)."""
     first = p.insertions[0]
     return {
         "schema": MEASUREMENTS_SCHEMA,
@@ -59,7 +60,6 @@ def measurements_for_manifest(p: Profile, onnx: dict[str, Any] | None) -> dict[s
         "variance": to_json(p.variance),
         "lossless_greedy": p.lossless_greedy,
         "notes": p.notes,
-        "onnx": onnx,
     }
 
 
@@ -73,41 +73,86 @@ def decided(p: Profile, decode: Any) -> Any:
                                      "mu": [int(m) for m in dec.mu] or list(decode.mu)})
 
 
-def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True) -> Path:
-    """Write the chain folder ``out`` atomically: the levels ``parts`` (target first, draft last; a draft head gets
-    ``head.onnx``), and a manifest with the profile's measurements; validated before it replaces ``out``.
+def searched(s: Search, decode: Any) -> Any:
+    """``decode`` (a DecodeSpec: its sampling defaults kept) with the search's decision: the mode, what drafts (ar:
+    the recipe's, unused) and mu."""
+    from polyspec.chain_spec import DraftSpec
 
-    ``decode``: the recipe's DecodeSpec, whose mode / draft / mu the decision replaces."""
+    dec = s.decision
+    draft = DraftSpec.parse(dec.draft) if dec.draft else decode.draft
+    return decode.model_copy(update={"mode": dec.mode, "draft": draft, "mu": [int(m) for m in dec.mu] or list(decode.mu)})
+
+
+def search_measurements(s: Search) -> dict[str, Any]:
+    """What a searched chain's manifest ``measurements`` carries: the device and dtype it ran in, T tables, the
+    candidates, the confirmed chains and ar, the decision (the whole search stays in its folder's search.json)."""
+    return {
+        "schema": SEARCH_MEASUREMENTS_SCHEMA,
+        "search_key": s.notes.get("key"),
+        "device": s.device,
+        "dtype": s.dtype,
+        "kv_length": s.settings.get("kv_length"),
+        "T": {name: [{"width": r.width, "median_s": r.median_s, "p10_s": r.p10_s, "p90_s": r.p90_s} for r in rows]
+              for name, rows in s.costs.items()},
+        "candidates": to_json(s.candidates),
+        "confirmed": to_json(s.confirmed),
+        "ar": to_json(s.ar),
+        "decision": to_json(s.decision),
+        "tokens_per_second": {"<-".join(c.levels): c.tokens_per_second for c in [*s.confirmed, s.ar]},
+        "lossless_greedy": all(c.lossless_greedy for c in s.confirmed),
+        "notes": s.notes,
+    }
+
+
+def export_chain(out: Path, levels: Sequence[Path], decode: Any, measurements: dict[str, Any], *,
+                 onnx: bool = True, stamps: dict[str, Any] | None = None) -> Path:
+    """Write the chain folder ``out`` atomically and validate it before it replaces ``out``: the level folders
+    ``levels`` (top first; the last one drafts where ``decode.draft.source`` is model, and a draft head gets
+    ``head.onnx`` when ``onnx``), a manifest with ``decode`` (a DecodeSpec) and ``measurements`` (its ``onnx`` entry
+    added here); ``stamps``: those of the measurement (kept under the manifest's ``stamps.profile``)."""
     from polyspec.fsutil import check_replaceable
-    from polyspec.manifest import _classify, assemble_chain, not_a_chain, read_manifest, validate_chain, write_manifest
+    from polyspec.manifest import not_a_chain
+
+    out, levels = Path(out), [Path(x) for x in levels]
+    if not levels:
+        raise PolyspecError("a chain needs at least its target level")
+    # an existing output is replaced whole: only a chain (or an empty folder) may be, never a folder holding the parts
+    check_replaceable(out, flag="export.out", overwrite=True, own=not_a_chain, keep=levels, kept="the part folder")
+    drafts = decode.draft.source == "model" and len(levels) > 1
+    return atomic_folder(out, lambda tmp: _write_chain(tmp, levels, drafts, decode, measurements, onnx, stamps))
+
+
+def export_profiled(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True) -> Path:
+    """:func:`export_chain` of a profiled chain: its ``parts``, ``decode`` (the recipe's DecodeSpec) with the
+    profile's decision, the profile's measurements and stamps."""
+    return export_chain(out, ordered_parts(parts), decided(p, decode), measurements_for_manifest(p), onnx=onnx,
+                        stamps=p.stamps)
+
+
+def _write_chain(tmp: Path, levels: list[Path], drafts: bool, decode: Any, measurements: dict[str, Any],
+                 onnx: bool, stamps: dict[str, Any] | None) -> None:
+    """The chain assembled in ``tmp`` (the head copied first, so its ONNX file is hashed with it)."""
+    from polyspec.manifest import _classify, assemble_chain, read_manifest, validate_chain, write_manifest
     from polyspec.stamp import hardware_stamp, software_stamp
 
-    out, parts = Path(out), ordered_parts(parts)
-    # an existing output is replaced whole: only a chain (or an empty folder) may be, never a folder holding the parts
-    check_replaceable(out, flag="export.out", overwrite=True, own=not_a_chain, keep=parts, kept="the part folder")
-    decode_cfg = decided(p, decode)
-
-    def write(tmp: Path) -> None:
-        draft, onnx_info = parts[-1], None
-        if _classify(draft)[0] == "head":  # the head's ONNX lives in its level folder, so the manifest hashes it
-            draft = tmp / "parts" / "head"
-            copy_tree(parts[-1], draft, ignore=shutil.ignore_patterns(FILE_HASHES))  # the manifest hashes
-            onnx_info = _export_onnx(parts[0], draft, OPSET) if onnx else None
-        chain = tmp / "chain"
-        assemble_chain(chain, parts[0], parts[1:-1], draft, decode=decode_cfg)
-        manifest = read_manifest(chain)
-        manifest.measurements = measurements_for_manifest(p, onnx_info)
-        sw = software_stamp()
-        manifest.stamps = {"software": sw, "hardware": hardware_stamp(), "git_sha": sw.get("git_sha"),
-                           "packages": sw.get("packages"), "profile": p.stamps}
-        write_manifest(chain, manifest)
-        validate_chain(chain)
-        for x in chain.iterdir():  # the chain's content becomes tmp's content
-            os.replace(x, tmp / x.name)
-        shutil.rmtree(tmp / "parts", ignore_errors=True)
-        chain.rmdir()
-
-    return atomic_folder(out, write)
+    draft, onnx_info = (levels[-1] if drafts else None), None
+    if draft is not None and _classify(draft)[0] == "head":
+        draft = tmp / "parts" / "head"
+        copy_tree(levels[-1], draft, ignore=shutil.ignore_patterns(FILE_HASHES))  # the manifest hashes
+        onnx_info = _export_onnx(levels[0], draft, OPSET) if onnx else None
+    chain = tmp / "chain"
+    assemble_chain(chain, levels[0], levels[1:-1] if drafts else levels[1:], draft, decode=decode)
+    manifest = read_manifest(chain)
+    manifest.measurements = {**measurements, "onnx": onnx_info}
+    sw = software_stamp()
+    manifest.stamps = {"software": sw, "hardware": hardware_stamp(), "git_sha": sw.get("git_sha"),
+                       "packages": sw.get("packages"), "profile": stamps or {}}
+    write_manifest(chain, manifest)
+    validate_chain(chain)
+    for x in chain.iterdir():  # the chain's content becomes tmp's content
+        os.replace(x, tmp / x.name)
+    shutil.rmtree(tmp / "parts", ignore_errors=True)
+    chain.rmdir()
 
 
 def check_onnx_head(head_dir: Path) -> None:

@@ -268,6 +268,19 @@ def search_markdown(s: Search) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_search(folder: Path) -> Search | None:
+    """The search stored in ``folder`` (None when there is none, it is unreadable or of another format)."""
+    try:
+        raw = json.loads((Path(folder) / SEARCH_JSON).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict) or raw.get("format") != Search.format:
+        return None
+    s = from_json(Search, raw)
+    s.path = str(folder)
+    return s
+
+
 def write_search(out_dir: Path, s: Search) -> Path:
     """search.json and search.md, written as one folder atomically with the files' hashes."""
 

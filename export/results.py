@@ -266,6 +266,7 @@ class CandidateInfo:
     kind: str  # int4 (folder), rtn_int4, model, head, lookup
     bottom_only: bool
     note: str = ""
+    group_size: int | None = None  # rtn_int4: the group size export writes its GPTQ folder with
 
 
 @dataclass
@@ -351,6 +352,7 @@ class Search:
     notes: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     stamps: dict[str, Any] = field(default_factory=dict)
+    path: str = ""  # its folder (not persisted)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -282,7 +282,7 @@ def search_chain(target: Any, cands: list[Candidate], prompts: list[list[int]], 
     settings = {"draft_ks": list(s.profile.draft_ks), "mus": list(s.insertion_mus), "max_levels": s.max_levels,
                 "max_new_tokens": s.profile.max_new_tokens, "kv_length": s.profile.kv_length,
                 "warmup": s.profile.warmup, "repeats": s.profile.repeats, "rule": SEARCH_RULE}
-    return Search(candidates=[CandidateInfo(c.name, c.kind, c.bottom_only, c.note) for c in cands],
+    return Search(candidates=[CandidateInfo(c.name, c.kind, c.bottom_only, c.note, c.group_size) for c in cands],
                   settings=settings,
                   prompts=PromptInfo(count=len(prompts), grid_count=len(grid), max_new_tokens=s.profile.max_new_tokens,
                                      lengths=[len(x) for x in prompts]),

@@ -1,12 +1,14 @@
-"""The pipeline's profile and export stages: a recipe's level folders -> profile folder -> chain folder.
+"""The pipeline's profile and export stages: level folders -> profile (or search) folder -> chain folder.
 
-``profile_stage(recipe)`` measures the chain (target first, draft last; by default target <- int4 <- head from the
-target, quantize and train stages; see :func:`polyspec.export.profile.profile_levels`) and writes
-``<workdir>/profile/<key>/`` (:mod:`polyspec.export.report`). ``<key>`` hashes the level folders' contents, the profile
-section, the decode grid and the prompts setting, so a rerun with the same inputs returns the stored profile at once
-(after checking its files against their hashes; a damaged profile is measured again).
-``export_stage(recipe)`` profiles (or reuses the profile), then writes the chain folder (default ``<workdir>/chain``;
-:mod:`polyspec.export.package`).
+Each stage takes its recipe section and the few values it needs besides (the level folders, the workdir, the device
+and dtype, the draft, the data section for calibration prompts); :mod:`polyspec.pipeline` reads them off a recipe.
+``profile_stage(recipe.profile, ...)`` measures the chain (target first, draft last; see
+:func:`polyspec.export.profile.profile_levels`) and writes ``<workdir>/profile/<key>/`` (:mod:`polyspec.export.report`).
+``<key>`` hashes the level folders' contents, the profile section, the decode grid and the prompts setting, so a
+rerun with the same inputs returns the stored profile at once (after checking its files against their hashes; a
+damaged profile is measured again). ``search_stage(recipe.profile, ...)`` searches the chain instead
+(:mod:`polyspec.export.search`), stored in ``<workdir>/profile/search/``. ``export_stage(recipe.export, ...)`` writes
+the chain folder (default ``<workdir>/chain``; :mod:`polyspec.export.package`) from a profile or a search.
 
 torch and every heavy module are imported inside functions: importing this module is cheap.
 """
@@ -16,18 +18,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from polyspec.chain_spec import DecodeSpec, DraftSpec
 from polyspec.errors import PolyspecError
 from polyspec.export.package import Parts, ordered_parts
 from polyspec.export.profile import ProfileSettings
 from polyspec.export.prompts import CALIBRATION_FORMAT
-from polyspec.export.results import PROFILE_FORMAT, Profile
+from polyspec.export.results import PROFILE_FORMAT, Profile, Search
 
 Say = Callable[[str], None]
 WARMUP = 2  # untimed forwards before each level's timed ones
@@ -78,15 +84,6 @@ def stamps() -> dict[str, Any]:
 # Finding and loading the levels
 
 
-def resolve_parts(recipe: Any) -> list[Path]:
-    """[target, int4, head] folders of a recipe, from the pipeline's target, quantize and train stages."""
-    from polyspec.quantize import quantize_stage
-    from polyspec.sources import target_stage
-    from polyspec.train import train_stage
-
-    return [Path(target_stage(recipe)), Path(quantize_stage(recipe)), Path(train_stage(recipe))]
-
-
 def make_untrained_head(target_dir: Path, out_dir: Path, seed: int = 0) -> Path:
     """A randomly initialised (untrained) EAGLE head for ``target_dir`` — for measurements before training exists."""
     import torch
@@ -101,40 +98,6 @@ def make_untrained_head(target_dir: Path, out_dir: Path, seed: int = 0) -> Path:
     return save_head(head, out_dir, target_info={"source": str(Path(target_dir).name), "untrained": True,
                                                  "seed": seed},
                      token_counts=torch.zeros(target.args.vocab_size, dtype=torch.int64))
-
-
-def stand_in_parts(recipe: Any, *, head: Path | None = None, int4: Path | None = None, untrained_head: bool = False,
-                   rtn_int4: bool = False) -> tuple[list[Path] | None, dict[str, Any]]:
-    """The CLI's level choices: explicit folders, a random-init head or an RTN int4 copy (made under
-    ``<workdir>/profile``) in place of the train / quantize stages' levels. Returns (folders or None, notes)."""
-    notes: dict[str, Any] = {}
-    if not (head or int4 or untrained_head or rtn_int4):
-        return None, notes
-    from polyspec.sources import target_stage
-
-    target = Path(target_stage(recipe))
-    work = Path(recipe.workdir) / "profile"
-    if untrained_head and not head:
-        head = work / "untrained_head"
-        if not (head / "model.safetensors").is_file():
-            make_untrained_head(target, head)
-        notes["head"] = "untrained (random initialisation, seed 0)"
-    if rtn_int4 and not int4:
-        from polyspec.decode.int4 import save_int4_checkpoint
-
-        int4 = work / "rtn_int4"
-        if not (int4 / "config.json").is_file():
-            save_int4_checkpoint(target, int4, group_size=recipe.quantize.group_size)
-        notes["int4"] = f"RTN int4 g{recipe.quantize.group_size} (decode.int4.save_int4_checkpoint)"
-    if int4 is None:
-        from polyspec.quantize import quantize_stage
-
-        int4 = quantize_stage(recipe)
-    if head is None:
-        from polyspec.train import train_stage
-
-        head = train_stage(recipe)
-    return [target, Path(int4), Path(head)], notes
 
 
 @dataclass
@@ -292,11 +255,11 @@ def profile_folders(parts: Parts, out_dir: Path, settings: ProfileSettings, *, p
 def search_folders(parts: Parts, out_dir: Path, settings: Any, cand: Any, *, prompts: int = 8,
                    device: str = "auto", dtype: str | None = None, data: Mapping[str, Any] | None = None,
                    prompt_ids: list[list[int]] | None = None, threads: int | None = None, say: Say = _say,
-                   draft_vocab: int = 0) -> Any:
+                   draft_vocab: int = 0, key: str | None = None) -> Search:
     """The chain search (:func:`polyspec.export.search.search_chain`) over the levels of ``parts`` (target first;
     the others are candidates) and those made from the target (``cand``: a CandidateSettings); writes ``out_dir``
     (search.json, search.md) atomically and returns the :class:`~polyspec.export.results.Search`. Arguments as
-    :func:`profile_folders`; ``settings``: a SearchSettings."""
+    :func:`profile_folders`; ``settings``: a SearchSettings; ``key``: what keys the stored search (its notes)."""
     import torch
 
     from polyspec.decode.generate import eos_ids
@@ -321,26 +284,48 @@ def search_folders(parts: Parts, out_dir: Path, settings: Any, cand: Any, *, pro
     finally:
         torch.set_num_threads(old_threads)
     result.device, result.dtype, result.seconds = lv.device, lv.dtype, time.perf_counter() - t0
-    result.stamps = stamps()
+    result.stamps, result.notes = stamps(), {**result.notes, **({"key": key} if key else {})}
     write_search(Path(out_dir), result)
     return result
 
 
-def search_stage(recipe: Any, *, parts: Parts | None = None, threads: int | None = None, say: Say = _say) -> Path:
-    """The recipe's chain search (``polyspec profile --search``): its level folders (default: the target, quantize
-    and train stages'), its profile settings; writes ``<workdir>/profile/search``. Returns the folder."""
+def search_stage(p: Any, *, levels: list[Path], workdir: Path, device: str, dtype: str | None, draft: DraftSpec,
+                 data: Any, threads: int | None = None, say: Say = _say) -> Search:
+    """The chain search (``profile.search``, ``polyspec profile --search``) over ``levels`` (target first; the
+    others are candidates) at the recipe's profile section ``p``, on ``device`` / ``dtype``, the draft's vocabulary
+    and the ``data`` section's held-out prompts; writes ``<workdir>/profile/search`` unless that folder already holds
+    the search of these inputs (its files intact). Returns the search (its folder in ``path``)."""
     from polyspec.export.candidates import CandidateSettings
     from polyspec.export.search import SearchSettings
 
-    folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
-    settings, _ = _settings(recipe, threads)
+    levels = ordered_parts(levels)
+    settings, keyed = _settings(p, draft, device, dtype, data, threads)
     ss = SearchSettings(profile=replace(settings, tree=None))
     cs = CandidateSettings(lookup=bool(settings.lookups))
-    out = Path(recipe.workdir) / "profile" / "search"
-    search_folders(folders, out, ss, cs, prompts=recipe.profile.prompts, device=recipe.target.device,
-                   dtype=recipe.target.dtype, threads=threads, draft_vocab=recipe.decode.draft.vocab, say=say,
-                   data=_calibration_data(recipe.data))
-    return out
+    key = profile_key(levels, {**keyed, "search": repr((ss.max_levels, ss.mus, cs))})
+    out = Path(workdir) / "profile" / "search"
+    stored = _stored_search(out, say)
+    if stored is not None and stored.notes.get("key") == key:
+        say(f"search: the search of these inputs already exists: {out}")
+        return stored
+    s = search_folders(levels, out, ss, cs, prompts=p.prompts, device=device, dtype=dtype, threads=threads,
+                       draft_vocab=draft.vocab, say=say, data=_calibration_data(data), key=key)
+    s.path = str(out)
+    return s
+
+
+def _stored_search(out_dir: Path, say: Say) -> Search | None:
+    """The search stored in ``out_dir`` when its files match their hashes (None: none, or damaged)."""
+    from polyspec.export.report import read_search
+    from polyspec.fsutil import damage_note, verify_output
+
+    if not (out_dir / "search.json").is_file():
+        return None
+    damage = verify_output(out_dir)
+    if damage:
+        say(f"search: {damage_note(out_dir, damage)}")
+        return None
+    return read_search(out_dir)
 
 
 def _calibration_data(d: Any) -> dict[str, Any]:
@@ -348,41 +333,42 @@ def _calibration_data(d: Any) -> dict[str, Any]:
             "seed": d.seed}
 
 
-def _settings(recipe: Any, threads: int | None) -> tuple[ProfileSettings, dict[str, Any]]:
-    """The recipe's profile settings, and everything that keys the stored profile."""
-    p, draft = recipe.profile, recipe.decode.draft
+def _settings(p: Any, draft: DraftSpec, device: str, dtype: str | None, data: Any,
+              threads: int | None) -> tuple[ProfileSettings, dict[str, Any]]:
+    """The profile settings of the profile section ``p`` (and the draft, device, dtype and data they run with), and
+    everything that keys the stored profile."""
     tree = draft.model_copy(update={"source": "model"}) if draft.tree is not None else None
     grid_prompts = p.grid_prompts or max(1, p.prompts // 4)
     s = ProfileSettings(max_new_tokens=p.max_new_tokens, kv_length=p.kv_length, warmup=WARMUP, repeats=p.repeats,
                         draft_ks=tuple(p.draft_k_grid), mus=tuple(p.mu_grid), grid_prompts=grid_prompts, tree=tree,
                         lookups=tuple(p.lookup_grid), confirm_duals=CONFIRM_DUALS, vocab=draft.vocab)
-    keyed = {"profile": p.model_dump(mode="json", exclude={"search"}), "device": recipe.target.device,
-             "dtype": recipe.target.dtype, "grid_prompts": grid_prompts, "warmup": WARMUP,
-             "confirm_duals": CONFIRM_DUALS, "tree": tree.text() if tree is not None else None, "vocab": draft.vocab,
-             "data": recipe.data.model_dump(mode="json"), "threads": threads, "calibration": CALIBRATION_FORMAT}
+    keyed = {"profile": p.model_dump(mode="json", exclude={"search"}), "device": device, "dtype": dtype,
+             "grid_prompts": grid_prompts, "warmup": WARMUP, "confirm_duals": CONFIRM_DUALS,
+             "tree": tree.text() if tree is not None else None, "vocab": draft.vocab,
+             "data": data.model_dump(mode="json"), "threads": threads, "calibration": CALIBRATION_FORMAT}
     return s, keyed
 
 
-def profile_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = None,
-                  notes: dict[str, Any] | None = None, threads: int | None = None, say: Say = _say) -> Profile:
-    """Profile the recipe's chain (see the module docstring); returns the profile (its folder in ``path``).
-
-    ``parts``: the level folders, target first (default: from the target, quantize and train stages).
-    ``threads``: torch threads while profiling (default: unchanged)."""
-    folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
-    settings, keyed = _settings(recipe, threads)
-    key = profile_key(folders, keyed)
-    out_dir = Path(recipe.workdir) / "profile" / key[:16]
+def profile_stage(p: Any, *, levels: list[Path], workdir: Path, device: str, dtype: str | None, draft: DraftSpec,
+                  data: Any, tracker: Any = None, notes: dict[str, Any] | None = None, threads: int | None = None,
+                  say: Say = _say) -> Profile:
+    """Profile the chain of ``levels`` (target first) at the recipe's profile section ``p`` (see the module
+    docstring), on ``device`` / ``dtype``, with the recipe's ``draft`` (its tree a candidate, its vocabulary) and
+    the ``data`` section's held-out prompts, under ``<workdir>/profile``; returns the profile (its folder in
+    ``path``). ``threads``: torch threads while profiling (default: unchanged)."""
+    levels = ordered_parts(levels)
+    settings, keyed = _settings(p, draft, device, dtype, data, threads)
+    key = profile_key(levels, keyed)
+    out_dir = Path(workdir) / "profile" / key[:16]
     cached = _stored_profile(out_dir, say)
     if cached is not None and cached.key == key:
         say(f"profile: measurements for these inputs already exist: {out_dir}")
         _log_profile(tracker, cached, out_dir, cached=True)
         return cached
-    p = profile_folders(folders, out_dir, settings, prompts=recipe.profile.prompts, device=recipe.target.device,
-                        dtype=recipe.target.dtype, notes=notes, key=key, threads=threads,
-                        draft_vocab=recipe.decode.draft.vocab, say=say, data=_calibration_data(recipe.data))
-    _log_profile(tracker, p, out_dir, cached=False)
-    return p
+    prof = profile_folders(levels, out_dir, settings, prompts=p.prompts, device=device, dtype=dtype, notes=notes,
+                           key=key, threads=threads, draft_vocab=draft.vocab, say=say, data=_calibration_data(data))
+    _log_profile(tracker, prof, out_dir, cached=False)
+    return prof
 
 
 def _stored_profile(out_dir: Path, say: Say) -> Profile | None:
@@ -430,30 +416,61 @@ def _log_profile(tracker: Any, p: Profile, out_dir: Path, cached: bool) -> None:
 # Export
 
 
-def export_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = None, profile: Profile | None = None,
-                 notes: dict[str, Any] | None = None, threads: int | None = None, say: Say = _say) -> Path:
-    """Profile (or reuse the stored profile) and write the chain folder (``export.out``, default
-    ``<workdir>/chain``); log it to MLflow as artifacts. Returns the chain folder."""
-    from polyspec.export.package import check_onnx_head, export_chain
+def export_stage(e: Any, *, levels: list[Path], decode: DecodeSpec, workdir: Path, profile: Profile | None = None,
+                 search: Search | None = None, tracker: Any = None, log_model: bool = False,
+                 register_as: str | None = None, say: Say = _say) -> Path:
+    """Write the chain folder as the recipe's export section ``e`` says (``out``, default ``<workdir>/chain``;
+    ``onnx``) and log it to MLflow as artifacts (``log_model``: also as an MLflow model, ``register_as`` named):
+    given a ``search``, the chain it chose; else the chain of ``levels`` (target first) with the ``profile``'s
+    decision. ``decode``: the recipe's DecodeSpec (its sampling defaults kept). Returns the chain folder."""
+    from polyspec.export.package import check_onnx_head, export_chain, export_profiled, search_measurements, searched
 
-    folders = ordered_parts(parts) if parts is not None else resolve_parts(recipe)
-    if recipe.export.onnx:
-        check_onnx_head(folders[-1])  # before minutes of profiling
-    if profile is None:
-        profile = profile_stage(recipe, tracker, parts=folders, notes=notes, threads=threads, say=say)
-    out = Path(recipe.export.out) if recipe.export.out else Path(recipe.workdir) / "chain"
+    if (profile is None) == (search is None):
+        raise PolyspecError("export needs the measurements of one chain: a profile or a search")
+    levels = ordered_parts(levels)
+    if e.onnx:
+        check_onnx_head(levels[-1])
+    out = Path(e.out) if e.out else Path(workdir) / "chain"
     t0 = time.perf_counter()
-    export_chain(out, folders, profile, recipe.decode, onnx=recipe.export.onnx)
+    if search is not None:
+        with _scratch(Path(workdir)) as work:
+            export_chain(out, _searched_folders(search, levels, work), searched(search, decode),
+                         search_measurements(search), onnx=e.onnx, stamps=search.stamps)
+    else:
+        export_profiled(out, levels, profile, decode, onnx=e.onnx)
     say(f"export: chain written to {out} ({time.perf_counter() - t0:.1f} s)")
     _log_export(tracker, out)
-    if recipe.tracking.log_model and tracker is not None and getattr(tracker, "enabled", False):
-        from polyspec.export.mlflow_model import log_chain_model
-
-        t0 = time.perf_counter()
-        uri = log_chain_model(tracker, out, register_as=recipe.tracking.register_as)
-        named = f", registered as {recipe.tracking.register_as!r}" if recipe.tracking.register_as else ""
-        say(f"export: MLflow model {uri}{named} ({time.perf_counter() - t0:.1f} s)")
+    if log_model and tracker is not None and getattr(tracker, "enabled", False):
+        _log_model(tracker, out, register_as, say)
     return out
+
+
+def _searched_folders(s: Search, folders: list[Path], work: Path) -> list[Path]:
+    """The folders of the chain the search chose (copies it made in memory written under ``work``)."""
+    from polyspec.export.candidates import chosen_folders
+
+    return chosen_folders(s.decision.levels, s.candidates, dict(zip(level_names(folders)[1], folders, strict=True)),
+                          work)
+
+
+@contextmanager
+def _scratch(workdir: Path) -> Iterator[Path]:
+    """A folder under ``workdir`` removed afterwards (level folders written only to be copied into a chain)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=workdir))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _log_model(tracker: Any, out: Path, register_as: str | None, say: Say) -> None:
+    from polyspec.export.mlflow_model import log_chain_model
+
+    t0 = time.perf_counter()
+    uri = log_chain_model(tracker, out, register_as=register_as)
+    named = f", registered as {register_as!r}" if register_as else ""
+    say(f"export: MLflow model {uri}{named} ({time.perf_counter() - t0:.1f} s)")
 
 
 def _log_export(tracker: Any, out: Path) -> None:

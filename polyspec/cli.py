@@ -96,17 +96,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from polyspec.console import quiet
     from polyspec.device import is_global_rank_zero
+    from polyspec.pipeline import run_train
     from polyspec.tracking import start_run
-    from polyspec.train.stage import train_stage, training_summary
+    from polyspec.train.stage import training_summary
 
     recipe = _load(args)
     t0 = time.perf_counter()
     if not is_global_rank_zero():
         # Lightning's ddp launcher re-runs this command on the other ranks: they only join the training.
-        train_stage(recipe, tracker=None, progress=False)
+        run_train(recipe, progress=False)
         return 0
     with quiet(recipe.workdir, "train"), start_run(recipe, "train", command=args.command) as tracker:
-        out = train_stage(recipe, tracker=tracker, progress=not args.no_progress)
+        out = run_train(recipe, tracker, progress=not args.no_progress)
     print(json.dumps(training_summary(out, time.perf_counter() - t0), indent=1))
     return 0
 
@@ -115,12 +116,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     """Quantise the recipe's target to W4A16 (GPTQ, group size 128) with GPTQModel; write the GPTQ folder and a
     quality/speed report (perplexity, top-1 agreement, KL, RTN baseline, L of M2 under M1, forward-time ratio)."""
     from polyspec.console import quiet
-    from polyspec.quantize import quantize_stage
+    from polyspec.pipeline import run_quantize
     from polyspec.tracking import start_run
 
     recipe = _load(args)
     with quiet(recipe.workdir, "quantize"), start_run(recipe, "quantize", command=args.command) as tracker:
-        out = quantize_stage(recipe, tracker=tracker)
+        out = run_quantize(recipe, tracker=tracker)
     print(f"intermediate model: {out}")
     report = Path(out).parent / "report.json"
     if report.is_file():
@@ -130,7 +131,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def _stage_inputs(args: argparse.Namespace, recipe: Any):
     """The level folders the profile / export verbs were given (None: the pipeline's stages), and notes."""
-    from polyspec.export.stage import stand_in_parts
+    from polyspec.pipeline import stand_in_parts
 
     return stand_in_parts(recipe, head=args.head, int4=args.int4, untrained_head=args.untrained_head,
                           rtn_int4=args.rtn_int4)
@@ -140,14 +141,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """Measure T_i (forward cost per level at decode shapes) and L_i (acceptance lengths) on this device, then decide
     with Theorem 3.2 and the exact Lemma 3.1 cost whether each intermediate level pays; prints the verdict table."""
     from polyspec.console import quiet
-    from polyspec.export.stage import profile_stage
+    from polyspec.pipeline import run_profile
 
     recipe = _load(args)
     if args.search or recipe.profile.search:
         return _search(args, recipe)
     with quiet(recipe.workdir, "profile"):
         parts, notes = _stage_inputs(args, recipe)
-        prof = profile_stage(recipe, parts=parts, notes=notes, threads=args.threads)
+        prof = run_profile(recipe, parts=parts, notes=notes, threads=args.threads)
     print(Path(prof.path, "verdict.md").read_text(encoding="utf-8"))
     print(f"profile folder: {prof.path}")
     return 0
@@ -156,11 +157,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _search(args: argparse.Namespace, recipe: Any) -> int:
     """``profile --search``: the chain search over the given levels and the copies made from the target."""
     from polyspec.console import quiet
-    from polyspec.export.stage import search_stage
+    from polyspec.pipeline import run_search
 
     with quiet(recipe.workdir, "profile"):
         parts, _ = _stage_inputs(args, recipe)
-        out = search_stage(recipe, parts=parts, threads=args.threads)
+        out = run_search(recipe, parts=parts, threads=args.threads).path
     print(Path(out, "search.md").read_text(encoding="utf-8"))
     print(f"search folder: {out}")
     return 0
@@ -170,13 +171,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Profile (or reuse the profile) and write the validated chain folder: levels, manifest with hashes and
     measurements, the draft head as ONNX with an onnxruntime parity check."""
     from polyspec.console import quiet
-    from polyspec.export.stage import export_stage
+    from polyspec.pipeline import run_export
     from polyspec.tracking import start_run
 
     recipe = _load(args)
     with quiet(recipe.workdir, "export"), start_run(recipe, "export", command=args.command) as tracker:
         parts, notes = _stage_inputs(args, recipe)
-        out = export_stage(recipe, tracker=tracker, parts=parts, notes=notes, threads=args.threads)
+        out = run_export(recipe, tracker, parts=parts, notes=notes, threads=args.threads)
     print(f"chain folder: {out}")
     return 0
 

@@ -33,11 +33,12 @@ class SplitConversations:
     source: str
 
 
-def recipe_conversations(recipe: Any) -> SplitConversations:
-    """Load ``recipe.data.source`` and split it into train / held-out conversations like the data stage does."""
+def data_conversations(data: Any) -> SplitConversations:
+    """Load a recipe's ``data`` section's source and split it into train / held-out conversations like the data
+    stage does."""
     from polyspec.data.prepare import load_split
 
-    cfg = recipe.data
+    cfg = data
     split = load_split(cfg.source, max_conversations=cfg.max_conversations, heldout_fraction=cfg.heldout_fraction,
                        seed=cfg.seed)
     convs = split.conversations

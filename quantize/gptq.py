@@ -251,6 +251,42 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
     ``out_dir`` when its recorded input key matches; otherwise writes a fresh folder atomically. Returns ``out_dir``.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    _check_request(model_dir, method, bits, group_size, desc_act, calibration)
+    settings = {"method": method, "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act,
+                "damp_percent": damp_percent if method == "gptq" else None}
+    key = input_key(model_dir, settings, calibration if method == "gptq" else None)
+    old = read_record(out_dir)
+    if old is not None and old.get("key") == key:
+        return out_dir
+
+    tmp = temp_folder(out_dir)  # (removes the temporary folders of killed runs beside it)
+    try:
+        if method == "gptq":  # in a child: GPTQModel's threads would slow this process's kernels (polyspec/isolate.py)
+            run = in_fresh_process("GPTQ quantisation", _run_gptqmodel, model_dir, tmp, calibration, settings, device)
+        else:
+            from polyspec.decode.int4 import save_int4_checkpoint
+
+            t0 = time.perf_counter()
+            shutil.rmtree(tmp)  # save_int4_checkpoint writes its own folder atomically
+            save_int4_checkpoint(model_dir, tmp, group_size=group_size, method="rtn", sym=sym, portable=False)
+            run = {"seconds": time.perf_counter() - t0, "tool": "polyspec.decode.int4.save_int4_checkpoint"}
+        record = _finish_folder(model_dir, tmp, bits, group_size)
+        record.update(key=key, settings=settings, run=run, calibration=(
+            {"samples": len(calibration), "length": len(calibration[0]), "tokens": sum(len(s) for s in calibration),
+             **(calibration_info or {})} if method == "gptq" else None))
+        (tmp / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        tmp.chmod(0o755)
+        swap_into_place(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp.parent / f".{tmp.name}.offload", ignore_errors=True)
+    return out_dir
+
+
+def _check_request(model_dir: Path, method: str, bits: int, group_size: int, desc_act: bool,
+                   calibration: list[list[int]] | None) -> None:
+    """One clear error for a request quantize_model cannot do, before any work."""
     if method not in ("gptq", "rtn"):
         raise PolyspecError(f"quantize method must be gptq or rtn, got {method!r}")
     if bits != 4:
@@ -270,55 +306,27 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
     if desc_act and method == "gptq":
         raise PolyspecError("desc_act (act-order) checkpoints permute g_idx, which polyspec's int4 decoder does not "
                             "load; keep quantize.desc_act=false")
-    settings = {"method": method, "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act,
-                "damp_percent": damp_percent if method == "gptq" else None}
-    key = input_key(model_dir, settings, calibration if method == "gptq" else None)
-    old = read_record(out_dir)
-    if old is not None and old.get("key") == key:
-        return out_dir
 
-    tmp = temp_folder(out_dir)  # (removes the temporary folders of killed runs beside it)
-    try:
-        if method == "gptq":  # in a child: GPTQModel's threads would slow this process's kernels (polyspec/isolate.py)
-            run = in_fresh_process("GPTQ quantisation", _run_gptqmodel, model_dir, tmp, calibration, settings, device)
-        else:
-            from polyspec.decode.int4 import save_int4_checkpoint
 
-            t0 = time.perf_counter()
-            shutil.rmtree(tmp)  # save_int4_checkpoint writes its own folder atomically
-            save_int4_checkpoint(model_dir, tmp, group_size=group_size, method="rtn", sym=sym, portable=False)
-            run = {"seconds": time.perf_counter() - t0, "tool": "polyspec.decode.int4.save_int4_checkpoint"}
-        copied = _copy_side_files(model_dir, tmp)
-        qc = json.loads((tmp / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
-        if int(qc.get("group_size", -1)) != group_size or int(qc.get("bits", -1)) != bits:
-            raise PolyspecError(f"the written quantization_config says bits={qc.get('bits')} group_size="
-                                f"{qc.get('group_size')}, not the requested {bits} / {group_size}")
-        group_layout(tmp, group_size)  # what was quantised: one scale row per group of group_size (short last)
-        portable = make_portable(tmp, group_size)  # stored so that every GPTQ loader reads it (quantize/loaders.py)
-        layout = group_layout(tmp, portable["stored_group_size"])
-        record = {
-            "format_version": FORMAT_VERSION,
-            "key": key,
-            "settings": settings,
-            "source_model": model_id_safe(model_dir),
-            "unquantized": ["model.embed_tokens", "lm_head", "norms"],
-            "checkpoint_format": qc.get("checkpoint_format") or qc.get("format") or "gptq",
-            **portable,
-            "calibration": ({"samples": len(calibration), "length": len(calibration[0]),
-                             "tokens": sum(len(s) for s in calibration), **(calibration_info or {})}
-                            if method == "gptq" else None),
-            "run": run,
-            "copied_from_target": copied,
-            "group_layout": layout,
-        }
-        (tmp / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        tmp.chmod(0o755)
-        swap_into_place(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(tmp.parent / f".{tmp.name}.offload", ignore_errors=True)
-    return out_dir
+def _finish_folder(model_dir: Path, tmp: Path, bits: int, group_size: int) -> dict[str, Any]:
+    """The written folder ``tmp`` checked, given the target's side files and stored portably; returns its record
+    (without the key, settings, run and calibration the caller adds)."""
+    copied = _copy_side_files(model_dir, tmp)
+    qc = json.loads((tmp / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
+    if int(qc.get("group_size", -1)) != group_size or int(qc.get("bits", -1)) != bits:
+        raise PolyspecError(f"the written quantization_config says bits={qc.get('bits')} group_size="
+                            f"{qc.get('group_size')}, not the requested {bits} / {group_size}")
+    group_layout(tmp, group_size)  # what was quantised: one scale row per group of group_size (short last)
+    portable = make_portable(tmp, group_size)  # stored so that every GPTQ loader reads it (quantize/loaders.py)
+    return {
+        "format_version": FORMAT_VERSION,
+        "source_model": model_id_safe(model_dir),
+        "unquantized": ["model.embed_tokens", "lm_head", "norms"],
+        "checkpoint_format": qc.get("checkpoint_format") or qc.get("format") or "gptq",
+        **portable,
+        "copied_from_target": copied,
+        "group_layout": group_layout(tmp, portable["stored_group_size"]),
+    }
 
 
 def model_id_safe(model_dir: Path) -> str:

@@ -71,14 +71,14 @@ def test_polyspec_console_all_turns_it_off(tmp_path, capfd, monkeypatch):
 
 def test_a_stage_command_keeps_library_output_off_the_terminal(tmp_path, capfd, monkeypatch):
     """`polyspec quantize RECIPE`: the stage's third-party noise lands in <workdir>/logs, the result on stdout."""
-    import polyspec.quantize as quantize_pkg
+    import polyspec.pipeline as pipeline
     from polyspec.cli import main
 
     def stage(recipe, tracker=None):
         _noise()
         return Path(recipe.workdir) / "quantize" / "k" / "model"
 
-    monkeypatch.setattr(quantize_pkg, "quantize_stage", stage)
+    monkeypatch.setattr(pipeline, "run_quantize", stage)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"workdir: {tmp_path / 'work'}\ntracking:\n  enabled: false\n", encoding="utf-8")
     assert main(["quantize", str(recipe)]) == 0

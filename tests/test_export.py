@@ -34,10 +34,10 @@ def profile(parts, tmp_path_factory):
 @pytest.fixture(scope="module")
 def chain(parts, profile, tmp_path_factory):
     from polyspec.chain_spec import DecodeSpec
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import export_profiled
 
     out = tmp_path_factory.mktemp("export") / "chain"
-    return export_chain(out, parts, profile, DecodeSpec(max_new_tokens=16), onnx=True)
+    return export_profiled(out, parts, profile, DecodeSpec(max_new_tokens=16), onnx=True)
 
 
 def test_exported_chain_validates_and_describes_itself(chain, profile):
@@ -106,7 +106,7 @@ def test_decoder_loads_and_runs_the_exported_chain(chain):
 def test_interrupted_export_leaves_no_half_written_folder(parts, profile, tmp_path, monkeypatch, exc):
     import polyspec.manifest as manifest
     from polyspec.chain_spec import DecodeSpec
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import export_profiled
 
     real = manifest.write_manifest
 
@@ -118,17 +118,17 @@ def test_interrupted_export_leaves_no_half_written_folder(parts, profile, tmp_pa
     monkeypatch.setattr(manifest, "write_manifest", write_then_die)
     out = tmp_path / "chain"
     with pytest.raises(type(exc)):
-        export_chain(out, parts, profile, DecodeSpec(), onnx=False)
+        export_profiled(out, parts, profile, DecodeSpec(), onnx=False)
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []  # no temporary folder left either
 
     # an existing chain survives a failed re-export untouched
     monkeypatch.setattr(manifest, "write_manifest", real)
-    export_chain(out, parts, profile, DecodeSpec(), onnx=False)
+    export_profiled(out, parts, profile, DecodeSpec(), onnx=False)
     before = read_manifest(out).model_dump()
     monkeypatch.setattr(manifest, "write_manifest", write_then_die)
     with pytest.raises(type(exc)):
-        export_chain(out, parts, profile, DecodeSpec(), onnx=False)
+        export_profiled(out, parts, profile, DecodeSpec(), onnx=False)
     assert validate_chain(out).model_dump() == before
     assert [p.name for p in tmp_path.iterdir()] == ["chain"]
 
@@ -144,10 +144,10 @@ def slow(src, dst, **kw):
     return out
 shutil.copyfile = slow
 from polyspec.chain_spec import DecodeSpec
-from polyspec.export.package import export_chain
+from polyspec.export.package import export_profiled
 from polyspec.export.report import read_profile
 parts = {k: Path(v) for k, v in json.loads(sys.argv[2]).items()}
-export_chain(Path(sys.argv[1]), parts, read_profile(Path(sys.argv[4])), DecodeSpec(), onnx=False)
+export_profiled(Path(sys.argv[1]), parts, read_profile(Path(sys.argv[4])), DecodeSpec(), onnx=False)
 """
 
 
@@ -160,9 +160,9 @@ def test_export_killed_with_sigkill_then_rerun(parts, profile, tmp_path):
     import time
 
     from polyspec.chain_spec import DecodeSpec
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import export_profiled
 
-    out = export_chain(tmp_path / "chain", parts, profile, DecodeSpec(), onnx=False)
+    out = export_profiled(tmp_path / "chain", parts, profile, DecodeSpec(), onnx=False)
     before = validate_chain(out).model_dump()
     started = tmp_path / "started"
     argv = [str(out), json.dumps({k: str(v) for k, v in parts.items()}), str(started), str(profile.path)]
@@ -179,7 +179,7 @@ def test_export_killed_with_sigkill_then_rerun(parts, profile, tmp_path):
     assert validate_chain(out).model_dump() == before
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != "started")
     assert len(left) == 2 and left[0].startswith(f".chain.tmp-{proc.pid}@") and left[1] == "chain"
-    export_chain(out, parts, profile, DecodeSpec(), onnx=False)
+    export_profiled(out, parts, profile, DecodeSpec(), onnx=False)
     assert validate_chain(out).levels == read_manifest(out).levels
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chain", "started"]
 
@@ -190,7 +190,7 @@ def test_export_onto_a_full_file_system_is_one_error_and_the_old_chain_stays(par
     import subprocess
 
     from polyspec.chain_spec import DecodeSpec
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import export_profiled
 
     small = tmp_path / "small"
     small.mkdir()
@@ -198,10 +198,10 @@ def test_export_onto_a_full_file_system_is_one_error_and_the_old_chain_stays(par
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode(errors='replace').strip()})")
     try:
-        out = export_chain(small / "chain", parts, profile, DecodeSpec(), onnx=False)
+        out = export_profiled(small / "chain", parts, profile, DecodeSpec(), onnx=False)
         before = validate_chain(out).model_dump()
         with pytest.raises(PolyspecError, match="no space left on the device") as exc:
-            export_chain(out, parts, profile, DecodeSpec(), onnx=False)
+            export_profiled(out, parts, profile, DecodeSpec(), onnx=False)
         assert exc.value.exit_code == 1 and "the old one is intact" in str(exc.value)
         assert validate_chain(out).model_dump() == before
         assert sorted(p.name for p in small.iterdir()) == ["chain"]
@@ -228,7 +228,7 @@ def test_tampering_and_extra_files_are_detected(chain, tmp_path):
 
 def test_export_stage_logs_to_the_tracker(parts, profile, tmp_path):
     from polyspec.config import validate_tree
-    from polyspec.export.stage import export_stage
+    from polyspec.pipeline import run_export
 
     recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
                             "export": {"out": str(tmp_path / "out" / "chain"), "onnx": False},
@@ -245,7 +245,7 @@ def test_export_stage_logs_to_the_tracker(parts, profile, tmp_path):
         def log_artifact(self, path, artifact_path=None):
             calls.append(("artifact", Path(path), artifact_path))
 
-    out = export_stage(recipe, Tracker(), parts=parts, profile=profile, say=lambda _m: None)
+    out = run_export(recipe, Tracker(), parts=parts, measured=profile, say=lambda _m: None)
     assert out == tmp_path / "out" / "chain"
     m = validate_chain(out)
     assert m.measurements["onnx"] is None and "head.onnx" not in m.levels[2].files
@@ -258,7 +258,7 @@ def test_export_stage_logs_the_chain_as_an_mlflow_model(parts, profile, tmp_path
     tracking.register_as (the model itself: tests/test_mlflow_model.py)."""
     from polyspec.config import validate_tree
     from polyspec.export import mlflow_model
-    from polyspec.export.stage import export_stage
+    from polyspec.pipeline import run_export
 
     recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"register_as": "demo-chain"},
                             "export": {"out": str(tmp_path / "chain"), "onnx": False}}, "test")
@@ -273,11 +273,11 @@ def test_export_stage_logs_the_chain_as_an_mlflow_model(parts, profile, tmp_path
             return lambda *a, **k: None
 
     said = []
-    out = export_stage(recipe, Tracker(), parts=parts, profile=profile, say=said.append)
+    out = run_export(recipe, Tracker(), parts=parts, measured=profile, say=said.append)
     assert logged == [(out, "demo-chain")]
     assert any("MLflow model models:/m, registered as 'demo-chain'" in s for s in said)
     off = recipe.model_copy(update={"tracking": recipe.tracking.model_copy(update={"log_model": False})})
-    export_stage(off, Tracker(), parts=parts, profile=profile, say=said.append)
+    run_export(off, Tracker(), parts=parts, measured=profile, say=said.append)
     assert len(logged) == 1  # tracking.log_model: false
 
 

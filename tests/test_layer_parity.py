@@ -1,6 +1,6 @@
 """One decoder layer, three ways to run it: every architecture ModelArgs.from_hf_config accepts x {the reference
-Python layer, the C++ CPU kernel, the static (CUDA-graph) step}, on tiny random models at fp32, bf16, int4 and int8 and as
-an EAGLE head's layer; and the CPU kernel's declared support (cpu_kernels.LAYER_SUPPORT) deciding which layers it
+Python layer, the C++ CPU kernel, the static (CUDA-graph) step}, on tiny random models at fp32, bf16 and int4 and as an
+EAGLE head's layer; and the CPU kernel's declared support (cpu_kernels.LAYER_SUPPORT) deciding which layers it
 may take."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from polyspec.decode import cpu_kernels as ck
 from polyspec.decode import cuda_graphs
 from polyspec.decode.head import EagleHead
 from polyspec.decode.int4 import quantize_model_rtn
-from polyspec.decode.int8 import int8_copy
 from polyspec.decode.model import LAYER_FIELDS, ModelArgs, Transformer, layer_features, rope_inv_freq
 from polyspec.errors import PolyspecError
 
@@ -64,8 +63,8 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def _model(arch: str, level: str) -> torch.nn.Module:
-    """A tiny random model of ``arch`` at ``level``: fp32, bf16, int4 (RTN, group 64), int8 (a bf16 model's int8
-    copy) or an fp32 EAGLE head."""
+    """A tiny random model of ``arch`` at ``level``: fp32, bf16, int4 (RTN, group 64) or an fp32 EAGLE
+    head."""
     args = _args(arch)
     torch.manual_seed(0)
     target = Transformer(args).eval()
@@ -77,10 +76,10 @@ def _model(arch: str, level: str) -> torch.nn.Module:
         return head
     if level == "int4":
         quantize_model_rtn(target, group_size=64, sym=False)
-    if level in ("bf16", "int8"):
+    if level == "bf16":
         target.to(torch.bfloat16)
         target.inv_freq = rope_inv_freq(args)  # as from_pretrained keeps it: float32
-    return int8_copy(target) if level == "int8" else target
+    return target
 
 
 def _script(model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
@@ -160,7 +159,7 @@ def _close(got, ref, rtol: float) -> None:
 # runs the reference layer itself, its RoPE, K/V write and attention through the step's op (on the CPU the op's
 # reference form: model.apply_rope and model.attend over the valid slots), so fp32's 1e-5 everywhere but bf16 (3e-2).
 def _tol(level: str, path: str) -> float:
-    if level in ("bf16", "int8"):  # int8: bf16 activations, exact codes; the kernel differs as for bf16
+    if level == "bf16":
         return 3e-2
     if level == "int4" and path == "kernel" and ck.dot_path() == "avx512-bf16":
         return 1e-2
@@ -168,7 +167,7 @@ def _tol(level: str, path: str) -> float:
 
 
 @needs_kernels
-@pytest.mark.parametrize("level", ["fp32", "bf16", "int4", "int8", "head"])
+@pytest.mark.parametrize("level", ["fp32", "bf16", "int4", "head"])
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_reference_kernel_and_static_step_agree(arch, level, monkeypatch):
     model = _model(arch, level)

@@ -10,12 +10,19 @@ import pytest
 
 from polyspec.config import validate_tree
 from polyspec.data.chat import tokenize_conversation
-from polyspec.data.prepare import heldout_first_turns, load_split, prepare_dataset, split_indices
+from polyspec.data.prepare import heldout_first_turns, load_split, split_indices
 from polyspec.data.sharegpt import load_conversations
 from polyspec.errors import PolyspecError
 
 ASSETS = Path(__file__).parent / "assets"
 SAMPLE = ASSETS / "sharegpt_sample.json"
+
+def _prepare(recipe, tokenizer, **kw):
+    """The data stage of ``recipe`` (its data section, under its workdir)."""
+    from polyspec.data.prepare import prepare_dataset
+
+    return prepare_dataset(recipe.data, tokenizer, workdir=recipe.workdir, **kw)
+
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +40,7 @@ def test_prepare_sample_and_reload_from_cache(tmp_path, chatml):
     source = tmp_path / "sample.json"
     shutil.copy(SAMPLE, source)
     recipe = _recipe(tmp_path / "work", source, max_length=512, heldout_fraction=0.25, seed=3)
-    first = prepare_dataset(recipe, chatml, tokenizer_id="tiny-chatml")
+    first = _prepare(recipe, chatml, tokenizer_id="tiny-chatml")
 
     rep = first.report
     assert rep["cached"] is False
@@ -59,7 +66,7 @@ def test_prepare_sample_and_reload_from_cache(tmp_path, chatml):
     assert rep["assistant_tokens"] == sum(sum(r["loss_mask"]) for r in all_rows)
     assert 0 < rep["assistant_tokens"] < rep["total_tokens"]
 
-    second = prepare_dataset(recipe, chatml, tokenizer_id="tiny-chatml")
+    second = _prepare(recipe, chatml, tokenizer_id="tiny-chatml")
     assert second.report["cached"] is True
     assert second.path == first.path
     assert second.report["total_tokens"] == rep["total_tokens"]
@@ -72,15 +79,15 @@ def test_cache_key_changes_with_inputs(tmp_path, chatml):
     source = tmp_path / "sample.json"
     shutil.copy(SAMPLE, source)
     work = tmp_path / "work"
-    base = prepare_dataset(_recipe(work, source, max_length=64), chatml, tokenizer_id="a").path
+    base = _prepare(_recipe(work, source, max_length=64), chatml, tokenizer_id="a").path
 
-    other_setting = prepare_dataset(_recipe(work, source, max_length=96), chatml, tokenizer_id="a")
-    other_id = prepare_dataset(_recipe(work, source, max_length=64), chatml, tokenizer_id="b")
+    other_setting = _prepare(_recipe(work, source, max_length=96), chatml, tokenizer_id="a")
+    other_id = _prepare(_recipe(work, source, max_length=64), chatml, tokenizer_id="b")
     llama2 = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "llama2")
-    other_tok = prepare_dataset(_recipe(work, source, max_length=64), llama2, tokenizer_id="a")
+    other_tok = _prepare(_recipe(work, source, max_length=64), llama2, tokenizer_id="a")
     records = json.loads(source.read_text(encoding="utf-8"))
     source.write_text(json.dumps(records[:-1]), encoding="utf-8")  # same name, different content
-    other_data = prepare_dataset(_recipe(work, source, max_length=64), chatml, tokenizer_id="a")
+    other_data = _prepare(_recipe(work, source, max_length=64), chatml, tokenizer_id="a")
 
     paths = {base, other_setting.path, other_id.path, other_tok.path, other_data.path}
     assert len(paths) == 5
@@ -97,7 +104,7 @@ def test_truncation_and_sequences_without_assistant_tokens(tmp_path, chatml):
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
     ]
     source.write_text(json.dumps(records), encoding="utf-8")
-    prepared = prepare_dataset(_recipe(tmp_path / "w", source, max_length=48, heldout_fraction=0.0), chatml,
+    prepared = _prepare(_recipe(tmp_path / "w", source, max_length=48, heldout_fraction=0.0), chatml,
                                tokenizer_id="t")
     rep = prepared.report
     assert rep["sequences_dropped_no_assistant_tokens"] == 1  # the long question eats all 48 tokens
@@ -111,12 +118,12 @@ def test_nothing_left_after_truncation(tmp_path, chatml):
     source.write_text(json.dumps([{"conversations": [{"from": "human", "value": "word " * 200},
                                                      {"from": "gpt", "value": "ok"}]}]), encoding="utf-8")
     with pytest.raises(PolyspecError, match="max_length"):
-        prepare_dataset(_recipe(tmp_path / "w", source, max_length=16), chatml, tokenizer_id="t")
+        _prepare(_recipe(tmp_path / "w", source, max_length=16), chatml, tokenizer_id="t")
 
 
 def test_missing_source_file(tmp_path, chatml):
     with pytest.raises(PolyspecError, match="does not exist"):
-        prepare_dataset(_recipe(tmp_path / "w", tmp_path / "nope.json"), chatml, tokenizer_id="t")
+        _prepare(_recipe(tmp_path / "w", tmp_path / "nope.json"), chatml, tokenizer_id="t")
 
 
 @pytest.mark.parametrize("n, fraction, expect_held", [(9, 0.25, 2), (9, 0.0, 0), (1, 0.3, 0), (2, 0.01, 1),

@@ -169,7 +169,7 @@ def test_profile_json_round_trips_and_old_formats_say_rerun(profile, tmp_path):
 
 def test_profile_stage_reads_prompts_and_caches(tiny_parts, tmp_path):
     from polyspec.config import validate_tree
-    from polyspec.export.stage import profile_stage
+    from polyspec.pipeline import run_profile as profile_stage
 
     recipe = validate_tree({"workdir": str(tmp_path / "w"), "tracking": {"enabled": False},
                             "data": {"source": str(ASSETS / "sharegpt_sample.json"), "heldout_fraction": 0.4},
@@ -274,7 +274,7 @@ def test_tree_joins_the_grid_and_the_decision(tiny_parts, tmp_path):
     """With a draft tree candidate the grid also holds dual and chain with the tree; the decision is the minimum over
     all of them, and an exported chain keeps the tree only when it was chosen."""
     from polyspec.chain_spec import DecodeSpec, DraftSpec
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import export_profiled
     from polyspec.export.stage import profile_folders
     from polyspec.manifest import read_manifest
 
@@ -294,7 +294,7 @@ def test_tree_joins_the_grid_and_the_decision(tiny_parts, tmp_path):
     decode = DecodeSpec.model_validate({"draft": {"tree": {"top_k": 2, "depth": 3, "total_tokens": 6}}})
     for chosen in (DraftSpec(k=2), tp):
         prof.decision.draft = chosen.model_dump()
-        out = export_chain(tmp_path / f"chain-{chosen.text()}", tiny_parts, prof, decode, onnx=False)
+        out = export_profiled(tmp_path / f"chain-{chosen.text()}", tiny_parts, prof, decode, onnx=False)
         assert read_manifest(out).decode.draft == chosen
 
 
@@ -327,7 +327,7 @@ def test_dtype_auto_times_the_candidates_and_the_chain_decodes_in_the_choice(tin
     from polyspec.decode.generate import load_chain
     from polyspec.device import decode_dtype_candidates, resolve_dtype
     from polyspec.export import stage
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import export_profiled
 
     assert decode_dtype_candidates("cpu") == ("float32", "bfloat16")
     assert resolve_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)
@@ -340,7 +340,7 @@ def test_dtype_auto_times_the_candidates_and_the_chain_decodes_in_the_choice(tin
     prof = stage.profile_folders(tiny_parts, tmp_path / "p", s, device="cpu", dtype="auto", prompt_ids=_prompts(),
                                  threads=1, say=lambda _m: None)
     assert prof.dtype == "bfloat16" and prof.notes["dtype_probe"]["float32"] == {"1": 2.0}
-    out = export_chain(tmp_path / "chain", tiny_parts, prof, DecodeSpec(), onnx=False)
+    out = export_profiled(tmp_path / "chain", tiny_parts, prof, DecodeSpec(), onnx=False)
     assert load_chain(out, device="cpu").models["target"].embed_tokens.weight.dtype == torch.bfloat16
     assert load_chain(out, device="cpu", dtype="float32").models["target"].embed_tokens.weight.dtype == torch.float32
 
@@ -353,7 +353,7 @@ def test_prompt_lookup_joins_the_grid_and_a_chain_that_chose_it_decodes_with_it(
     from polyspec.chain_spec import DecodeSpec, DraftSpec
     from polyspec.decode.chain import SamplingParams
     from polyspec.decode.generate import build_decoder, load_chain
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import export_profiled
     from polyspec.export.stage import profile_folders
     from polyspec.manifest import read_manifest
 
@@ -373,7 +373,7 @@ def test_prompt_lookup_joins_the_grid_and_a_chain_that_chose_it_decodes_with_it(
     for chosen in (DraftSpec(k=1, lookup=3), DraftSpec(source="lookup", lookup=3)):
         prof.decision.mode = prof.decision.speculative_mode = "dual"  # as when this one wins
         prof.decision.draft = chosen.model_dump()
-        out = export_chain(tmp_path / f"chain-{chosen.source}", tiny_parts, prof, DecodeSpec(), onnx=False)
+        out = export_profiled(tmp_path / f"chain-{chosen.source}", tiny_parts, prof, DecodeSpec(), onnx=False)
         assert read_manifest(out).decode.draft == chosen
         chain = load_chain(out, device="cpu")
         prompt = _prompts()[1]

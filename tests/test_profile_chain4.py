@@ -105,7 +105,7 @@ def test_decision_follows_lemma_3_1(profile4):
 
 def test_report_and_export_of_four_levels(profile4, parts4, tmp_path):
     from polyspec.chain_spec import DecodeSpec
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import export_profiled
     from polyspec.manifest import validate_chain
 
     folder = Path(profile4.path)
@@ -114,7 +114,7 @@ def test_report_and_export_of_four_levels(profile4, parts4, tmp_path):
     assert "| insertion of model between int4 and head |" in md
     assert md.count("| cond1: ") == 2 and md.count("| Lemma 3.1 ms/token before -> after |") == 2
     assert json.loads((folder / "profile.json").read_text())["format"] == 4
-    out = export_chain(tmp_path / "chain", parts4, profile4, DecodeSpec(), onnx=False)
+    out = export_profiled(tmp_path / "chain", parts4, profile4, DecodeSpec(), onnx=False)
     m = validate_chain(out)
     assert [lv.kind for lv in m.levels] == ["target", "int4", "model", "head"]
     assert len(m.measurements["insertions"]) == 2 and m.decode.mu == [3, 3]

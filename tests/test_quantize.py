@@ -57,14 +57,14 @@ def test_calibration_samples_are_chat_formatted_sharegpt(tiny_llama_dir):
         calibration_samples(tok, convs, 1000, 256)
 
 
-def test_recipe_conversations_split_like_the_data_stage(tmp_path):
+def test_data_conversations_split_like_the_data_stage(tmp_path):
     from polyspec.config import validate_tree
     from polyspec.data.prepare import split_indices
-    from polyspec.quantize.calibration import recipe_conversations
+    from polyspec.quantize.calibration import data_conversations
 
     recipe = validate_tree({"workdir": str(tmp_path), "data": {"source": str(SAMPLE), "heldout_fraction": 0.3,
                                                                "seed": 3}}, "test")
-    split = recipe_conversations(recipe)
+    split = data_conversations(recipe.data)
     convs = _conversations()
     train_idx, held_idx = split_indices(len(convs), 0.3, 3)
     assert split.train == [convs[i] for i in train_idx] and split.heldout == [convs[i] for i in held_idx]
@@ -334,7 +334,7 @@ class _Tracker:
 @needs_gptqmodel
 def test_quantize_stage_on_a_tiny_recipe(tmp_path):
     from polyspec.config import validate_tree
-    from polyspec.quantize import quantize_stage
+    from polyspec.pipeline import run_quantize as quantize_stage
 
     src = make_tiny_llama(tmp_path / "target", seed=2)
     recipe = validate_tree({

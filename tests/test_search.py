@@ -317,7 +317,9 @@ def test_cli_profile_search(tiny_parts, tmp_path, capsys):
     saved = json.loads((folder / "search.json").read_text())
     assert [c["name"] for c in saved["candidates"]] == ["int4", "head", "int4_g64", "lookup"]
     plain, searched = (load_recipe(recipe, [f"profile.search={v}"]) for v in ("false", "true"))
-    assert _settings(plain, None)[1] == _settings(searched, None)[1]
+    keyed = [_settings(r.profile, r.decode.draft, r.target.device, r.target.dtype, r.data, None)[1]
+             for r in (plain, searched)]
+    assert keyed[0] == keyed[1]
 
 
 def test_an_eagle3_head_only_under_levels_with_the_layers_it_reads(cands):
@@ -330,3 +332,53 @@ def test_an_eagle3_head_only_under_levels_with_the_layers_it_reads(cands):
     assert fits_head(by["int4_g64"], SimpleNamespace(aux_layers=[0, layers - 1]))
     assert not fits_head(by["int4_g64"], SimpleNamespace(aux_layers=[0, layers]))  # a layer it does not have
     assert fits_head(by["int4_g64"], by["head"])  # an EAGLE-1/2 head reads the final state of any level
+
+
+def test_run_with_search_exports_the_chain_it_chose(tmp_path, monkeypatch, capfd):
+    """`polyspec run` with profile.search: the chain the search chose is the exported chain. Costs are forced (the
+    target dear, the RTN g64 copy dear as a draft but free verifying, the int4 folder dear) so the greedy chain is
+    target <- int4_g64 <- head, and the rule picks the best predicted chain (wall times on a tiny model say
+    nothing): the RTN copy made in memory is written as a GPTQ folder, hashed and listed, and the chain validates
+    and decodes greedy-identical to ar."""
+    pytest.importorskip("lightning", reason="the train stage needs the [train] extra")
+    from dataclasses import replace
+
+    from conftest import make_tiny_llama
+
+    from polyspec.cli import main
+    from polyspec.decode.generate import generate_text, load_chain
+    from polyspec.export import search
+
+    decide = search.decide_search
+    monkeypatch.setattr(search, "decide_search", lambda confirmed, ar: decide(
+        confirmed[:1], replace(ar, tokens_per_second=0.0, predicted_s=None)))
+    monkeypatch.setattr(search, "measure_costs", _fake_costs(
+        {"target": 1.0, "head": 1e-6, "int4": 1e6, "int4_g64": lambda w: 10.0 if w == 1 else 1e-6}))
+    target = make_tiny_llama(tmp_path / "target", seed=4)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "workdir": str(tmp_path / "work"), "tracking": {"enabled": False},
+        "target": {"source": str(target), "device": "cpu", "dtype": "float32"},
+        "data": {"source": str(ASSETS / "sharegpt_sample.json"), "max_length": 96, "heldout_fraction": 0.25},
+        "train": {"epochs": 1, "max_steps": 2, "batch_size": 2, "warmup_steps": 1},
+        "quantize": {"method": "rtn", "calibration_samples": 2, "calibration_length": 32, "devices": "cpu"},
+        "profile": {"search": True, "prompts": 2, "max_new_tokens": 8, "kv_length": 16, "repeats": 1,
+                    "draft_k_grid": [2], "mu_grid": [2], "grid_prompts": 1, "lookup_grid": []},
+        "export": {"onnx": False}, "decode": {"max_new_tokens": 8}}))
+    assert main(["run", str(recipe)]) == 0
+    out = capfd.readouterr().out
+    assert "chain search" in out and "assistant:" in out
+    chain = tmp_path / "work" / "chain"
+    assert main(["validate-chain", str(chain)]) == 0
+    manifest = json.loads((chain / "manifest.json").read_text())
+    chosen = manifest["measurements"]["decision"]
+    assert chosen["levels"] == ["target", "int4_g64", "head"]
+    assert [lv["kind"] for lv in manifest["levels"]] == ["target", "int4", "head"]
+    assert manifest["levels"][1]["quantization"]["group_size"] == 64
+    assert manifest["decode"]["mode"] == "chain" and manifest["decode"]["mu"] == chosen["mu"]
+    assert manifest["measurements"]["schema"] == "polyspec.search-measurements/1"
+    loaded = load_chain(chain, device="cpu")
+    for prompt in ("Name three colours.", "Count to five."):
+        ar = generate_text(loaded, prompt, mode="ar", max_new_tokens=8)
+        assert generate_text(loaded, prompt, max_new_tokens=8)["token_ids"] == ar["token_ids"]
+    assert not list((tmp_path / "work").glob(".export-*"))  # the written copy's scratch folder is gone

@@ -143,7 +143,7 @@ def test_export_removes_a_killed_exports_leftover_and_keeps_hash_records_out_of_
     import torch
 
     from polyspec.chain_spec import DecodeSpec
-    from polyspec.export.package import export_chain
+    from polyspec.export.package import export_profiled
     from polyspec.export.profile import ProfileSettings
     from polyspec.export.stage import profile_folders
     from polyspec.fsutil import write_file_hashes
@@ -164,7 +164,7 @@ def test_export_removes_a_killed_exports_leftover_and_keeps_hash_records_out_of_
     settings = ProfileSettings(max_new_tokens=4, kv_length=16, warmup=0, repeats=1, draft_ks=(2,), mus=(4,))
     p = profile_folders(parts, tmp_path / "profile", settings, device="cpu", prompt_ids=prompts, threads=1,
                         say=lambda _m: None)
-    export_chain(out, parts, p, DecodeSpec(), onnx=False)
+    export_profiled(out, parts, p, DecodeSpec(), onnx=False)
     assert not leftover.exists()
     assert sorted(x.name for x in out.parent.iterdir()) == ["chain"]
     assert not any(f.endswith(FILE_HASHES) for lv in json.loads((out / "manifest.json").read_text())["levels"]

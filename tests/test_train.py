@@ -29,6 +29,13 @@ from polyspec.train.losses import (
 
 SAMPLE = ASSETS / "sharegpt_sample.json"
 
+def _prepare(recipe, tokenizer, **kw):
+    """The data stage of ``recipe`` (its data section, under its workdir)."""
+    from polyspec.data.prepare import prepare_dataset
+
+    return prepare_dataset(recipe.data, tokenizer, workdir=recipe.workdir, **kw)
+
+
 
 def _tree(tmp: Path, model: Path, **train) -> dict:
     base = {"features": "online", "epochs": 2, "max_steps": None, "batch_size": 2, "lr": 2e-3, "warmup_steps": 1,
@@ -134,7 +141,7 @@ def test_checkpoint_tree_round_trip_without_pickle(tmp_path):
 
 
 def test_deepspeed_without_cuda_is_refused_before_any_work(tmp_path, tiny_model, monkeypatch):
-    from polyspec.train import train_stage
+    from polyspec.pipeline import run_train as train_stage
     from polyspec.train.stage import runtime_settings
 
     tree = _tree(tmp_path, tiny_model, strategy="deepspeed_stage_2")
@@ -174,6 +181,7 @@ def test_bf16_offline_training_probes_with_the_target_in_its_serving_dtype(tmp_p
     with the target loaded in target.dtype (float32 here), and the head comes out float32."""
     from polyspec.decode.head import load_head
     from polyspec.decode.model import Transformer
+    from polyspec.pipeline import run_train
     from polyspec.train import stage
     from polyspec.train.features import read_cache_index
 
@@ -182,7 +190,7 @@ def test_bf16_offline_training_probes_with_the_target_in_its_serving_dtype(tmp_p
     monkeypatch.setattr(stage, "_load", lambda path, dtype, device: loads.append(dtype) or real(path, dtype, device))
     recipe = _recipe(tmp_path, tiny_model, features="offline", precision="bf16-mixed", max_steps=3, epochs=1,
                      accept_prompts=1)
-    out = stage.train_stage(recipe, progress=False)
+    out = run_train(recipe, progress=False)
     info = _info(out)
     assert loads == [torch.bfloat16, torch.float32]  # the teacher, then the probe's decoder
     assert read_cache_index(Path(info["offline_cache"]["cache_dir"]))["teacher_dtype"] == "torch.bfloat16"
@@ -192,9 +200,8 @@ def test_bf16_offline_training_probes_with_the_target_in_its_serving_dtype(tmp_p
 
 
 def test_offline_cache_round_trip_and_budget_refusal(tmp_path, tiny_model):
-    from polyspec.data.prepare import prepare_dataset
+    from polyspec.pipeline import run_train as train_stage
     from polyspec.sources import load_tokenizer, model_id
-    from polyspec.train import train_stage
     from polyspec.train.features import (
         CachedFeatureDataset,
         build_feature_cache,
@@ -210,7 +217,7 @@ def test_offline_cache_round_trip_and_budget_refusal(tmp_path, tiny_model):
     assert not (tmp_path / "wd" / "cache" / "features").exists()  # refused before writing anything
 
     tok = load_tokenizer(tiny_model)
-    prepared = prepare_dataset(recipe, tok, tokenizer_id=model_id("local", tiny_model))
+    prepared = _prepare(recipe, tok, tokenizer_id=model_id("local", tiny_model))
     teacher = load_teacher(tiny_model, torch.float32, "cpu")
     index = build_feature_cache(teacher, {"train": prepared.train, "heldout": prepared.heldout},
                                 tmp_path / "cache", info={"teacher": "t"}, batch_size=3, shard_bytes=20_000)
@@ -246,9 +253,9 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
 
     from polyspec.decode.head import load_head, read_head_config
     from polyspec.decode.model import Transformer
+    from polyspec.pipeline import run_train as train_stage
     from polyspec.sources import model_id
     from polyspec.tracking import start_run
-    from polyspec.train import train_stage
 
     tree = _tree(tmp_path, tiny_model, max_steps=24, epochs=20, checkpoint_every=50)
     tree["tracking"] = {"enabled": True, "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "t"}
@@ -275,10 +282,9 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     head = load_head(out, target)
     assert head.args.hidden_size == target.args.hidden_size
     # the training targets' token counts travel with the head (what set_draft_vocab picks from)
-    from polyspec.data.prepare import prepare_dataset
     from polyspec.sources import load_tokenizer
 
-    prepared = prepare_dataset(recipe, load_tokenizer(tiny_model), tokenizer_id=cfg["target"]["model_id"])
+    prepared = _prepare(recipe, load_tokenizer(tiny_model), tokenizer_id=cfg["target"]["model_id"])
     assistant = sum(int(sum(m)) for m in prepared.train["loss_mask"])
     assert head.token_counts is not None and int(head.token_counts.sum()) == assistant > 0
     head.set_draft_vocab(16)
@@ -334,7 +340,7 @@ def test_tiny_eagle3_training_lowers_the_loss_and_decodes_losslessly(tmp_path, p
     from polyspec.decode.head3 import Eagle3Head, draft_vocab_ids
     from polyspec.decode.levels import HeadLevel, ModelLevel
     from polyspec.decode.model import Transformer
-    from polyspec.train import train_stage
+    from polyspec.pipeline import run_train as train_stage
 
     tiny_model = peaked_model
     recipe = _recipe(tmp_path, tiny_model, head="eagle3", ttt_steps=2, draft_vocab=100, max_steps=16, epochs=20,
@@ -369,13 +375,12 @@ def test_eagle3_offline_cache_holds_the_fused_layers_and_final_state_and_trains(
     """An EAGLE-3 recipe with features=offline: the cache holds the aux layers' outputs and the final-norm'd state
     (the teacher's hidden and, through its lm_head, its logits, to bf16 rounding), in its own cache folder, and a
     head trains on it, lowers the held-out loss and decodes losslessly."""
-    from polyspec.data.prepare import prepare_dataset
     from polyspec.decode.chain import ChainDecoder
     from polyspec.decode.head import load_head
     from polyspec.decode.levels import HeadLevel, ModelLevel
     from polyspec.decode.model import Transformer
+    from polyspec.pipeline import run_train as train_stage
     from polyspec.sources import load_tokenizer, model_id
-    from polyspec.train import train_stage
     from polyspec.train.features import (
         CachedFeatureDataset,
         build_feature_cache,
@@ -386,7 +391,7 @@ def test_eagle3_offline_cache_holds_the_fused_layers_and_final_state_and_trains(
     )
 
     recipe = _recipe(tmp_path, peaked_model, head="eagle3", features="offline", aux_layers=[0, 1, 1])
-    prepared = prepare_dataset(recipe, load_tokenizer(peaked_model), tokenizer_id=model_id("local", peaked_model))
+    prepared = _prepare(recipe, load_tokenizer(peaked_model), tokenizer_id=model_id("local", peaked_model))
     teacher = load_teacher(peaked_model, torch.float32, "cpu")
     index = build_feature_cache(teacher, {"train": prepared.train}, tmp_path / "c3", info={}, aux_layers=(0, 1, 1))
     h = teacher.args.hidden_size
@@ -415,7 +420,7 @@ def test_eagle3_offline_cache_holds_the_fused_layers_and_final_state_and_trains(
 def test_resume_after_a_kill_ends_with_the_same_step_count(tmp_path, tiny_model):
     import lightning as L
 
-    from polyspec.train import train_stage
+    from polyspec.pipeline import run_train as train_stage
 
     class Killed(RuntimeError):
         pass
@@ -470,7 +475,7 @@ def test_loss_vocab_trains_on_the_draft_vocabulary_only(tmp_path, tiny_model):
     the logits it trains are exactly those rows of the full logits."""
     from polyspec.decode.head import EagleHead, subset_logits, top_token_ids
     from polyspec.decode.model import Transformer
-    from polyspec.train import train_stage
+    from polyspec.pipeline import run_train as train_stage
 
     target = Transformer.from_pretrained(tiny_model)
     head = EagleHead(target.args, target.embed_tokens, target.lm_head)
@@ -497,7 +502,7 @@ def test_loss_vocab_trains_on_the_draft_vocabulary_only(tmp_path, tiny_model):
 
 
 def test_max_minutes_is_a_time_budget_that_ends_training_with_a_head(tmp_path, tiny_model):
-    from polyspec.train import train_stage
+    from polyspec.pipeline import run_train as train_stage
 
     out = train_stage(_recipe(tmp_path, tiny_model, epochs=1000, max_minutes=0.05, accept_prompts=0),
                       progress=False)
@@ -507,12 +512,11 @@ def test_max_minutes_is_a_time_budget_that_ends_training_with_a_head(tmp_path, t
 
 
 def test_a_damaged_feature_cache_is_named_and_extracted_again(tmp_path, tiny_model, capsys):
-    from polyspec.data.prepare import prepare_dataset
     from polyspec.sources import load_tokenizer, model_id
     from polyspec.train.features import build_feature_cache, cache_damage, load_teacher
 
     recipe = _recipe(tmp_path, tiny_model, features="offline")
-    prepared = prepare_dataset(recipe, load_tokenizer(tiny_model), tokenizer_id=model_id("local", tiny_model))
+    prepared = _prepare(recipe, load_tokenizer(tiny_model), tokenizer_id=model_id("local", tiny_model))
     teacher = load_teacher(tiny_model, torch.float32, "cpu")
     cache = tmp_path / "cache"
     index = build_feature_cache(teacher, {"train": prepared.train}, cache, info={"teacher": "t"}, batch_size=3)
@@ -651,7 +655,7 @@ def test_tiny_eagle_training_with_an_unroll_logs_each_step_and_decodes_losslessl
     from polyspec.decode.head import load_head
     from polyspec.decode.levels import HeadLevel, ModelLevel
     from polyspec.decode.model import Transformer
-    from polyspec.train import train_stage
+    from polyspec.pipeline import run_train as train_stage
 
     seen: dict[int, set[str]] = {}
 
@@ -717,11 +721,12 @@ def test_compile_without_a_cpp_compiler_is_refused_before_any_work(tmp_path, tin
     """train.compile=true on the CPU needs inductor's C++ compiler: without one, one clear error before anything is
     prepared (not a traceback at the first step, after the feature extraction)."""
     import polyspec.train.stage as stage
+    from polyspec.pipeline import run_train
 
     recipe = _recipe(tmp_path, tiny_model, compile=True)
     monkeypatch.setattr(stage, "_cpp_compiler", lambda: False)
     with pytest.raises(PolyspecError, match="train.compile=false"):
-        stage.train_stage(recipe, progress=False)
+        run_train(recipe, progress=False)
     assert not (tmp_path / "wd").exists()
     monkeypatch.setattr(stage, "_cpp_compiler", lambda: True)
     assert stage.runtime_settings(recipe.train, "cpu")["device"] == "cpu"

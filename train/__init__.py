@@ -1,6 +1,6 @@
 """polyspec.train: EAGLE-style draft heads trained on ShareGPT with Lightning (the chain's bottom level).
 
-``train_stage(recipe, tracker=None) -> Path`` trains (or finds) the head for a recipe and returns its folder;
+``train_stage(recipe.train, TrainInputs(...), tracker=None) -> Path`` trains (or finds) the head and returns its folder;
 ``python -m polyspec.train RECIPE [a.b=v ...]`` runs it from the shell. Lightning is imported only when training
 starts (see :mod:`polyspec.train.stage`).
 """

@@ -1,4 +1,5 @@
-"""``train_stage(recipe)``: train the chain's bottom level, an EAGLE-style draft head, and write its folder.
+"""``train_stage(recipe.train, TrainInputs(...))``: train the chain's bottom level, an EAGLE-style draft head, and write
+its folder.
 
 Steps: refuse impossible runtime settings (DeepSpeed without CUDA, a missing extra) before any work; resolve the
 target (and, for ``train.teacher: intermediate``, the int4 model from the quantize stage); compute the key of this
@@ -26,10 +27,11 @@ import json
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_ONLY, EAGLE_DEFAULTS, TTT_KEYS, Recipe, TrainConfig
+from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_ONLY, EAGLE_DEFAULTS, TTT_KEYS, TrainConfig
 from polyspec.device import device_name, fast_bf16_matmul, heap_kept, is_global_rank_zero, resolve_dtype
 from polyspec.errors import PolyspecError, missing_extra
 from polyspec.fsutil import atomic_file, atomic_folder, damage_note, verify_output, write_file_hashes
@@ -136,16 +138,29 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return best[1] if best else None
 
 
-def _teacher_dir(recipe: Recipe, target_dir: Path) -> tuple[Path, str]:
+@dataclass(frozen=True)
+class TrainInputs:
+    """What the train stage reads besides its section: the target (its recipe section and resolved folder), the
+    data section, the draft it trains for (the recipe's decode.draft), the workdir and, for ``train.teacher:
+    intermediate``, the int4 folder the head learns from."""
+
+    target: Any  # TargetConfig: source, device, dtype
+    target_dir: Path
+    data: Any  # DataConfig
+    draft: Any  # DraftSpec: k (the unroll and the probe's linear drafts), tree (the probe's tree shape)
+    workdir: Path
+    teacher_dir: Path | None = None
+
+
+def _teacher_dir(cfg: TrainConfig, t: TrainInputs) -> tuple[Path, str]:
     """(folder, identity) of the model the head learns from."""
     from polyspec.sources import model_id
 
-    if recipe.train.teacher == "target":
-        return target_dir, "target"
-    from polyspec.quantize import quantize_stage
-
-    folder = Path(quantize_stage(recipe, target_dir=target_dir))  # keyed by its inputs: skips when already done
-    return folder, "intermediate:" + model_id("local", folder)
+    if cfg.teacher == "target":
+        return t.target_dir, "target"
+    if t.teacher_dir is None:
+        raise PolyspecError("train.teacher: intermediate needs the int4 folder (the quantize stage's) as the teacher")
+    return Path(t.teacher_dir), "intermediate:" + model_id("local", Path(t.teacher_dir))
 
 
 def training_summary(head_dir: Path, stage_seconds: float) -> dict[str, Any]:
@@ -158,7 +173,7 @@ def training_summary(head_dir: Path, stage_seconds: float) -> dict[str, Any]:
     return {"head": str(head_dir), "stage_seconds": round(stage_seconds, 1), **{k: info.get(k) for k in keys}}
 
 
-def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: str, data_key: str,
+def _offline_cache(cfg: TrainConfig, workdir: Path, teacher: Any, prepared: Any, *, teacher_id: str, data_key: str,
                    teacher_dtype: Any, extract_device: str, rank0: bool, progress: bool,
                    decoder: Any = None) -> dict[str, Any]:
     """Build (rank 0) or read (other ranks) the teacher's feature cache for ``train.features=offline``; return its
@@ -168,7 +183,7 @@ def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: s
 
     from polyspec.train.features import build_feature_cache, check_cache_budget
 
-    cfg, workdir = recipe.train, Path(recipe.workdir)
+    workdir = Path(workdir)
     aux = tuple(_aux_layers(cfg, teacher))
     tokens = int(prepared.report.get("total_tokens") or sum(len(r) for r in prepared.train["input_ids"]))
     rows = len(prepared.train) + len(prepared.heldout)
@@ -199,14 +214,15 @@ def _offline_cache(recipe: Recipe, teacher: Any, prepared: Any, *, teacher_id: s
                   "extract_seconds": time.perf_counter() - t0}
     _say(progress and rank0, f"train: feature cache {cache_dir}: {index['bytes'] / 1e6:.1f} MB, "
                              f"{index['bytes_per_token']:.1f} bytes/token (estimate {estimate / 1e6:.1f} MB)")
-    if not recipe.train.accept_prompts or decoder is not teacher:  # only its embedding and lm_head are used now
+    if not cfg.accept_prompts or decoder is not teacher:  # only its embedding and lm_head are used now
         teacher.layers = torch.nn.ModuleList()
     return cache_info
 
 
-def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
+def train_stage(cfg: TrainConfig, t: TrainInputs, tracker: Any = None, *, progress: bool = True,
                 callbacks: Sequence[Any] = (), log_every: int = LOG_EVERY) -> Path:
-    """Train (or find) the recipe's draft head and return its folder ``<workdir>/head/<key>/``.
+    """Train (or find) the draft head the recipe's train section ``cfg`` describes, from ``t`` (the target, data,
+    draft and workdir), and return its folder ``<workdir>/head/<key>/``.
 
     ``tracker``: a :class:`polyspec.tracking.Tracker` to log into (None: no logging). ``progress``: progress bars
     with ETA for feature extraction and training. ``callbacks``: extra Lightning callbacks (tests use one to
@@ -214,58 +230,56 @@ def train_stage(recipe: Recipe, tracker: Any = None, *, progress: bool = True,
     """
 
     from polyspec.data.prepare import cache_key, prepare_dataset
-    from polyspec.sources import load_tokenizer, model_id, target_stage
+    from polyspec.sources import load_tokenizer, model_id
     from polyspec.tracking import Tracker
 
-    cfg = recipe.train
     tracker = tracker if tracker is not None else Tracker()
     rank0 = is_global_rank_zero()
-    target_device = device_name(recipe.target.device)
+    target_device = device_name(t.target.device)
     runtime = runtime_settings(cfg, target_device)  # refuses DeepSpeed without CUDA before any work
 
-    target_dir = target_stage(recipe)
-    tokenizer = load_tokenizer(target_dir)
-    target_id = model_id(recipe.target.source, target_dir)
-    teacher_dir, teacher_kind = _teacher_dir(recipe, target_dir)
+    tokenizer = load_tokenizer(t.target_dir)
+    target_id = model_id(t.target.source, t.target_dir)
+    teacher_dir, teacher_kind = _teacher_dir(cfg, t)
     teacher_id = target_id if teacher_kind == "target" else teacher_kind
-    data_key, _ = cache_key(recipe, tokenizer, target_id)
+    data_key, _ = cache_key(t.data, tokenizer, target_id)
     key = train_key(target_id, teacher_id, data_key, cfg, runtime)
-    workdir = Path(recipe.workdir)
-    out_dir = workdir / "head" / key[:16]
-    if _reuse_head(out_dir, key, recipe, tracker, tokenizer, target_id, say=progress and rank0, rank0=rank0):
+    out_dir = Path(t.workdir) / "head" / key[:16]
+    if _reuse_head(out_dir, key, t, tracker, tokenizer, target_id, say=progress and rank0, rank0=rank0):
         return out_dir
 
-    prepared = prepare_dataset(recipe, tokenizer, tokenizer_id=target_id, progress=progress and rank0)
-    teacher_dtype = _teacher_dtype(runtime["precision"], recipe.target.dtype)
+    prepared = prepare_dataset(t.data, tokenizer, workdir=t.workdir, tokenizer_id=target_id,
+                               progress=progress and rank0)
+    teacher_dtype = _teacher_dtype(runtime["precision"], t.target.dtype)
     extract_device = runtime["device"] if runtime["device"] == "cpu" else "cuda"
     teacher = _load(teacher_dir, teacher_dtype, "cpu")
     # the probe decodes as the chain will: the teacher in the dtype the target is served in
-    serve_dtype = resolve_dtype(recipe.target.dtype, target_device)
+    serve_dtype = resolve_dtype(t.target.dtype, target_device)
     own = serve_dtype != teacher_dtype and rank0 and cfg.accept_prompts
     decoder = _load(teacher_dir, serve_dtype, "cpu") if own else teacher
 
     cache_info: dict[str, Any] = {}
     if cfg.features == "offline":
         with _host_memory(runtime):
-            cache_info = _offline_cache(recipe, teacher, prepared, teacher_id=teacher_id, data_key=data_key,
+            cache_info = _offline_cache(cfg, t.workdir, teacher, prepared, teacher_id=teacher_id, data_key=data_key,
                                         teacher_dtype=teacher_dtype, extract_device=extract_device, rank0=rank0,
                                         progress=progress, decoder=decoder)
-    probe = _acceptance_probe(recipe, decoder, prepared, tokenizer) if rank0 else None
+    probe = _acceptance_probe(cfg, t.draft, decoder, prepared, tokenizer) if rank0 else None
     counts = _token_counts(prepared, teacher.args.vocab_size)
     with _host_memory(runtime):
-        result = _fit(recipe, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every,
+        result = _fit(cfg, t, runtime, teacher, prepared, cache_info, key, tracker, progress, callbacks, log_every,
                       probe, counts)
     head = result.pop("_head")
     if not rank0:
         return out_dir
 
     ids = {"key": key, "data_key": data_key, "target_id": target_id, "teacher_id": teacher_id}
-    _record_head(recipe, tracker, out_dir, ids, runtime, cache_info, result, head, counts)
+    _record_head(cfg, t, tracker, out_dir, ids, runtime, cache_info, result, head, counts)
     _say(progress, f"train: head written to {out_dir}")
     return out_dir
 
 
-def _reuse_head(out_dir: Path, key: str, recipe: Recipe, tracker: Any, tokenizer: Any, target_id: str, *,
+def _reuse_head(out_dir: Path, key: str, t: TrainInputs, tracker: Any, tokenizer: Any, target_id: str, *,
                 say: bool, rank0: bool) -> bool:
     """Whether a complete, intact head for this key is already at ``out_dir`` (then tagged and returned as is); a
     damaged one is named and trained again."""
@@ -278,18 +292,17 @@ def _reuse_head(out_dir: Path, key: str, recipe: Recipe, tracker: Any, tokenizer
     _say(say, f"train: head for these inputs already exists: {out_dir}")
     tracker.set_tags({"polyspec.train.skipped": "true", "polyspec.train.head": str(out_dir)})
     if rank0:
-        _add_token_counts(out_dir, recipe, tokenizer, target_id)
+        _add_token_counts(out_dir, t, tokenizer, target_id)
     return True
 
 
-def _record_head(recipe: Recipe, tracker: Any, out_dir: Path, ids: dict[str, str], runtime: dict[str, Any],
+def _record_head(cfg: TrainConfig, t: TrainInputs, tracker: Any, out_dir: Path, ids: dict[str, str], runtime: dict[str, Any],
                  cache_info: dict[str, Any], result: dict[str, Any], head: Any, counts: Any) -> None:
     """Write the trained head's folder (weights, target identity, training record) and log it to the tracker."""
     from polyspec.data.prepare import split_record
 
-    cfg = recipe.train
     target_info = {
-        "source": recipe.target.source,
+        "source": t.target.source,
         "model_id": ids["target_id"],
         "hash": hashlib.sha256(ids["target_id"].encode()).hexdigest()[:16],
         "teacher": cfg.teacher,
@@ -299,10 +312,10 @@ def _record_head(recipe: Recipe, tracker: Any, out_dir: Path, ids: dict[str, str
         "format": TRAIN_FORMAT,
         "key": ids["key"],
         "data_key": ids["data_key"],
-        "data_split": split_record(recipe.data),
+        "data_split": split_record(t.data),
         "train": cfg.model_dump(mode="json"),
         "runtime": {k: str(v) for k, v in runtime.items()},
-        "draft_k": recipe.decode.draft.k,
+        "draft_k": t.draft.k,
         "offline_cache": cache_info or None,
         **result,
     }
@@ -358,7 +371,7 @@ def _load(path: Path, dtype, device):
     return load_teacher(path, dtype, device)
 
 
-def _add_token_counts(out_dir: Path, recipe: Recipe, tokenizer: Any, target_id: str) -> None:
+def _add_token_counts(out_dir: Path, t: TrainInputs, tokenizer: Any, target_id: str) -> None:
     """A complete head written before heads carried token counts gets them from its (cached) prepared data, so
     ``decode.draft.vocab`` works for it too. Written under a temporary name, then renamed."""
     from safetensors.torch import save_file
@@ -370,7 +383,7 @@ def _add_token_counts(out_dir: Path, recipe: Recipe, tokenizer: Any, target_id: 
     if path.exists():
         return
     vocab = int(json.loads((out_dir / "config.json").read_text(encoding="utf-8"))["args"]["vocab_size"])
-    counts = _token_counts(prepare_dataset(recipe, tokenizer, tokenizer_id=target_id), vocab)
+    counts = _token_counts(prepare_dataset(t.data, tokenizer, workdir=t.workdir, tokenizer_id=target_id), vocab)
     atomic_file(path, lambda tmp: save_file({"counts": counts}, str(tmp), metadata={"format": "pt"}))
     write_file_hashes(out_dir)
 
@@ -396,7 +409,7 @@ def _write_head(head, out_dir: Path, target_info: dict[str, Any], training: dict
     return atomic_folder(out_dir, write, hashes=True)
 
 
-def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
+def _acceptance_probe(cfg: TrainConfig, draft: Any, teacher, prepared, tokenizer: Any):
     """A function head -> {heldout/accept_linear, heldout/accept_tree, heldout/accept_depth<j>}: the decoder's tokens
     per target verification (and the linear drafts' acceptance of draft token j given 1..j-1)
     on the first ``train.accept_prompts`` held-out prompts (greedy dual, linear drafts of ``decode.draft.k`` and the
@@ -407,15 +420,14 @@ def _acceptance_probe(recipe: Recipe, teacher, prepared, tokenizer: Any):
     from polyspec.decode.acceptance import decoder_acceptance, prompt_prefix
     from polyspec.decode.generate import eos_ids
 
-    cfg, dec = recipe.train, recipe.decode
     if not cfg.accept_prompts:
         return None
     rows = (prompt_prefix(r["input_ids"], r["loss_mask"]) for r in prepared.heldout)
     prompts = list(itertools.islice((p for p in rows if p), cfg.accept_prompts))  # reads only the rows it needs
     if not prompts:
         return None
-    linear = DraftSpec(k=dec.draft.k)
-    tree = linear.model_copy(update={"tree": dec.draft.tree or TreeShape()})
+    linear = DraftSpec(k=draft.k)
+    tree = linear.model_copy(update={"tree": draft.tree or TreeShape()})
     eos = frozenset(eos_ids(tokenizer))
 
     def probe(head) -> dict[str, float]:
@@ -474,7 +486,7 @@ def _new_head(cfg: TrainConfig, teacher, counts: Any):
     return init_from_target(head, teacher, draft_vocab_ids(counts, size))
 
 
-def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info: dict[str, Any], key: str,
+def _fit(train: TrainConfig, t: TrainInputs, runtime: dict[str, Any], teacher, prepared, cache_info: dict[str, Any], key: str,
          tracker: Any, progress: bool, callbacks: Sequence[Any], log_every: int, probe: Any, counts: Any
          ) -> dict[str, Any]:
     """Build the LightningModule, loaders and Trainer, fit (resuming), evaluate; return the run's numbers.
@@ -485,19 +497,19 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-    from polyspec.train.module import HeadModule, SafetensorsCheckpointIO, TrackerCallback
+    from polyspec.train.module import HeadModule, TrackerCallback
 
     # the shared embedding / lm_head are frozen eval-mode modules on purpose
     warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
-    cfg = head_settings(recipe.train)
+    cfg = head_settings(train)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     head = _new_head(cfg, teacher, counts)
-    module = HeadModule(head, cfg, draft_k=recipe.decode.draft.k,
+    module = HeadModule(head, cfg, draft_k=t.draft.k,
                         teacher=teacher if cfg.features == "online" or cfg.head == "eagle3" else None, probe=probe,
                         loss_ids=_loss_ids(cfg, counts))
 
     train_dl, val_dl = _loaders(cfg, prepared, cache_info)
-    state_dir = Path(recipe.workdir) / "train" / key[:16]
+    state_dir = Path(t.workdir) / "train" / key[:16]
     ckpt_dir = state_dir / "checkpoints"
     world = _world_size(runtime)
     logger_cb = TrackerCallback(tracker, log_every, world)
@@ -507,30 +519,15 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
     cbs: list[Any] = [ckpt_cb, logger_cb, *callbacks]
     if progress:
         cbs.append(_terminal_bar(TQDMProgressBar)(refresh_rate=1))
-    plugins = [] if runtime["strategy"].startswith("deepspeed") else [SafetensorsCheckpointIO()]
-    trainer = L.Trainer(
-        accelerator=runtime["accelerator"], devices=runtime["devices"], strategy=runtime["strategy"],
-        precision=runtime["precision"], max_epochs=cfg.epochs, max_steps=cfg.max_steps or -1,
-        max_time=datetime.timedelta(minutes=cfg.max_minutes) if cfg.max_minutes else None,
-        accumulate_grad_batches=cfg.grad_accum, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm",
-        callbacks=cbs, plugins=plugins, logger=False, enable_progress_bar=progress, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=1.0 if val_dl is not None else 0,
-        **dict(zip(("val_check_interval", "check_val_every_n_epoch"), _val_interval(cfg, len(train_dl), world),
-                   strict=True)),
-        default_root_dir=str(state_dir), log_every_n_steps=log_every, use_distributed_sampler=True,
-    )
+    trainer = _trainer(cfg, runtime, cbs, progress, state_dir, has_val=val_dl is not None,
+                       interval=_val_interval(cfg, len(train_dl), world), log_every=log_every)
     resume = latest_checkpoint(ckpt_dir)
     if resume is not None and trainer.is_global_zero:
         _say(progress, f"train: resuming from {resume}")
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=train_dl, val_dataloaders=val_dl, ckpt_path=str(resume) if resume else None)
     wall = time.perf_counter() - t0
-    finished = (cfg.max_steps is not None and trainer.global_step >= cfg.max_steps) or \
-        trainer.current_epoch >= cfg.epochs or _budget_spent(trainer)
-    if not finished:  # fit returned early (a signal Lightning handled): keep the state, never write a short head
-        trainer.save_checkpoint(ckpt_dir / f"step-{trainer.global_step:08d}.ckpt")
-        raise PolyspecError(f"training stopped early at step {trainer.global_step}; its state is saved in {ckpt_dir}: "
-                            "run the same command again to resume", exit_code=1)
+    _check_finished(trainer, cfg, ckpt_dir)
     train_seconds = time.perf_counter() - logger_cb.start_time
     tokens_this_run = (module.tokens_seen - logger_cb.start_tokens) * world
     if val_dl is not None and module.last_eval.get("step") != float(trainer.global_step):
@@ -540,7 +537,38 @@ def _fit(recipe: Recipe, runtime: dict[str, Any], teacher, prepared, cache_info:
                "resumed_from": str(resume) if resume else None, "fit_seconds": wall,
                "tokens_seen": int(module.tokens_seen) * world, "tokens_this_run": int(tokens_this_run),
                "tokens_per_second": tokens_this_run / max(train_seconds, 1e-9)}
-    return _fit_result(numbers, module, logger_cb, recipe.decode.draft.k)
+    return _fit_result(numbers, module, logger_cb, t.draft.k)
+
+
+def _trainer(cfg: Any, runtime: dict[str, Any], callbacks: list[Any], progress: bool, state_dir: Path, *,
+             has_val: bool, interval: tuple[Any, Any], log_every: int) -> Any:
+    """The Lightning Trainer of a fit: the runtime's accelerator, devices, strategy and precision; ``interval``:
+    (val_check_interval, check_val_every_n_epoch)."""
+    import lightning as L
+
+    from polyspec.train.module import SafetensorsCheckpointIO
+
+    plugins = [] if runtime["strategy"].startswith("deepspeed") else [SafetensorsCheckpointIO()]
+    return L.Trainer(
+        accelerator=runtime["accelerator"], devices=runtime["devices"], strategy=runtime["strategy"],
+        precision=runtime["precision"], max_epochs=cfg.epochs, max_steps=cfg.max_steps or -1,
+        max_time=datetime.timedelta(minutes=cfg.max_minutes) if cfg.max_minutes else None,
+        accumulate_grad_batches=cfg.grad_accum, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm",
+        callbacks=callbacks, plugins=plugins, logger=False, enable_progress_bar=progress, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=1.0 if has_val else 0,
+        **dict(zip(("val_check_interval", "check_val_every_n_epoch"), interval, strict=True)),
+        default_root_dir=str(state_dir), log_every_n_steps=log_every, use_distributed_sampler=True,
+    )
+
+
+def _check_finished(trainer: Any, cfg: Any, ckpt_dir: Path) -> None:
+    """Refuse a fit that returned early (a signal Lightning handled): its state is saved, never a short head."""
+    finished = (cfg.max_steps is not None and trainer.global_step >= cfg.max_steps) or \
+        trainer.current_epoch >= cfg.epochs or _budget_spent(trainer)
+    if not finished:
+        trainer.save_checkpoint(ckpt_dir / f"step-{trainer.global_step:08d}.ckpt")
+        raise PolyspecError(f"training stopped early at step {trainer.global_step}; its state is saved in {ckpt_dir}: "
+                            "run the same command again to resume", exit_code=1)
 
 
 def _fit_result(numbers: dict[str, Any], module: Any, logger_cb: Any, draft_k: int) -> dict[str, Any]:

@@ -303,7 +303,6 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
     access = access or ServeAccess()
     engine = Engine(chain, mode, max_queue=limits.max_queue)
     defaults = defaults or ServeDefaults()
-    started = int(time.time())
     metrics = Metrics(model_name, mode, engine.levels, queue_limit=limits.max_queue)
 
     @contextlib.asynccontextmanager
@@ -324,15 +323,33 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
         msg = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
         return _error(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None)
 
+    served = _Served(chain, engine, metrics, model_name, defaults, limits)
+    _info_routes(app, served, mode, started=int(time.time()))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await _complete(served, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await _complete(served, request, "text")
+
+    return app
+
+
+def _info_routes(app: FastAPI, s: _Served, mode: str, started: int) -> None:
+    """/health, /metrics and the model list (one model: the served chain)."""
+    engine, metrics, name = s.engine, s.metrics, s.model_name
+
     def model_card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": started, "owned_by": "polyspec",
-                "polyspec": {"mode": mode, "levels": engine.levels, "context": chain.context}}
+        return {"id": name, "object": "model", "created": started, "owned_by": "polyspec",
+                "polyspec": {"mode": mode, "levels": engine.levels, "context": s.chain.context}}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         waiting, running = engine.depth()
-        return {"status": "ok", "model": model_name, "mode": mode, "queue_depth": waiting,
-                "queue_limit": limits.max_queue, "running": running, **metrics.refusals()}
+        return {"status": "ok", "model": name, "mode": mode, "queue_depth": waiting,
+                "queue_limit": s.limits.max_queue, "running": running, **metrics.refusals()}
 
     @app.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
@@ -344,22 +361,10 @@ def create_app(chain: LoadedChain, *, mode: str, model_name: str, api_key: str |
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Any:
-        if model_id != model_name:
-            return _error(404, f"model '{model_id}' is not served here; this server serves '{model_name}'",
+        if model_id != name:
+            return _error(404, f"model '{model_id}' is not served here; this server serves '{name}'",
                           param="model", code="model_not_found")
         return model_card()
-
-    served = _Served(chain, engine, metrics, model_name, defaults, limits)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        return await _complete(served, request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        return await _complete(served, request, "text")
-
-    return app
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -537,30 +542,36 @@ def _stream_response(s: _Served, kind: Literal["chat", "text"], req: Any, job: J
                     job.halt.set()
                 if text:
                     yield sse(chunks.delta({"content": text} if kind == "chat" else text))
-            try:
-                result = task.result()
-            except ApiError as exc:  # the headers are out: the error is the last event
-                yield sse(exc.body())
-                yield SSE_DONE
-                return
-            except Exception as exc:
-                log.exception("generation failed")
-                yield sse(error_body(f"generation failed: {type(exc).__name__}: {exc}", type="server_error"))
-                yield SSE_DONE
-                return
-            s.metrics.observe_generation(len(ids), result.stats, cut=job.cut)
-            text = answer_stream.push([], tail=pieces.tail())
-            rest, answer = answer_stream.finish(generated, s.engine.eos, max_new, cut=job.cut)
-            rest = text + rest
-            if rest:
-                yield sse(chunks.delta({"content": rest} if kind == "chat" else rest))
-            yield sse(chunks.delta({} if kind == "chat" else "", answer.finish_reason))
-            if chunks.include_usage:
-                yield sse(chunks.usage(len(ids), answer.completion_tokens))
-            yield SSE_DONE
+            tail = answer_stream.push([], tail=pieces.tail())
+            for event in _last_events(s, task, chunks, job, answer_stream, generated, tail, (len(ids), max_new)):
+                yield event
         finally:
             job.halt.set()  # the client is gone (or we are done): stop generating at the next round
             fut.cancel()  # and give the queue place back at once if it has not started
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _last_events(s: _Served, task: asyncio.Future, chunks: ChunkMaker, job: Job, answer_stream: AnswerStream,
+                 generated: list[int], tail: str, sizes: tuple[int, int]) -> list[str]:
+    """The events after the last round: the rest of the text, the finish reason, the usage and [DONE]; or, the
+    headers being out, the error as the last event. ``tail``: the text the piece decoder still held; ``sizes``:
+    (prompt tokens, max new tokens)."""
+    try:
+        result = task.result()
+    except ApiError as exc:
+        return [sse(exc.body()), SSE_DONE]
+    except Exception as exc:
+        log.exception("generation failed")
+        return [sse(error_body(f"generation failed: {type(exc).__name__}: {exc}", type="server_error")), SSE_DONE]
+    prompt_len, max_new = sizes
+    s.metrics.observe_generation(prompt_len, result.stats, cut=job.cut)
+    rest, answer = answer_stream.finish(generated, s.engine.eos, max_new, cut=job.cut)
+    rest = tail + rest
+    chat = chunks.kind == "chat"
+    out = [sse(chunks.delta({"content": rest} if chat else rest))] if rest else []
+    out.append(sse(chunks.delta({} if chat else "", answer.finish_reason)))
+    if chunks.include_usage:
+        out.append(sse(chunks.usage(prompt_len, answer.completion_tokens)))
+    return out + [SSE_DONE]

@@ -210,6 +210,7 @@ class DeviceRound:
     def device(self) -> torch.device:
         return self.target.inv_freq.device
 
+    @torch.inference_mode()
     def start(self, seq: list[int], feat: torch.Tensor | None, sampling: Any, seed: int, capacity: int) -> None:
         """A generation's state after the prefill: ``seq`` the prompt, ``feat`` the target's hidden state at its
         second-last position (a head's feature; None for a model draft)."""
@@ -307,7 +308,8 @@ class DeviceRound:
 
     def next_tokens(self) -> list[int]:
         """Run one round and read its outcome in one transfer: the tokens it emits (a + 1 of them)."""
-        out = self._run()
+        with torch.inference_mode():
+            out = self._run()
         vals = out.tolist()  # the round's one host read
         return vals[1:2 + vals[0]]
 

@@ -137,11 +137,14 @@ class HostReads(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
+        self.quiet = False  # inside a read counted already (tolist: its own copy to the host is that read)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.__name__.split(".")[0]
-        if name in SYNC_OPS:
+        if self.quiet:
+            pass
+        elif name in SYNC_OPS:
             self.reads.append(name)
         elif name in ("_to_copy", "copy_") and any(
                 isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args) and (
@@ -157,13 +160,20 @@ def _count_round_reads(monkeypatch, rnd) -> list[list[str]]:
     run = rnd.next_tokens
     methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
 
+    mode = HostReads()
+
     def counted(*a, _name, **kw):
         per_round[-1].append(_name)
-        return methods[_name](*a, **kw)
+        mode.quiet = True
+        try:
+            return methods[_name](*a, **kw)
+        finally:
+            mode.quiet = False
 
     def next_tokens():
         per_round.append([])
-        with HostReads() as mode, monkeypatch.context() as m:
+        mode.reads = []
+        with mode, monkeypatch.context() as m:
             for name in methods:
                 m.setattr(torch.Tensor, name, lambda *a, _name=name, **kw: counted(*a, _name=_name, **kw))
             out = run()

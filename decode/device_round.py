@@ -202,7 +202,8 @@ class DeviceRound:
         self.levels: tuple[_Level, _Level] | None = None
         self.state: RoundState | None = None
         self.sampling = (0.0, 1.0, 0)
-        self._fn: Any = None  # CUDA: the round as compiled (or eager) code, captured into _graph
+        self.graphs: bool | None = None  # capture the round as a CUDA graph (None: on CUDA)
+        self._fn: Any = None  # the round as compiled (or eager) code, captured into _graph
         self._graph: Any = None
         self._out: torch.Tensor | None = None  # the captured round's output
 
@@ -314,7 +315,7 @@ class DeviceRound:
         return vals[1:2 + vals[0]]
 
     def _run(self) -> torch.Tensor:
-        if self.device.type != "cuda":
+        if not (self.graphs if self.graphs is not None else self.device.type == "cuda"):
             return self.round()
         if self._fn is None:  # the first round eagerly: int4 layers build their packed weights outside any graph
             self._fn = self._compile()
@@ -335,7 +336,7 @@ class DeviceRound:
 
     def _capture(self) -> None:
         """Warm up on a side stream and capture one round as a CUDA graph; the state is restored after the warm-up
-        rounds (their K/V writes land on slots the next round rewrites before reading)."""
+        rounds and the capture (their K/V writes land on slots the next round rewrites before reading)."""
         saved = [x.clone() for x in self.state.tensors()]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -343,11 +344,11 @@ class DeviceRound:
             for _ in range(2):
                 self._fn()
         torch.cuda.current_stream().wait_stream(stream)
-        for dst, src in zip(self.state.tensors(), saved, strict=True):
-            dst.copy_(src)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._out = self._fn()
+        for dst, src in zip(self.state.tensors(), saved, strict=True):
+            dst.copy_(src)
         self._graph = graph
 
 

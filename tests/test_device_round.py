@@ -358,6 +358,50 @@ def test_declared_support_and_the_switches(models, monkeypatch):
             ChainDecoder(levels, draft=draft, mu=[2] * (len(levels) - 2), max_seq_len=64, device_round=True)
 
 
+class _FakeGraph:
+    """torch.cuda.CUDAGraph on the CPU with a graph's semantics for the round: replay re-runs the captured function
+    on the same state tensors and writes into the output the capture returned."""
+
+    rnd = None
+    captures = replays = 0
+
+    def __init__(self):
+        _FakeGraph.captures += 1
+
+    def replay(self):
+        _FakeGraph.replays += 1
+        self.rnd._out.copy_(self.rnd._fn())
+
+
+def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monkeypatch):
+    """The graph path on the CPU (first round eager, then warm-up, one capture with the state restored, replays;
+    a second generation with the same sampling replays the same graph, new sampling captures anew), with torch.cuda's
+    graph API replaced by a fake that re-runs the round on replay: the tokens of ar and of the eager round."""
+
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+
+    ctx = type("Ctx", (), {"__init__": lambda self, *a: None, "__enter__": lambda self: self,
+                           "__exit__": lambda self, *e: False})
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", ctx)
+    monkeypatch.setattr(torch.cuda, "graph", ctx)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    ar = ChainDecoder([ModelLevel(models["target"], "t")], max_seq_len=64).generate(PROMPT, 20).token_ids
+    dec = _dual(models, "int4", 3)
+    eager = _dual(models, "int4", 3).generate(PROMPT, 20, T09, seed=2).token_ids
+    rnd = dec.device_round
+    rnd.graphs, _FakeGraph.rnd = True, rnd
+    r = dec.generate(PROMPT, 20)
+    rounds = len(r.level_stats[0].accept_lengths)
+    assert r.token_ids == ar and _FakeGraph.captures == 1 and _FakeGraph.replays == rounds - 1 > 0
+    graph = rnd._graph
+    assert dec.generate(PROMPT, 20).token_ids == ar and rnd._graph is graph and _FakeGraph.captures == 1
+    assert dec.generate(PROMPT, 20, T09, seed=2).token_ids == eager and _FakeGraph.captures == 2
+
+
 # -- CUDA: compiled, captured, replayed --------------------------------------------------------------------------------
 
 

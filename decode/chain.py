@@ -73,7 +73,8 @@ class SamplingParams:
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # the new tokens only
-    stats: dict[str, Any]  # mode, new_tokens, seconds, tokens_per_second, levels [{name, forward_passes, ...}], beta
+    stats: dict[str, Any]  # mode, new_tokens, seconds, tokens_per_second, levels [{name, forward_passes, ...}], beta,
+    # device_round (whether the rounds ran on decode/device_round.py)
     level_stats: list[LevelStats] = field(default_factory=list)
 
 
@@ -147,7 +148,7 @@ class ChainDecoder:
                              "tokens_emitted": s.tokens_emitted, "catch_up_passes": s.catch_up_passes,
                              "lookup_tokens": s.lookup_tokens} for s in level_stats],
                  "beta": run.beta(), "draft": self.draft.model_dump() if self.draft is not None else None,
-                 "mu": list(self.mu), "sampling": vars(sampling).copy()}
+                 "mu": list(self.mu), "sampling": vars(sampling).copy(), "device_round": run.on_device}
         return GenerationResult(token_ids=new, stats=stats, level_stats=level_stats)
 
     def _checked_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -242,6 +243,7 @@ class _Run:
                  eos: frozenset[int], limit: int, on_tokens: Callable[[list[int]], bool | None] | None = None):
         self.drafter, self.mu, self.on_tokens = dec.drafter, dec.mu, on_tokens
         self.device, self.capacity = dec.device_round, dec.max_seq_len + (dec.draft.k + 2 if dec.draft else 0)
+        self.on_device = False  # whether decode() ran on the device round
         self.bottom = dec.verifiers - 1  # the level that verifies the drafter's proposals
         has_level = self.drafter is not None and self.drafter.has_level
         self.st = RunState(dec.levels, draft_level=len(dec.levels) - 1 if has_level else None, sampling=sampling,
@@ -251,7 +253,8 @@ class _Run:
     def decode(self, prompt: list[int]) -> list[int]:
         """The target's loop: each round commits what one target verification emits."""
         st = self.st
-        if self.device is not None and (not self.device.head or len(prompt) >= 2):  # a head reads a feature first
+        self.on_device = self.device is not None and (not self.device.head or len(prompt) >= 2)  # a head reads f_0
+        if self.on_device:
             return device_round.decode(self.device, st, prompt, self.capacity, self.on_tokens)
         st.prefill(prompt)
         seq = list(prompt)

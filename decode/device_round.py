@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from polyspec.decode.cuda_graphs import LayerSlots, StepIndex, compile_wanted, static_step
+from polyspec.decode.cuda_graphs import RECOMPILE_LIMIT, LayerSlots, StepIndex, compile_wanted, static_step
 from polyspec.decode.sampling import residual, warp
 from polyspec.decode.step_attention import SUPPORT, reference, step_attention
 
@@ -328,8 +328,12 @@ class DeviceRound:
     def _compile(self) -> Any:
         if not compile_wanted(self.device):
             return self.round
+        import torch._dynamo.config as dynamo_config
+
         from polyspec.decode.model import fuse_projections
 
+        # one code object serves every decoder, k and sampling setting: keep each compiled variant
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         for m in (self.target, self.draft):
             fuse_projections(m)
         return torch.compile(self.round, fullgraph=True, dynamic=False)

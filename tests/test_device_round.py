@@ -100,7 +100,7 @@ def test_greedy_device_round_equals_ar_and_the_host_path(models, draft, k):
         assert lens == host.level_stats[0].accept_lengths
     assert r.level_stats[0].forward_passes == len(lens) and r.level_stats[1].forward_passes == k * len(lens)
     assert sum(lens) == 20 and (max(lens) == k + 1 if draft == "twin" else max(lens) < k + 1 or draft == "int4")
-    assert r.stats["beta"] == k
+    assert r.stats["beta"] == k and r.stats["device_round"] and not host.stats["device_round"]
 
 
 def test_greedy_round_stops_at_eos_and_budget_and_streams(models):
@@ -121,7 +121,8 @@ def test_a_head_with_a_one_token_prompt_takes_the_host_path(models):
     ar = ChainDecoder([ModelLevel(models["target"], "t")], max_seq_len=64).generate([7], 10).token_ids
     calls = []
     dec.device_round.next_tokens = lambda: calls.append(1)
-    assert dec.generate([7], 10).token_ids == ar and not calls
+    r = dec.generate([7], 10)
+    assert r.token_ids == ar and not calls and not r.stats["device_round"]
 
 
 # -- host reads: one per round -----------------------------------------------------------------------------------------

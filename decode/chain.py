@@ -47,6 +47,7 @@ import torch
 from polyspec.chain_spec import DraftSpec
 from polyspec.decode import device_round
 from polyspec.decode.device_round import DeviceRound
+from polyspec.decode.device_tree import TreeRound
 from polyspec.decode.drafting import Tree, make_drafter
 from polyspec.decode.drafting.tree import verify_tree
 from polyspec.decode.levels import Level
@@ -118,7 +119,7 @@ class ChainDecoder:
         slack = max(tree.total_tokens, tree.top_k * tree.depth) + 1 if tree is not None else 0
         self.device_round = _device_round(levels, draft, device_round)
         if self.device_round is not None:  # a round writes k + 1 positions past the committed ones
-            slack = draft.k + 2
+            slack = max(slack, self.device_round.k + 2)
         for lv in levels:
             lv.setup(max_seq_len + slack)
 
@@ -177,8 +178,10 @@ def _device_round(levels: list[Level], draft: DraftSpec | None, force: bool | No
             raise PolyspecError(f"device_round=True, but the device round cannot run this chain: {reason}")
         return None
     bottom = levels[-1]
-    return DeviceRound(levels[0].model, getattr(bottom, "model", getattr(bottom, "head", None)),
-                       head=bottom.needs_features, k=draft.k)
+    models = levels[0].model, getattr(bottom, "model", getattr(bottom, "head", None))
+    if draft.tree is not None:
+        return TreeRound(*models, head=bottom.needs_features, shape=draft.tree)
+    return DeviceRound(*models, head=bottom.needs_features, k=draft.k)
 
 
 def _check_levels(levels: list[Level]) -> None:
@@ -242,7 +245,8 @@ class _Run:
     def __init__(self, dec: ChainDecoder, sampling: SamplingParams, generator: torch.Generator,
                  eos: frozenset[int], limit: int, on_tokens: Callable[[list[int]], bool | None] | None = None):
         self.drafter, self.mu, self.on_tokens = dec.drafter, dec.mu, on_tokens
-        self.device, self.capacity = dec.device_round, dec.max_seq_len + (dec.draft.k + 2 if dec.draft else 0)
+        self.device = dec.device_round
+        self.capacity = dec.max_seq_len + (self.device.k + 2 if self.device is not None else 0)
         self.on_device = False  # whether decode() ran on the device round
         self.bottom = dec.verifiers - 1  # the level that verifies the drafter's proposals
         has_level = self.drafter is not None and self.drafter.has_level
@@ -253,7 +257,7 @@ class _Run:
     def decode(self, prompt: list[int]) -> list[int]:
         """The target's loop: each round commits what one target verification emits."""
         st = self.st
-        self.on_device = self.device is not None and (not self.device.head or len(prompt) >= 2)  # a head reads f_0
+        self.on_device = self.device is not None and self.device.applies(prompt, st.sampling)
         if self.on_device:
             return device_round.decode(self.device, st, prompt, self.capacity, self.on_tokens)
         st.prefill(prompt)

@@ -59,6 +59,7 @@ from polyspec.decode.step_attention import SUPPORT, reference, step_attention
 
 ENV = "POLYSPEC_DEVICE_ROUND"
 MAX_K = 32  # draft tokens per round (the round's random streams are numbered per draft step)
+MAX_TREE = 64  # a tree's verification width and draft-cache entries (the static step's widest bucket)
 _M32 = 0xFFFFFFFF
 _STREAMS = 64  # random streams per round: 0 acceptance, 1 the next token, 2 + j draft step j
 
@@ -143,9 +144,18 @@ class _Level:
         """ids [W] at sequence positions first .. first + W - 1 (first: [] long; a head's features [W, H]) ->
         (logits [W, V] float32, hidden [W, H])."""
         w = ids.shape[0]
-        slot = first - 1 if self.head else first  # a head's cache slot t holds sequence position t + 1
-        index = StepIndex((slot + self.rows[w]).int(), torch.stack((slot, slot)).int(), self.causal[w], self.cos,
-                          self.sin)
+        slot = self.slot(first)
+        return self.step(ids, feats, slot, slot, slot + self.rows[w], self.causal[w])
+
+    def slot(self, position: torch.Tensor) -> torch.Tensor:
+        """The cache slot of a sequence position (a head's slot t holds position t + 1)."""
+        return position - 1 if self.head else position
+
+    def step(self, ids: torch.Tensor, feats: torch.Tensor | None, start: torch.Tensor, prefix: torch.Tensor,
+             rope: torch.Tensor, inner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static step over ids [W] written at slots start .., each row seeing the slots before ``prefix`` and
+        slot prefix + c where inner [W, C] says so, at RoPE positions ``rope`` [W] (slots, like ``start``)."""
+        index = StepIndex(rope.int(), torch.stack((start, prefix)).int(), inner, self.cos, self.sin)
         cache = self.model._cache
         f = None if feats is None else feats.to(self.dtype)[None]
         logits, hidden = static_step(self.model, ids[None], f, index, cache.k, cache.v, store=RoundSlots)
@@ -171,10 +181,13 @@ def unsupported(levels: list[Any], draft: Any) -> str | None:
     """Why the device round cannot run this chain and draft (None: it can; see the module docstring)."""
     if draft is None or draft.source != "model" or len(levels) != 2:
         return "it runs two levels (a target and its draft model)"
-    if draft.tree is not None or draft.lookup:
-        return "it runs linear drafts without prompt lookup"
-    if not 1 <= draft.k <= MAX_K:
-        return f"it drafts at most {MAX_K} tokens a round"
+    if draft.lookup:
+        return "prompt lookup searches the token history on the host"
+    tree = draft.tree
+    if not 1 <= (draft.k if tree is None else tree.depth) <= MAX_K:
+        return f"it drafts at most {MAX_K} tokens (or tree depths) a round"
+    if tree is not None and (tree.total_tokens >= MAX_TREE or (tree.depth - 1) * tree.top_k > MAX_TREE):
+        return f"its trees verify fewer than {MAX_TREE} nodes and keep at most {MAX_TREE} in the draft's cache"
     target, bottom = levels
     models = [getattr(target, "model", None), getattr(bottom, "model", getattr(bottom, "head", None))]
     if getattr(target, "kind", None) != "model" or getattr(bottom, "kind", None) not in ("model", "head"):
@@ -211,6 +224,20 @@ class DeviceRound:
     def device(self) -> torch.device:
         return self.target.inv_freq.device
 
+    def widths(self) -> tuple[int, ...]:
+        """The block widths the round's forwards use (causal masks and row indices are made once for each)."""
+        return 1, self.k + 1
+
+    @property
+    def drafted(self) -> int:
+        """Tokens the draft proposes a round (its stats' tokens_emitted)."""
+        return self.k
+
+    def applies(self, prompt: list[int], sampling: Any) -> bool:
+        """Whether this generation runs on the device round: an EAGLE head reads a feature before its first token,
+        so it needs a prompt of two tokens or more."""
+        return not self.head or len(prompt) >= 2
+
     @torch.inference_mode()
     def start(self, seq: list[int], feat: torch.Tensor | None, sampling: Any, seed: int, capacity: int) -> None:
         """A generation's state after the prefill: ``seq`` the prompt, ``feat`` the target's hidden state at its
@@ -218,7 +245,7 @@ class DeviceRound:
         dev, k = self.device, self.k
         key = (self.target._cache.k[0].data_ptr(), self.draft._cache.k[0].data_ptr())
         if self.levels is None or (self.levels[0].key, self.levels[1].key) != key:
-            widths = (1, k + 1)
+            widths = self.widths()
             self.levels = (_Level(self.target, False, widths), _Level(self.draft, self.head, widths))
             self._graph = self._fn = None
         new = (float(sampling.temperature), float(sampling.top_p), int(sampling.top_k))
@@ -260,14 +287,20 @@ class DeviceRound:
         s.rnd.add_(1)
         return out
 
+    def _first_step(self, s: RoundState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's first step: the last round's accepted tokens and correction re-run at width k + 1 -> its
+        logits [1, V] and hidden state [1, H] after the last committed token (row ``acc``)."""
+        lv = self.levels[1]
+        first = s.n - s.acc - 1  # base + 1
+        ids = s.seq.index_select(0, first + lv.rows[self.k + 1])
+        logits, hidden = lv.forward(ids, s.feat if self.head else None, first)
+        row = s.acc.view(1)
+        return logits.index_select(0, row), hidden.index_select(0, row)
+
     def _draft(self, s: RoundState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft's k tokens [k] (and at T > 0 the distributions they were drawn from [k, V])."""
         k, lv = self.k, self.levels[1]
-        first = s.n - s.acc - 1  # base + 1: the last round's accepted tokens and correction, re-run
-        ids = s.seq.index_select(0, first + lv.rows[k + 1])
-        logits, hidden = lv.forward(ids, s.feat if self.head else None, first)
-        row = s.acc.view(1)
-        logit, feat = logits.index_select(0, row), hidden.index_select(0, row)  # [1, V], [1, H]
+        logit, feat = self._first_step(s)  # [1, V], [1, H]
         tokens, rows = [], []
         for j in range(k):
             q, x = self._pick(logit[0], s, 2 + j)
@@ -372,7 +405,7 @@ def decode(rnd: DeviceRound, st: Any, prompt: list[int], capacity: int,
         st.stats[0].forward_passes += 1
         st.stats[0].accept_lengths.append(len(out))
         st.stats[1].forward_passes += rnd.k
-        st.stats[1].tokens_emitted += rnd.k
+        st.stats[1].tokens_emitted += rnd.drafted
         if on_tokens is not None and on_tokens(list(out)):
             break
     _settle(rnd, st, seq, first)

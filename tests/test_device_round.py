@@ -45,11 +45,11 @@ def models(tmp_path_factory):
             "int4": quantize_model_rtn(Transformer.from_pretrained(root / "t").eval(), group_size=128)}
 
 
-def _dual(models, draft: str, k: int, device: bool | None = True, target: Transformer | None = None,
-          max_seq_len: int = 64) -> ChainDecoder:
+def _dual(models, draft: str, k: int, device: bool | None = True, max_seq_len: int = 64,
+          tree: DraftSpec | None = None) -> ChainDecoder:
     m = models[draft]
     bottom = HeadLevel(m, "head") if draft == "head" else ModelLevel(m, draft)
-    return ChainDecoder([ModelLevel(target or models["target"], "t"), bottom], draft=DraftSpec(k=k),
+    return ChainDecoder([ModelLevel(models["target"], "t"), bottom], draft=tree or DraftSpec(k=k),
                         max_seq_len=max_seq_len, device_round=device)
 
 
@@ -125,6 +125,30 @@ def test_a_head_with_a_one_token_prompt_takes_the_host_path(models):
     assert r.token_ids == ar and not calls and not r.stats["device_round"]
 
 
+@pytest.mark.parametrize("draft", ["other", "twin", "int4", "head"])
+@pytest.mark.parametrize("shape", [(3, 4, 10), (2, 3, 6)], ids=["3x4x10", "2x3x6"])
+def test_greedy_device_tree_equals_ar(models, draft, shape):
+    """A draft tree on the device (decode/device_tree.py): the tokens of ar, the caches as a fresh forward leaves
+    them, whole paths accepted from the target's copy; the host path for the same tree agrees."""
+    ar = ChainDecoder([ModelLevel(models["target"], "t")], max_seq_len=64).generate(PROMPT, 20).token_ids
+    tree = DraftSpec(tree=TreeShape(top_k=shape[0], depth=shape[1], total_tokens=shape[2]))
+    dec = _dual(models, draft, 1, tree=tree)
+    assert type(dec.device_round).__name__ == "TreeRound"
+    r = dec.generate(PROMPT, 20)
+    assert r.token_ids == ar and r.stats["device_round"], r.stats
+    _check_caches(models, draft, PROMPT + r.token_ids)
+    lens = r.level_stats[0].accept_lengths
+    assert r.level_stats[1].forward_passes == shape[1] * len(lens)
+    if draft == "twin":  # a perfect draft: paths accepted (re-ranking may drop the deep end of flat random rows)
+        assert max(lens) > 2
+    host = _dual(models, draft, 1, device=False, tree=tree).generate(PROMPT, 20)
+    assert host.token_ids == ar
+    if draft in ("twin", "other"):  # the same tree from the same draft computations
+        assert lens == host.level_stats[0].accept_lengths
+    sampled = dec.generate(PROMPT, 8, T09, seed=1)  # T > 0: the host path's tree
+    assert not sampled.stats["device_round"] and len(sampled.token_ids) == 8
+
+
 # -- host reads: one per round -----------------------------------------------------------------------------------------
 
 
@@ -185,10 +209,15 @@ def _count_round_reads(monkeypatch, rnd) -> list[list[str]]:
     return per_round
 
 
-@pytest.mark.parametrize("draft", ["other", "head"])
-@pytest.mark.parametrize("sp", [SamplingParams(), T09], ids=["T0", "T0.9"])
-def test_a_round_reads_the_host_once(monkeypatch, models, draft, sp):
-    dec = _dual(models, draft, 4)
+TREE = DraftSpec(tree=TreeShape(top_k=3, depth=4, total_tokens=10))
+
+
+@pytest.mark.parametrize("draft, sp, tree", [("other", SamplingParams(), None), ("head", SamplingParams(), None),
+                                             ("other", T09, None), ("head", T09, None), ("head", SamplingParams(), TREE),
+                                             ("other", SamplingParams(), TREE)],
+                         ids=["model-T0", "head-T0", "model-T0.9", "head-T0.9", "head-tree-T0", "model-tree-T0"])
+def test_a_round_reads_the_host_once(monkeypatch, models, draft, sp, tree):
+    dec = _dual(models, draft, 4, tree=tree)
     per_round = _count_round_reads(monkeypatch, dec.device_round)
     r = dec.generate(PROMPT, 24, sp, seed=0)
     assert len(per_round) == len(r.level_stats[0].accept_lengths) >= 5
@@ -209,11 +238,12 @@ def test_the_counter_sees_a_host_read(monkeypatch, models):
 # -- the compiled round ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("draft, sp, backend", [
-    ("head", T09, "aot_eager"), ("other", SamplingParams(), "aot_eager"),
-    pytest.param("head", T09, "inductor", marks=pytest.mark.slow),
-], ids=["head-T0.9", "model-T0", "head-T0.9-inductor"])
-def test_the_round_compiles_with_fullgraph_and_equals_the_eager_round(models, draft, sp, backend):
+@pytest.mark.parametrize("draft, sp, backend, tree", [
+    ("head", T09, "aot_eager", None), ("other", SamplingParams(), "aot_eager", None),
+    ("head", SamplingParams(), "aot_eager", TREE),
+    pytest.param("head", T09, "inductor", None, marks=pytest.mark.slow),
+], ids=["head-T0.9", "model-T0", "head-tree-T0", "head-T0.9-inductor"])
+def test_the_round_compiles_with_fullgraph_and_equals_the_eager_round(models, draft, sp, backend, tree):
     """torch.compile(fullgraph=True) of the round (dynamo captures all of it: no data-dependent Python control flow,
     no host read in it) gives the eager round's tokens, round for round, and the same state. aot_eager traces and
     functionalises the whole round as CUDA would compile it, without inductor's C++ build (minutes on a loaded
@@ -224,7 +254,7 @@ def test_the_round_compiles_with_fullgraph_and_equals_the_eager_round(models, dr
         ms = {name: copy.deepcopy(models[name]) for name in ("target", draft)}
         if draft == "head":
             ms["head"].embed_tokens, ms["head"].lm_head = ms["target"].embed_tokens, ms["target"].lm_head
-        pairs.append(_dual(ms, draft, 3))
+        pairs.append(_dual(ms, draft, 3, tree=tree))
     eager, compiled = pairs
     rnd = compiled.device_round
     rnd.next_tokens = _compiled_next(rnd, backend)
@@ -350,7 +380,7 @@ def test_declared_support_and_the_switches(models, monkeypatch):
     assert _dual(models, "other", 3, device=None).device_round is None
     for levels, draft, why in [
         (tables, DraftSpec(k=2), "ModelLevel"),
-        ([t, ModelLevel(models["other"], "o")], DraftSpec(tree=TreeShape(top_k=2, depth=2, total_tokens=4)), "linear"),
+        ([t, ModelLevel(models["other"], "o")], DraftSpec(tree=TreeShape(top_k=4, depth=3, total_tokens=64)), "fewer"),
         ([t, ModelLevel(models["other"], "o")], DraftSpec(k=2, lookup=4), "lookup"),
         ([t, ModelLevel(models["int4"], "q"), HeadLevel(models["head"], "h")], DraftSpec(k=2), "two levels"),
         ([t, ModelLevel(models["other"], "o")], DraftSpec(k=device_round.MAX_K + 1), "at most"),

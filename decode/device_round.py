@@ -28,10 +28,11 @@ branch). The uniforms come from a counter hash of (seed, round, stream, index) (
 every device and in eager and compiled code, and no generator object inside the graph.
 
 What it supports (:func:`unsupported` says why not, and the decoder then keeps decode/chain.py's path): two levels,
-a polyspec Transformer target and a linear draft of k <= MAX_K tokens from a Transformer or an EAGLE-1/2 head (no
-draft vocabulary, no EAGLE-3 auxiliary layers), no prompt lookup, batch 1, every layer within the static step's
-declared support (decode.step_attention.SUPPORT); an EAGLE head needs a prompt of two tokens or more. Not yet: a
-draft tree, an int4 middle level (three levels), prompt lookup (it searches the token history on the host).
+a polyspec Transformer target and a draft from a Transformer or an EAGLE-1/2 head (no draft vocabulary, no EAGLE-3
+auxiliary layers): linear blocks of k <= MAX_K tokens, or an EAGLE-2 tree at T = 0 (decode/device_tree.py; at T > 0
+a tree takes the host path); no prompt lookup, batch 1, every layer within the static step's declared support
+(decode.step_attention.SUPPORT); an EAGLE head needs a prompt of two tokens or more. Not yet: an int4 middle level
+(three levels), the tree at T > 0, prompt lookup (it searches the token history on the host).
 
 Where it runs: ``ChainDecoder(device_round=None)`` (the default) takes it on CUDA where it is supported, True forces it
 wherever it is supported (the CPU tests), False never; ``POLYSPEC_DEVICE_ROUND=0`` keeps it off, ``=1`` forces it.

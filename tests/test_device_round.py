@@ -438,15 +438,16 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("draft", ["other", "head"])
-def test_cuda_round_is_one_graph_and_equals_ar(models, draft, monkeypatch):
+@pytest.mark.parametrize("draft, tree", [("other", None), ("head", None), ("head", TREE), ("twin", TREE)],
+                         ids=["model", "head", "head-tree", "twin-tree"])
+def test_cuda_round_is_one_graph_and_equals_ar(models, draft, tree, monkeypatch):
     """On CUDA (fp32) the default decoder takes the device round: one captured graph replayed every round after the
     first, one host read a round, the tokens of ar; a second generation replays the same graph."""
     ms = {n: copy.deepcopy(models[n]).cuda() for n in ("target", draft)}
     if draft == "head":
         ms["head"].embed_tokens, ms["head"].lm_head = ms["target"].embed_tokens, ms["target"].lm_head
     ar = ChainDecoder([ModelLevel(ms["target"], "t")], max_seq_len=64).generate(PROMPT, 24).token_ids
-    dec = _dual(ms, draft, 4, device=None)
+    dec = _dual(ms, draft, 4, device=None, tree=tree)
     rnd = dec.device_round
     assert rnd is not None
     assert dec.generate(PROMPT, 24).token_ids == ar
@@ -457,4 +458,4 @@ def test_cuda_round_is_one_graph_and_equals_ar(models, draft, monkeypatch):
     assert r.token_ids == ar and rnd._graph is graph
     assert all(reads == ["tolist"] for reads in per_round), per_round
     a, b = dec.generate(PROMPT, 24, T09, seed=3), dec.generate(PROMPT, 24, T09, seed=3)
-    assert a.token_ids == b.token_ids
+    assert a.token_ids == b.token_ids and a.stats["device_round"] == (tree is None)

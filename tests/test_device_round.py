@@ -425,6 +425,7 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
     eager = _dual(models, "int4", 3).generate(PROMPT, 20, T09, seed=2).token_ids
     rnd = dec.device_round
     rnd.graphs, _FakeGraph.rnd = True, rnd
+    _FakeGraph.captures = _FakeGraph.replays = 0
     r = dec.generate(PROMPT, 20)
     rounds = len(r.level_stats[0].accept_lengths)
     assert r.token_ids == ar and _FakeGraph.captures == 1 and _FakeGraph.replays == rounds - 1 > 0

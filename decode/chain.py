@@ -45,6 +45,9 @@ from typing import Any
 import torch
 
 from polyspec.chain_spec import DraftSpec
+from polyspec.decode import device_round
+from polyspec.decode.device_round import DeviceRound
+from polyspec.decode.device_tree import TreeRound
 from polyspec.decode.drafting import Tree, make_drafter
 from polyspec.decode.drafting.tree import verify_tree
 from polyspec.decode.levels import Level
@@ -71,7 +74,8 @@ class SamplingParams:
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # the new tokens only
-    stats: dict[str, Any]  # mode, new_tokens, seconds, tokens_per_second, levels [{name, forward_passes, ...}], beta
+    stats: dict[str, Any]  # mode, new_tokens, seconds, tokens_per_second, levels [{name, forward_passes, ...}], beta,
+    # device_round (whether the rounds ran on decode/device_round.py)
     level_stats: list[LevelStats] = field(default_factory=list)
 
 
@@ -84,10 +88,13 @@ class ChainDecoder:
     mu: one entry per verifier below the target, top first: level i asks the level below for blocks of >= mu[i]
         tokens, so mu[0] is the size of the blocks the target verifies. Default 8 each.
     max_seq_len: the longest prompt + max_new_tokens; every level's cache is set up for it here.
+    device_round: run each round as one device function with one host read (decode/device_round.py) where it
+        supports the chain: None (default) on CUDA (``POLYSPEC_DEVICE_ROUND=0`` / ``1``: off / wherever supported),
+        True wherever supported (an error where it is not: the CPU tests force it so), False never.
     """
 
     def __init__(self, levels: list[Level], *, draft: DraftSpec | None = None, mu: list[int] | None = None,
-                 max_seq_len: int = 2048):
+                 max_seq_len: int = 2048, device_round: bool | None = None):
         levels = list(levels)
         _check_levels(levels)
         if draft is not None and not isinstance(draft, DraftSpec):
@@ -110,6 +117,9 @@ class ChainDecoder:
         self.mode = mode_of(self.verifiers + (self.drafter is not None))
         # A tree sits in the draft's and its verifier's caches beyond the committed context before it is pruned.
         slack = max(tree.total_tokens, tree.top_k * tree.depth) + 1 if tree is not None else 0
+        self.device_round = _device_round(levels, draft, device_round)
+        if self.device_round is not None:  # a round writes k + 1 positions past the committed ones
+            slack = max(slack, self.device_round.k + 2)
         for lv in levels:
             lv.setup(max_seq_len + slack)
 
@@ -139,7 +149,7 @@ class ChainDecoder:
                              "tokens_emitted": s.tokens_emitted, "catch_up_passes": s.catch_up_passes,
                              "lookup_tokens": s.lookup_tokens} for s in level_stats],
                  "beta": run.beta(), "draft": self.draft.model_dump() if self.draft is not None else None,
-                 "mu": list(self.mu), "sampling": vars(sampling).copy()}
+                 "mu": list(self.mu), "sampling": vars(sampling).copy(), "device_round": run.on_device}
         return GenerationResult(token_ids=new, stats=stats, level_stats=level_stats)
 
     def _checked_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -155,6 +165,23 @@ class ChainDecoder:
                                 f"max_seq_len {self.max_seq_len}; shorten the prompt, lower max_new_tokens or build "
                                 "the decoder with a larger max_seq_len")
         return prompt
+
+
+def _device_round(levels: list[Level], draft: DraftSpec | None, force: bool | None) -> DeviceRound | None:
+    """The device round for this chain where it is wanted (device_round.wanted) and supported, else None."""
+    device = getattr(levels[0], "device", torch.device("cpu"))
+    if not device_round.wanted(device, force):
+        return None
+    reason = device_round.unsupported(levels, draft)
+    if reason is not None:
+        if force:
+            raise PolyspecError(f"device_round=True, but the device round cannot run this chain: {reason}")
+        return None
+    bottom = levels[-1]
+    models = levels[0].model, getattr(bottom, "model", getattr(bottom, "head", None))
+    if draft.tree is not None:
+        return TreeRound(*models, head=bottom.needs_features, shape=draft.tree)
+    return DeviceRound(*models, head=bottom.needs_features, k=draft.k)
 
 
 def _check_levels(levels: list[Level]) -> None:
@@ -218,6 +245,9 @@ class _Run:
     def __init__(self, dec: ChainDecoder, sampling: SamplingParams, generator: torch.Generator,
                  eos: frozenset[int], limit: int, on_tokens: Callable[[list[int]], bool | None] | None = None):
         self.drafter, self.mu, self.on_tokens = dec.drafter, dec.mu, on_tokens
+        self.device = dec.device_round
+        self.capacity = dec.max_seq_len + (self.device.k + 2 if self.device is not None else 0)
+        self.on_device = False  # whether decode() ran on the device round
         self.bottom = dec.verifiers - 1  # the level that verifies the drafter's proposals
         has_level = self.drafter is not None and self.drafter.has_level
         self.st = RunState(dec.levels, draft_level=len(dec.levels) - 1 if has_level else None, sampling=sampling,
@@ -227,6 +257,9 @@ class _Run:
     def decode(self, prompt: list[int]) -> list[int]:
         """The target's loop: each round commits what one target verification emits."""
         st = self.st
+        self.on_device = self.device is not None and self.device.applies(prompt, st.sampling)
+        if self.on_device:
+            return device_round.decode(self.device, st, prompt, self.capacity, self.on_tokens)
         st.prefill(prompt)
         seq = list(prompt)
         while len(seq) < st.limit and not (len(seq) > len(prompt) and seq[-1] in st.eos):

@@ -331,14 +331,15 @@ class StaticRunner:
 
 
 def static_step(model: nn.Module, ids: torch.Tensor, feats: torch.Tensor | None, index: StepIndex,
-                ks: list[torch.Tensor], vs: list[torch.Tensor], *,
-                out: bool = True) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+                ks: list[torch.Tensor], vs: list[torch.Tensor], *, out: bool = True,
+                store: type = LayerSlots) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """One static forward: ids [1, W] (features [1, W, H] for a head) at the positions in ``index``, layer i's K/V in
     ks[i], vs[i] [1, kv, S, D] -> (logits [1, W, V] float32, hidden [1, W, H]); ``out=False``: the last layer's
-    output [1, W, H] instead (the caller runs ``model._out``)."""
+    output [1, W, H] instead (the caller runs ``model._out``). ``store``: the layers' KV store class (the device
+    round's reads no length on the host: polyspec.decode.device_round.RoundSlots)."""
     x = model._embed(ids, feats)  # [1, W, H]
     for i, layer in enumerate(model._layers()):
-        x = layer(x, None, None, None, LayerSlots(ks[i], vs[i], index), i, 0)
+        x = layer(x, None, None, None, store(ks[i], vs[i], index), i, 0)
     return model._out(x, last_only=False) if out else x
 
 

@@ -200,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     a.repeats = a.repeats or (1 if a.dry else 3)
     dev = torch.device("cpu") if a.dry else resolve_device("auto")
     dtype = resolve_dtype(None if not a.dry else "float32", dev)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     report: dict[str, Any] = {"step": "d_projection", "shape": a.shape, "device": str(dev), "dry": a.dry,
                               "dtype": str(dtype).removeprefix("torch."), "k": a.k, "mu": a.mu,
                               "paper": {"L_target": PAPER_L_TARGET, "L_int4": list(PAPER_L_INT4)}}

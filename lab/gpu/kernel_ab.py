@@ -33,7 +33,7 @@ from typing import Any
 
 SHAPES_7B = ((4096, 4096), (11008, 4096), (4096, 11008))
 ROWS = (1, 2, 4, 8, 16)
-BACKENDS = ("bf16", "torch_int4", "polyspec_triton", "gemlite")
+BACKENDS = ("bf16", "polyspec_triton", "torch_int4", "gemlite")  # the order they run in
 GROUP = 128
 
 
@@ -51,18 +51,17 @@ def env(name: str, value: str):
 
 
 def int4_layers(n: int, k: int, count: int, device: Any, gen: Any) -> list[Any]:
-    """``count`` Int4Linear layers N x K with random codes (group 128), scales ~0.02/4.6, zeros 8."""
+    """``count`` Int4Linear layers N x K with random codes (group 128; drawn on ``gen``'s device), scales ~0.02/4.6,
+    zeros 8."""
     import torch
 
     from polyspec.decode.int4 import Int4Linear
 
-    out = []
-    for _ in range(count):
-        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        g = -(-k // GROUP)
-        out.append(Int4Linear(q, torch.full((n, g), 0.02 / 4.6), torch.full((n, g), 8, dtype=torch.uint8),
-                              GROUP).to(device))
-    return out
+    g = -(-k // GROUP)
+    return [Int4Linear(torch.randint(0, 16, (n, k), generator=gen, device=gen.device, dtype=torch.uint8),
+                       torch.full((n, g), 0.02 / 4.6, device=gen.device),
+                       torch.full((n, g), 8, dtype=torch.uint8, device=gen.device), GROUP).to(device)
+            for _ in range(count)]
 
 
 def int4_bytes(lin: Any) -> int:
@@ -165,36 +164,46 @@ def walk_ms(fn: Any, xs: list[Any], device: Any, repeats: int) -> float:
 
 
 def run_ab(shapes: list[tuple[int, int]], rows: list[int], layers: int, repeats: int, budget: float,
-           device: Any, dtype: Any, backends: list[str]) -> dict[str, Any]:
+           device: Any, dtype: Any, backends: list[str], save: Any) -> dict[str, Any]:
+    """Backend by backend (the most important first, gemlite, which may autotune, last), each over every shape and
+    row count; ``save(partial report)`` after each measurement, so a run cut off keeps what it measured."""
     import torch
 
     t0 = time.perf_counter()
-    gen = torch.Generator().manual_seed(0)
-    results: list[dict[str, Any]] = []
-    skipped: dict[str, str] = {}
-    for n, k in shapes:
-        lins = int4_layers(n, k, layers, device, gen)
-        made = {b: make_backend(b, lins, dtype) for b in backends}
-        skipped.update({b: m for b, m in made.items() if isinstance(m, str)})
-        for m in rows:
-            xs = [torch.randn(m, k, generator=gen).to(device=device, dtype=dtype) for _ in range(layers)]
-            for b, made_b in made.items():
-                row = {"n": n, "k": k, "rows": m, "backend": b}
-                if isinstance(made_b, str):
-                    continue
-                if time.perf_counter() - t0 > budget:
-                    results.append({**row, "skipped": "budget"})
-                    continue
-                fn, nbytes = made_b
-                try:
-                    ms = walk_ms(fn, xs, device, repeats)
-                except Exception as exc:  # one backend's failure at one shape leaves the rest of the A/B standing
-                    results.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                    continue
-                moved = nbytes + layers * (m * k + m * n) * 2
-                results.append({**row, "ms_per_layer": ms / layers, "GBps": moved / (ms * 1e-3) / 1e9})
-        del lins, made
-    return {"results": ratios(results), "not_run": skipped, "seconds": time.perf_counter() - t0}
+    gen = torch.Generator(device=device).manual_seed(0)
+    lins = {shape: int4_layers(*shape, layers, device, gen) for shape in shapes}
+    xs = {(shape, m): [torch.randn(m, shape[1], generator=gen, device=device).to(dtype) for _ in range(layers)]
+          for shape in shapes for m in rows}
+    report: dict[str, Any] = {"results": [], "not_run": {}}
+    for b in backends:
+        for shape in shapes:
+            if time.perf_counter() - t0 > budget:
+                report["results"] += [{"n": shape[0], "k": shape[1], "rows": m, "backend": b, "skipped": "budget"}
+                                      for m in rows]
+                continue
+            made = make_backend(b, lins[shape], dtype)
+            if isinstance(made, str):
+                report["not_run"][b] = made
+                break
+            for m in rows:
+                report["results"].append(measure(made, xs[shape, m], shape, m, b, device, repeats, layers))
+                report["seconds"] = time.perf_counter() - t0
+                ratios(report["results"])
+                save(report)
+    return report
+
+
+def measure(made: tuple[Any, int], xs: list[Any], shape: tuple[int, int], m: int, backend: str, device: Any,
+            repeats: int, layers: int) -> dict[str, Any]:
+    fn, nbytes = made
+    n, k = shape
+    row: dict[str, Any] = {"n": n, "k": k, "rows": m, "backend": backend}
+    try:
+        ms = walk_ms(fn, xs, device, repeats)
+    except Exception as exc:  # one backend's failure at one shape leaves the rest of the A/B standing
+        return {**row, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    moved = nbytes + layers * (m * k + m * n) * 2
+    return {**row, "ms_per_layer": ms / layers, "GBps": moved / (ms * 1e-3) / 1e9}
 
 
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -209,7 +218,7 @@ def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    rows = [r for r in report["results"] if "ms_per_layer" in r]
+    rows = sorted((r for r in report["results"] if "ms_per_layer" in r), key=lambda r: (r["n"], r["k"], r["rows"]))
     print(f"kernel A/B on {report['device']} ({report.get('gpu') or 'cpu'}), {report['layers']} layers per walk")
     print(f"{'N x K':>12} {'rows':>4} {'backend':>16} {'us/layer':>9} {'GB/s':>7} {'/bf16':>6}")
     for r in rows:
@@ -247,9 +256,13 @@ def main(argv: list[str] | None = None) -> int:
                               "shapes": shapes, "backends": list(BACKENDS)}
     if dev.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(dev)
-    report.update(run_ab(shapes, rows, layers, repeats, a.budget, dev, dtype, list(BACKENDS)))
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(report, indent=1))
+
+    def save(part: dict[str, Any]) -> None:
+        report.update(part)
+        a.json.write_text(json.dumps(report, indent=1))
+
+    save(run_ab(shapes, rows, layers, repeats, a.budget, dev, dtype, list(BACKENDS), save))
     print_table(report)
     return 0
 

@@ -112,20 +112,26 @@ def build(shape: str, device: Any, dtype: Any, say: Any) -> tuple[dict[str, Any]
                     "max_width": MAX_WIDTH}
 
 
-def forward_ms(models: dict[str, Any], widths: dict[str, list[int]], prefix: int, repeats: int
+def forward_ms(models: dict[str, Any], widths: dict[str, list[int]], cache_len: int, repeats: int
                ) -> dict[str, dict[int, float]]:
     """Each level's median forward at its own widths (polyspec.bench.bench.forward_times, one level at a time: no
-    bucket is compiled for a width its level never runs)."""
+    bucket is compiled for a width its level never runs), after a prefix that makes its cache ``cache_len`` long:
+    the decoder's own length, so the replay reuses the code compiled here (a cache of another length recompiles)."""
     from polyspec.bench.bench import forward_times
     from polyspec.bench.shape_bench import ShapeChain
 
     out = {}
     for name, ws in widths.items():
         kind = {"target": "target", "intermediate": "int4", "draft": "head"}[name]
-        ft = forward_times(ShapeChain({name: models[name]}, [name], {name: kind}), widths=ws, prefix=prefix,
-                           repeats=repeats)
+        ft = forward_times(ShapeChain({name: models[name]}, [name], {name: kind}), widths=ws,
+                           prefix=cache_len - max(ws) - 1, repeats=repeats)
         out[name] = {int(w): v for w, v in ft["levels"][name]["ms"].items()}
     return out
+
+
+def seq_len(prompt: int, new_tokens: int) -> int:
+    """The decoder's max_seq_len, and the cache length the forward times are taken at."""
+    return prompt + new_tokens + 8
 
 
 def decode_run(models: dict[str, Any], script: Script | None, *, chain: bool, k: int, mu: int, prompt: list[int],
@@ -142,7 +148,7 @@ def decode_run(models: dict[str, Any], script: Script | None, *, chain: bool, k:
         roles = ["target", "intermediate", "draft"]
         levels = [ScriptedLevel(lv, roles[i], script) for i, lv in enumerate(levels)]
     dec = ChainDecoder(levels, draft=DraftSpec(k=k) if chain else None, mu=[mu] if chain else None,
-                       max_seq_len=len(prompt) + new_tokens + 8)
+                       max_seq_len=seq_len(len(prompt), new_tokens))
     per_token, res = [], None
     for _ in range(repeats + 1):
         res = dec.generate(prompt, new_tokens)
@@ -241,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     report["build"]["seconds"] = time.perf_counter() - t0
     say(f"projection: forward times (target 1 and {a.mu + 1}, int4 {a.k + 1}, head 1), compiling as they go")
     t0 = time.perf_counter()
-    ms = forward_ms(models, {"target": [1, a.mu + 1], "intermediate": [a.k + 1], "draft": [1]}, a.prompt_tokens,
-                    5 if a.dry else 20)
+    ms = forward_ms(models, {"target": [1, a.mu + 1], "intermediate": [a.k + 1], "draft": [1]},
+                    seq_len(a.prompt_tokens, a.new_tokens), 5 if a.dry else 20)
     report["build"]["forward_times_seconds"] = time.perf_counter() - t0
     report["T_ms"] = {n: {str(w): v for w, v in d.items()} for n, d in ms.items()}
     report["paper_projection"] = paper_part(ms, a.k, a.mu)

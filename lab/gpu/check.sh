@@ -90,8 +90,8 @@ call_2() {
     else
         smollm2_install >>"$LOG" 2>&1 || exit 3
     fi
-    step e_assemble "$(lim 60 60)" "$OUT/e_assemble.json" \
-        sh -c "'$PY' lab/gpu/smollm2_kit.py assemble '$kit' '$chain' > '$OUT/e_assemble.json'"
+    step e_assemble "$(lim 60 60)" "$OUT/e_assemble.json" "$PY" lab/gpu/smollm2_kit.py assemble "$kit" "$chain" \
+        --json "$OUT/e_assemble.json"
     local bench=("$PY" -m polyspec bench "$chain" --prompts "$kit/prompts.jsonl" --modes ar,default)
     [ "$DRY" = 1 ] && bench+=(--device cpu --max-new-tokens 8)
     # fp32 first: greedy output must equal ar's there (bf16 verification at width W takes other GEMM kernels);

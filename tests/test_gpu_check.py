@@ -69,7 +69,8 @@ def test_a_step_past_its_limit_is_cut_and_still_leaves_its_json(tmp_path):
     for name in ("a_tests", "c_shape_bench"):  # each imports torch: never done in a second
         check = reports[name]["check"]
         assert check["timed_out"] and check["limit"] == 1 and check["seconds"] <= 8, (name, check)
-        assert "log_tail" in reports[name]
+    assert "log_tail" in reports["c_shape_bench"]
+    assert "log_tail" in reports["a_tests"] or "counts" in reports["a_tests"]  # pytest reports what ran on INT
 
 
 def test_the_two_calls_fit_the_device_tool(tmp_path):

@@ -16,12 +16,14 @@ LOG="$OUT/call$CALL.log"
 T0=$SECONDS
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-[ "$CALL" = 1 ] && BUDGET=${GPU_CHECK_BUDGET:-465} || BUDGET=${GPU_CHECK_BUDGET:-225}
-# GPU_CHECK_BUDGET: seconds the whole call may take; GPU_CHECK_LIMIT caps every step's limit
-# step limits in seconds (GPU; the dry run's are the second number)
+# step limits in seconds (GPU; the dry run's are the second number: a shared CPU may be slow, but never hangs)
 lim() { if [ "$DRY" = 1 ]; then echo "$2"; else echo "$1"; fi; }
+# GPU_CHECK_BUDGET: seconds the whole call may take; GPU_CHECK_LIMIT caps every step's limit
+[ "$CALL" = 1 ] && BUDGET=${GPU_CHECK_BUDGET:-$(lim 465 900)} || BUDGET=${GPU_CHECK_BUDGET:-$(lim 225 900)}
 
-step() {  # step NAME LIMIT JSON CMD...: run under min(LIMIT, what the budget has left), then close its JSON
+# step NAME LIMIT JSON CMD...: run under min(LIMIT, what the budget has left), then close its JSON; SIG: the signal
+# sent at the limit (pytest writes its report of the tests run so far on INT), POST: a command run before closing
+step() {
     local name=$1 want=$2 json=$3
     shift 3
     local left=$((BUDGET - (SECONDS - T0) - 5))
@@ -34,7 +36,7 @@ step() {  # step NAME LIMIT JSON CMD...: run under min(LIMIT, what the budget ha
     fi
     local t=$SECONDS
     echo "== $name (limit ${lim}s): $*" | tee -a "$LOG"
-    timeout -k 5 "$lim" "$@" >>"$LOG" 2>&1
+    timeout -s "${SIG:-TERM}" -k 5 "$lim" "$@" >>"$LOG" 2>&1
     local rc=$?
     [ -z "${POST:-}" ] || eval "$POST" >>"$LOG" 2>&1  # a step's own JSON made from what it wrote (pytest's XML)
     echo "== $name rc=$rc in $((SECONDS - t)) s" | tee -a "$LOG"
@@ -61,14 +63,14 @@ call_1() {
     # (a) every test marked gpu: the int4 kernel, the static step, the round (new ones join by their marker)
     local xml=/tmp/polyspec_gpu_tests.xml
     rm -f "$xml"
-    POST="[ -f $xml ] && '$PY' lab/gpu/step_json.py junit $xml '$OUT/a_tests.json'" \
+    SIG=INT POST="[ -f $xml ] && '$PY' lab/gpu/step_json.py junit $xml '$OUT/a_tests.json'" \
         step a_tests "$(lim 140 120)" "$OUT/a_tests.json" "$PY" -m pytest -q -m gpu "${tests[@]}" -rfE -p no:cacheprovider \
         --junitxml="$xml"
     step b_kernel_ab "$(lim 70 60)" "$OUT/b_kernel_ab.json" "$PY" lab/gpu/kernel_ab.py "${dry[@]}" --budget "$(lim 50 30)" \
         --json "$OUT/b_kernel_ab.json"
-    step c_shape_bench "$(lim 120 60)" "$OUT/c_shape_bench.json" "$PY" -m polyspec shape-bench "${shape[@]}" \
+    step c_shape_bench "$(lim 120 180)" "$OUT/c_shape_bench.json" "$PY" -m polyspec shape-bench "${shape[@]}" \
         --json "$OUT/c_shape_bench.json"
-    step d_projection "$(lim 100 60)" "$OUT/d_projection.json" "$PY" lab/gpu/projection.py "${dry[@]}" \
+    step d_projection "$(lim 100 120)" "$OUT/d_projection.json" "$PY" lab/gpu/projection.py "${dry[@]}" \
         --json "$OUT/d_projection.json"
 }
 
@@ -88,17 +90,17 @@ call_2() {
         kit=$OUT/../kit chain=$OUT/../chain
         "$PY" lab/gpu/smollm2_kit.py kit --dry "$kit" >>"$LOG" 2>&1
     else
-        smollm2_install >>"$LOG" 2>&1 || exit 3
+        smollm2_install >>"$LOG" 2>&1 || { tail -n 5 "$LOG"; exit 3; }
     fi
-    step e_assemble "$(lim 60 60)" "$OUT/e_assemble.json" "$PY" lab/gpu/smollm2_kit.py assemble "$kit" "$chain" \
+    step e_assemble "$(lim 60 120)" "$OUT/e_assemble.json" "$PY" lab/gpu/smollm2_kit.py assemble "$kit" "$chain" \
         --json "$OUT/e_assemble.json"
     local bench=("$PY" -m polyspec bench "$chain" --prompts "$kit/prompts.jsonl" --modes ar,default)
     [ "$DRY" = 1 ] && bench+=(--device cpu --max-new-tokens 8)
     # fp32 first: greedy output must equal ar's there (bf16 verification at width W takes other GEMM kernels);
     # the compiled step stays off: compiling SmolLM2's 30 layers per width would not fit the call (docs/GPU.md)
-    step f_bench_fp32 "$(lim 110 90)" "$OUT/f_bench_fp32.json" env POLYSPEC_COMPILE_STEP="${C2_COMPILE:-0}" \
+    step f_bench_fp32 "$(lim 110 180)" "$OUT/f_bench_fp32.json" env POLYSPEC_COMPILE_STEP="${C2_COMPILE:-0}" \
         "${bench[@]}" --dtype float32 --json "$OUT/f_bench_fp32.json"
-    step g_bench_bf16 "$(lim 60 60)" "$OUT/g_bench_bf16.json" env POLYSPEC_COMPILE_STEP="${C2_COMPILE:-0}" \
+    step g_bench_bf16 "$(lim 60 120)" "$OUT/g_bench_bf16.json" env POLYSPEC_COMPILE_STEP="${C2_COMPILE:-0}" \
         "${bench[@]}" --dtype bfloat16 --json "$OUT/g_bench_bf16.json"
 }
 

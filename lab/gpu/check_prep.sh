@@ -82,9 +82,9 @@ run polyspec --help >/dev/null
 run polyspec run --help >/dev/null
 run polyspec shape-bench llama2-7b --help >/dev/null
 run python lab/gpu/probe.py --help >/dev/null
-run python3 -c 'import polyspec.data.prepare, datasets, dill, multiprocess, pydantic, gguf, transformers
-import polyspec.config, polyspec.manifest, polyspec.data.sharegpt, polyspec.pipeline
-print("imports ok: datasets", datasets.__version__, "pydantic", pydantic.VERSION)'
+run python3 -c 'import pydantic, gguf, transformers
+import polyspec.config, polyspec.manifest, polyspec.chain_spec, polyspec.sources, polyspec.pipeline
+print("imports ok: pydantic", pydantic.VERSION, "gguf", gguf.__name__)'
 run polyspec validate recipes/smollm2_chain.yaml tracking.enabled=false quantize.method=rtn quantize.devices=cuda >/dev/null
 python3 - <<'EOF'
 from pathlib import Path

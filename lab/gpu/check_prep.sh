@@ -11,7 +11,7 @@
 # not run. With a Python other than 3.12 (GPU_CHECK_PYTHON=python3.11, as a stand-in where 3.12 has no torch wheel)
 # the carried wheels are fetched again for that Python, at the same versions as .whl's, and that is said.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${GPU_CHECK_PYTHON:-python3.12}
 WORK=$(realpath -m "${GPU_CHECK_DIR:-.cache/gpu-prep-check}")

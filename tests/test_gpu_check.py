@@ -39,7 +39,7 @@ def step_jsons(out: Path, call: int) -> dict[str, dict]:
     return {name: json.loads((out / f"{name}.json").read_text()) for name in KEYS[call]}
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 174 s in pytest here (it builds the CPU kernels afresh), 97 s as make gpu-check-dry
 def test_the_dry_run_writes_every_json_with_the_keys_the_docs_name(tmp_path):
     for call in (1, 2):
         out = tmp_path / f"call{call}"

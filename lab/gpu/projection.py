@@ -203,11 +203,7 @@ def paper_part(ms: dict[str, dict[int, float]], k: int, mu: int) -> list[dict[st
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from polyspec.device import resolve_device, resolve_dtype
-
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--dry", action="store_true", help="the CPU stand-in (tiny shape, a few tokens)")
@@ -224,6 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     a.shape = a.shape or ("tiny" if a.dry else "llama2-7b")
     a.new_tokens = a.new_tokens or (24 if a.dry else 256)
     a.repeats = a.repeats or (1 if a.dry else 3)
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from polyspec.device import resolve_device, resolve_dtype
+
+    a = parse(argv)
     dev = torch.device("cpu") if a.dry else resolve_device("auto")
     dtype = resolve_dtype(None if not a.dry else "float32", dev)
 

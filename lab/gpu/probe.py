@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import functools
 import importlib.metadata
+import json
 import platform
 import statistics
 import sys
@@ -288,6 +289,18 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wheels", type=Path, default=None,
                    help="folder of carried wheels whose requirements to check against what is installed (.whl)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
+    p.add_argument("--versions-only", action="store_true",
+                   help="only the versions, the carried wheels' requirements and the hardware stamp (seconds)")
+
+
+def versions_report(wheels: Path | None) -> dict[str, Any]:
+    """The device stamp a GPU check's results are recorded with (docs/GPU.md)."""
+    from polyspec.stamp import hardware_stamp
+
+    report: dict[str, Any] = {"versions": versions(), "stamp": {"hardware": hardware_stamp()}}
+    if wheels is not None and Path(wheels).is_dir():
+        report["carried_wheels"] = wheel_requirements(Path(wheels))
+    return report
 
 
 def run(args: argparse.Namespace) -> int:
@@ -295,6 +308,12 @@ def run(args: argparse.Namespace) -> int:
         raise PolyspecError("--cache-len must be >= 8")
     if args.widths and min(args.widths) < 1:
         raise PolyspecError("--widths must be >= 1")
+    if args.versions_only:
+        report = versions_report(args.wheels)
+        print(json.dumps(report["versions"]))
+        if args.json is not None:
+            args.json.write_text(json.dumps(report, indent=1, default=str))
+        return 0
     shape, device = ("tiny", "cpu") if args.tiny else (args.shape, args.device)
     report = run_probe(shape, device=device, dtype=args.dtype, cache_len=args.cache_len, widths=args.widths,
                        wheels=args.wheels)
@@ -309,7 +328,6 @@ def run(args: argparse.Namespace) -> int:
         write_json(report, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
-
 
 
 def main(argv: list[str] | None = None) -> int:

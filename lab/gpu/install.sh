@@ -1,4 +1,4 @@
-# The install lines every device call starts with (docs/GPU.md): `. scripts/gpu_install.sh || exit;`.
+# The install lines every device call starts with (lab/gpu/check.sh sources them; docs/GPU.md).
 # The device machine is given back 30 s after a call, so each call installs again (a few seconds). The wheels of
 # .whl (make gpu-prep) go to $GPU_SITE without their dependencies, which the machine has, and without an index, which
 # it cannot reach; polyspec goes in editable from this tree. Sourced, so PYTHONPATH stays set for the call.

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# make gpu-prep-check: the GPU runbook's preparation (make gpu-prep) checked end to end on this machine, as far as
+# make gpu-prep-check: the GPU check's preparation (make gpu-prep) checked end to end on this machine, as far as
 # it can be without the device: a stand-in of the device machine (a clean venv of GPU_CHECK_PYTHON, default
-# python3.12, holding only packages of the device's list, scripts/device_packages.txt), then the runbook's install
-# lines (scripts/gpu_install.sh) with pip's index and config switched off, in a copy of the tree as it travels, then
-# the commands of the runbook that run there without CUDA. Exits non-zero at the first failure.
+# python3.12, holding only packages of the device's list, lab/gpu/device_packages.txt), then the GPU check's install
+# lines (lab/gpu/install.sh) with pip's index and config switched off, in a copy of the tree as it travels, then
+# the GPU check's steps that run there without CUDA. Exits non-zero at the first failure.
 #
 # The stand-in's own packages come from the ordinary index once (GPU_CHECK_DIR/base-VERSION, reused); all after that
 # runs with PIP_NO_INDEX=1. torch joins the stand-in only when GPU_CHECK_TORCH names it (a requirement or a wheel file
@@ -11,7 +11,7 @@
 # not run. With a Python other than 3.12 (GPU_CHECK_PYTHON=python3.11, as a stand-in where 3.12 has no torch wheel)
 # the carried wheels are fetched again for that Python, at the same versions as .whl's, and that is said.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${GPU_CHECK_PYTHON:-python3.12}
 WORK=$(realpath -m "${GPU_CHECK_DIR:-.cache/gpu-prep-check}")
@@ -25,7 +25,7 @@ rm -rf "$WORK/venv" "$WORK/tree" "$WORK/site"
 VPY=$WORK/venv/bin/python
 VER=$("$VPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 BASE=$WORK/base-$VER
-# -- the device stand-in: what the runbook imports from the device's own packages, at the versions seen there (numpy
+# -- the device stand-in: what the GPU check imports from the device's own packages, at the versions seen there (numpy
 # 2.5 has no 3.11 wheel: any numpy for the 3.11 stand-in) --
 NUMPY=numpy==2.5.2
 [ "$VER" = 3.12 ] || NUMPY=numpy
@@ -45,7 +45,7 @@ export PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 # shellcheck disable=SC2086
 nice -n 19 "$VPY" -m pip install -q --no-index --find-links "$BASE" $BASE_PKGS
 # what the pinned packages pulled in beyond the device's list leaves the stand-in again: the device lacks it too
-EXTRA=$("$VPY" -I - "$REPO/scripts/device_packages.txt" <<'EOF'
+EXTRA=$("$VPY" -I - "$REPO/lab/gpu/device_packages.txt" <<'EOF'
 import importlib.metadata as md, re, sys
 norm = lambda n: re.sub(r"[-_.]+", "-", n.strip()).lower()
 listed = {norm(l) for l in open(sys.argv[1]) if l.strip() and not l.startswith("#")}
@@ -61,7 +61,6 @@ fi
 # -- the tree as a device call gets it (tracked and untracked-not-ignored files) plus the carried .whl --
 mkdir -p "$WORK/tree"
 git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -xf - -C "$WORK/tree"
-mkdir -p "$WORK/tree/.gpu" && cp .gpu/sharegpt_cpu.json "$WORK/tree/.gpu/"  # call e carries it
 if [ "$VER" = 3.12 ]; then
     cp -r .whl "$WORK/tree/.whl"
 else
@@ -73,9 +72,9 @@ fi
 cd "$WORK/tree"
 export PATH="$WORK/venv/bin:$PATH" GPU_SITE="$WORK/site"
 unset PYTHONPATH
-say "the install lines (scripts/gpu_install.sh), no index"
+say "the install lines (lab/gpu/install.sh), no index"
 # shellcheck disable=SC1091
-. scripts/gpu_install.sh
+. lab/gpu/install.sh
 say "installed: $(ls .whl | tr '\n' ' ')"
 
 run() { say "\$ $*"; "$@"; }
@@ -83,35 +82,33 @@ run polyspec --help >/dev/null
 run polyspec run --help >/dev/null
 run polyspec shape-bench llama2-7b --help >/dev/null
 run python lab/gpu/probe.py --help >/dev/null
-run python3 -c 'import polyspec.data.prepare, datasets, dill, multiprocess, pydantic, gguf, transformers
-import polyspec.config, polyspec.manifest, polyspec.data.sharegpt, polyspec.pipeline
-print("imports ok: datasets", datasets.__version__, "pydantic", pydantic.VERSION)'
+run python3 -c 'import pydantic, gguf, transformers
+import polyspec.config, polyspec.manifest, polyspec.chain_spec, polyspec.sources, polyspec.pipeline
+print("imports ok: pydantic", pydantic.VERSION, "gguf", gguf.__name__)'
 run polyspec validate recipes/smollm2_chain.yaml tracking.enabled=false quantize.method=rtn quantize.devices=cuda >/dev/null
-run polyspec validate recipes/smollm2_cpu.yaml target.device=cuda target.dtype=bfloat16 tracking.enabled=false \
-    data.source=.gpu/sharegpt_cpu.json train.batch_size=16 train.max_steps=7500 train.max_minutes=7 train.compile=false \
-    >/dev/null
 python3 - <<'EOF'
+import re
+import runpy
 from pathlib import Path
-from lab.gpu.probe import wheel_requirements
-unmet = {k: v for k, v in wheel_requirements(Path(".whl")).items() if v}
+
+wheel_requirements = runpy.run_path("lab/gpu/probe.py")["wheel_requirements"]
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+listed = {norm(l.strip()) for l in open("lab/gpu/device_packages.txt") if l.strip() and not l.startswith("#")}
+unmet, device_only = {}, set()
+for wheel, reqs in wheel_requirements(Path(".whl")).items():
+    for r in reqs:  # a requirement on the device's list the stand-in lacks (torch, triton): the device's own
+        name = norm(re.split(r"[<>=!~ ;\[(]", r)[0])
+        (device_only.add(f"{wheel}: {r}") if r.endswith("(missing)") and name in listed
+         else unmet.setdefault(wheel, []).append(r))
 if unmet:
     raise SystemExit(f"check_gpu_prep: carried wheels with unmet requirements: {unmet}")
-print("check_gpu_prep: every requirement of every carried wheel is met in the stand-in")
+print("check_gpu_prep: every requirement of every carried wheel is met in the stand-in"
+      + (f"; left to the device's own packages: {sorted(device_only)}" if device_only else ""))
 EOF
-if python3 -c 'import torch' 2>/dev/null; then
-    run python3 -m pytest -q -p no:cacheprovider -m gpu tests/
-    run python lab/gpu/probe.py --tiny --wheels .whl --json "$WORK/probe.json" >/dev/null
-    run polyspec shape-bench tiny --device cpu --new-tokens 8 --repeats 1 --forward-repeats 2 --forward-prefix 16 \
-        --widths 1 5 >/dev/null
-    mkdir -p "$WORK/no_chain"  # what call 1 meets when gpu-prep found no CPU chain: one clear error, exit 2
-    say "\$ polyspec shape-bench tiny --chain (a folder without manifest.json)"
-    if polyspec shape-bench tiny --device cpu --chain "$WORK/no_chain" 2>"$WORK/no_chain.err"; then
-        say "shape-bench took a --chain folder without a manifest"; exit 1
-    fi
-    grep -q "has no manifest.json" "$WORK/no_chain.err" && ! grep -q Traceback "$WORK/no_chain.err" \
-        || { cat "$WORK/no_chain.err" >&2; exit 1; }
+if python3 -c 'import torch' 2>/dev/null; then  # both calls' steps at tiny shapes on the CPU, as make gpu-check-dry
+    run env GPU_CHECK_DRY=1 OUT="$WORK/dry/call1" bash lab/gpu/check.sh 1
+    run env GPU_CHECK_DRY=1 OUT="$WORK/dry/call2" bash lab/gpu/check.sh 2
 else
-    say "NOT RUN (no torch in the $VER stand-in; see GPU_CHECK_TORCH):" \
-        "pytest -m gpu, gpu-probe --tiny, shape-bench tiny"
+    say "NOT RUN (no torch in the $VER stand-in; see GPU_CHECK_TORCH): the dry run of lab/gpu/check.sh"
 fi
 say "passed"

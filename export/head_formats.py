@@ -13,7 +13,9 @@ SGLang"):
   ``eagle_config``); an EAGLE-1/2 head as ``LlamaForCausalLMEagle`` reads it, plus FR-Spec's token map
   (``hot_token_map.pt``: the draft vocabulary's token ids, for ``--speculative-token-map``).
 * ``eagle`` (SafeAILab/EAGLE's ``ea_model`` folder): ``config.json`` + ``model.safetensors`` (EAGLE reads it when
-  there is no ``pytorch_model.bin``), EAGLE-1/2 (``fc``, ``layers.N.*``) or EAGLE-3 (``midlayer.*``) names.
+  there is no ``pytorch_model.bin``), EAGLE-1/2 (``fc``, ``layers.N.*``) or EAGLE-3 (``midlayer.*``) names. EAGLE
+  takes the embedding from the target folder (``base_model_path``) through its ``model.safetensors.index.json`` only,
+  so the export makes sure the target it names has one (:func:`eagle_target_index`).
 
 **EAGLE-1/2 heads, exactly.** polyspec's layer normalises its input (EAGLE's first layer does not) and fc has a bias
 (SGLang's and EAGLE's fc do too). The folder therefore holds two layers: layer 0, which those loaders build without
@@ -323,8 +325,30 @@ def export_head(chain: Path, fmt: str, out: Path, *, verifier: str | None = None
     check_replaceable(out, flag="--out", overwrite=overwrite, own=_not_an_export, keep=[chain])
     if fmt not in FORMATS:
         raise PolyspecError(f"unknown head format {fmt!r}; choose one of {list(FORMATS)}")
-    exp = build_export(read_head_source(chain, verifier=verifier, draft_vocab=draft_vocab), fmt)
+    src = read_head_source(chain, verifier=verifier, draft_vocab=draft_vocab)
+    exp = build_export(src, fmt)
+    if fmt == "eagle":
+        eagle_target_index(Path(src.verifier), Path(chain))
     return write_export(exp, out)
+
+
+def eagle_target_index(target: Path, chain: Path) -> Path | None:
+    """The ``model.safetensors.index.json`` of the target EAGLE is given as ``base_model_path``: written beside a
+    single ``model.safetensors`` when missing (a chain's target has it from ``assemble_chain``); None for a hub id,
+    whose own repository must hold one. A chain's files are hashed, so one is never added inside a chain."""
+    from polyspec.weights import INDEX_FILE, write_index
+
+    if not target.is_dir() or (target / INDEX_FILE).is_file():
+        return (target / INDEX_FILE) if target.is_dir() else None
+    if target.resolve().is_relative_to(chain.resolve()):
+        raise PolyspecError(f"{target} has no {INDEX_FILE} (the chain was assembled by an older polyspec) and EAGLE's "
+                            "loader finds the target's embedding only through it: re-assemble the chain, or pass "
+                            "--verifier a copy of the target folder (the index is written there)")
+    index = write_index(target)
+    if index is None:
+        raise PolyspecError(f"{target} has neither {INDEX_FILE} nor a single model.safetensors; EAGLE's loader finds "
+                            "the target's embedding only through that index")
+    return index
 
 
 def _not_an_export(folder: Path) -> list[str]:
@@ -333,4 +357,4 @@ def _not_an_export(folder: Path) -> list[str]:
 
 
 __all__ = ["FORMATS", "HeadSource", "HeadExport", "read_head_source", "refusal", "build_export", "write_export",
-           "export_head", "llama_config", "eagle1_tensors", "eagle3_tensors", "token_map"]
+           "export_head", "eagle_target_index", "llama_config", "eagle1_tensors", "eagle3_tensors", "token_map"]

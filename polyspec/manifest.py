@@ -39,7 +39,14 @@ from polyspec.fsutil import (
 from polyspec.modes import mode_of
 from polyspec.safeload import read_json
 from polyspec.shapes import Claims, chain_problems, level_problems
-from polyspec.weights import SAFETENSORS_SUFFIX, check_safetensors, content_problem, is_pickle_name, read_header
+from polyspec.weights import (
+    SAFETENSORS_SUFFIX,
+    check_safetensors,
+    content_problem,
+    is_pickle_name,
+    read_header,
+    write_index,
+)
 
 MANIFEST = "manifest.json"
 HEAD_MODEL_TYPE = "polyspec-eagle-head"  # decode.head.HEAD_MODEL_TYPE (not imported here: that loads torch)
@@ -404,6 +411,8 @@ def _copy_level(chain_dir: Path, parts: list[tuple[str, Path]], i: int) -> Level
         kind = "target"
     rel = f"levels/{name}"
     copy_tree(src, chain_dir / rel, ignore=_pickles)
+    if kind == "target":
+        write_index(chain_dir / rel)  # listed and hashed like its weights: EAGLE's loader finds the embedding by it
     return LevelEntry(name=name, kind=kind, path=rel, files=hash_folder(chain_dir / rel), dtype=dtype,
                       quantization=quant, reads_features_from=(parts[i - 1][0] if kind == "head" else None),
                       base_model=str(src.name))

@@ -368,3 +368,68 @@ def test_a_token_map_needs_the_heads_token_counts(target_dir, target, tmp_path):
     assert not (tmp_path / "sg").exists()
     assert not (export_head(chain, "sglang", tmp_path / "sg", draft_vocab=0) / TOKEN_MAP_FILE).exists()
     export_head(chain, "eagle", tmp_path / "e")  # EAGLE has no token map: the counts are not needed
+
+
+def _eagle_embedding(base_model_path: Path) -> torch.Tensor:
+    """EAGLE's own path to the target's embedding (cnets.py / cnets1.py ``Model.__init__`` with load_emb): the
+    index's weight_map names the file, joined to base_model_path, sliced by the tensor's name."""
+    from safetensors import safe_open
+
+    index = json.loads((base_model_path / "model.safetensors.index.json").read_text())
+    emb_path = base_model_path / index["weight_map"]["model.embed_tokens.weight"]
+    with safe_open(str(emb_path), framework="pt", device="cpu") as f:
+        return f.get_slice("model.embed_tokens.weight")[:, :].float()
+
+
+# EAGLE-1/2's draft model (cnets1.py Model, loaded with strict=False, so a name it lacks is silently dropped): fc with
+# bias, layers.N with no input norm in layer 0, the embedding from the target
+def _eagle1_parameter_names(cfg: dict) -> set[str]:
+    layer = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "post_attention_layernorm.weight")
+    names = {f"layers.{i}.{k}" for i in range(cfg["num_hidden_layers"]) for k in layer}
+    names |= {f"layers.{i}.input_layernorm.weight" for i in range(1, cfg["num_hidden_layers"])}
+    return names | {"fc.weight"} | ({"fc.bias"} if cfg.get("bias", True) else set())
+
+
+def test_the_eagle_folder_finds_the_targets_embedding_through_the_index(eagle1_chain, target, tmp_path):
+    from polyspec.export.head_formats import export_head, read_head_source
+
+    out = export_head(eagle1_chain, "eagle", tmp_path / "eagle")
+    base = Path(read_head_source(eagle1_chain).verifier)  # what the user passes as base_model_path
+    assert base == (eagle1_chain / "levels" / "target").resolve()
+    torch.testing.assert_close(_eagle_embedding(base), target.embed_tokens.weight.float())
+    cfg, w = _read(out)
+    assert set(w) == _eagle1_parameter_names(cfg)  # every exported tensor has a slot, every slot a tensor
+
+    from polyspec.manifest import validate_chain
+
+    validate_chain(eagle1_chain)  # the index is one of the target's listed, hashed files
+
+
+def test_the_eagle_export_writes_the_index_into_a_verifier_folder(eagle1_chain, target_dir, tmp_path):
+    import shutil
+
+    from polyspec.export.head_formats import export_head
+
+    verifier = tmp_path / "target_copy"
+    shutil.copytree(target_dir, verifier)
+    assert not (verifier / "model.safetensors.index.json").exists()
+    export_head(eagle1_chain, "eagle", tmp_path / "eagle", verifier=str(verifier))
+    assert _eagle_embedding(verifier).shape[0] == json.loads((verifier / "config.json").read_text())["vocab_size"]
+
+
+def test_an_old_chain_without_the_index_gets_one_clear_error(eagle1_chain, tmp_path):
+    import shutil
+
+    from polyspec.export.head_formats import export_head
+
+    old = tmp_path / "old"
+    shutil.copytree(eagle1_chain, old)
+    (old / "levels" / "target" / "model.safetensors.index.json").unlink()
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["levels"][0]["files"]["model.safetensors.index.json"]  # as polyspec before the index wrote it
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PolyspecError, match="re-assemble the chain, or pass --verifier"):
+        export_head(old, "eagle", tmp_path / "eagle")
+    assert not (tmp_path / "eagle").exists()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +73,15 @@ def decided(p: Profile, decode: Any) -> Any:
                                      "mu": [int(m) for m in dec.mu] or list(decode.mu)})
 
 
-def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True) -> Path:
+def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True,
+                 say: Callable[[str], None] = lambda _: None) -> Path:
     """Write the chain folder ``out`` atomically: the levels ``parts`` (target first, draft last; a draft head gets
-    ``head.onnx``), and a manifest with the profile's measurements; validated before it replaces ``out``.
+    ``head.onnx``), the head in each serving engine's format (``engines/<engine>``: vLLM, SGLang, EAGLE, where the
+    head can be written exactly; ``say`` names the others and why) and a manifest with the profile's measurements;
+    validated before it replaces ``out``.
 
     ``decode``: the recipe's DecodeSpec, whose mode / draft / mu the decision replaces."""
+    from polyspec.export.head_formats import write_engines
     from polyspec.fsutil import check_replaceable
     from polyspec.manifest import _classify, assemble_chain, not_a_chain, read_manifest, validate_chain, write_manifest
     from polyspec.stamp import hardware_stamp, software_stamp
@@ -100,8 +104,11 @@ def export_chain(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool
         sw = software_stamp()
         manifest.stamps = {"software": sw, "hardware": hardware_stamp(), "git_sha": sw.get("git_sha"),
                            "packages": sw.get("packages"), "profile": p.stamps}
+        manifest.engines, refused = write_engines(chain, str((out / "levels" / "target").resolve()))
         write_manifest(chain, manifest)
         validate_chain(chain)
+        for engine, why in refused.items():
+            say(f"export: no engines/{engine}: {why}")
         for x in chain.iterdir():  # the chain's content becomes tmp's content
             os.replace(x, tmp / x.name)
         shutil.rmtree(tmp / "parts", ignore_errors=True)

@@ -443,7 +443,7 @@ def export_stage(recipe: Any, tracker: Any = None, *, parts: Parts | None = None
         profile = profile_stage(recipe, tracker, parts=folders, notes=notes, threads=threads, say=say)
     out = Path(recipe.export.out) if recipe.export.out else Path(recipe.workdir) / "chain"
     t0 = time.perf_counter()
-    export_chain(out, folders, profile, recipe.decode, onnx=recipe.export.onnx)
+    export_chain(out, folders, profile, recipe.decode, onnx=recipe.export.onnx, say=say)
     say(f"export: chain written to {out} ({time.perf_counter() - t0:.1f} s)")
     _log_export(tracker, out)
     if recipe.tracking.log_model and tracker is not None and getattr(tracker, "enabled", False):

@@ -260,13 +260,19 @@ def test_a_qkv_bias_head_gets_a_zero_o_bias_for_vllm_and_is_refused_by_sglang(qk
 
 @pytest.mark.parametrize("chain_name", ["eagle3_chain", "qkv_bias_chain"])
 def test_speculators_loads_the_folder_and_computes_the_same_logits(request, chain_name, target, tmp_path):
-    pytest.importorskip("speculators.models", reason="speculators is not installed (docs/SERVE.md)")
-    from speculators.models import Eagle3DraftModel
-
     from polyspec.export.head_formats import export_head
 
     eagle3_chain = request.getfixturevalue(chain_name)
     out = export_head(eagle3_chain, "speculators", tmp_path / "spec", verifier=None)
+    _speculators_logits_equal(out, eagle3_chain, target)
+
+
+def _speculators_logits_equal(out: Path, eagle3_chain: Path, target) -> None:
+    """speculators' own Eagle3DraftModel loads ``out`` (every tensor into its module of that name) and its layers
+    give the polyspec head's draft logits."""
+    pytest.importorskip("speculators.models", reason="speculators is not installed (docs/SERVE.md)")
+    from speculators.models import Eagle3DraftModel
+
     model = Eagle3DraftModel.from_pretrained(str(out)).eval()
     c = model.config
     tl = c.transformer_layer_config
@@ -293,6 +299,56 @@ def test_speculators_loads_the_folder_and_computes_the_same_logits(request, chai
         h = model.layers[0](x, attention_mask=mask, position_ids=pos, position_embeddings=model.rotary_emb(x, pos))
         got = model.lm_head(model.norm(h[0] if isinstance(h, tuple) else h))[0]
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def _with_engines(chain: Path, root: Path) -> tuple[Path, dict[str, str]]:
+    """A copy of ``chain`` with its engine folders written and listed, as the export stage writes them."""
+    import shutil
+
+    from polyspec.export.head_formats import write_engines
+    from polyspec.manifest import read_manifest, validate_chain, write_manifest
+
+    copy = root / "chain"
+    shutil.copytree(chain, copy)
+    manifest = read_manifest(copy)
+    manifest.engines, refused = write_engines(copy, str((copy / "levels" / "target").resolve()))
+    write_manifest(copy, manifest)
+    validate_chain(copy)
+    return copy, refused
+
+
+def test_an_eagle3_chain_carries_vllm_and_sglang_folders_that_load(eagle3_chain, target, tmp_path):
+    chain, refused = _with_engines(eagle3_chain, tmp_path)
+    manifest = json.loads((chain / "manifest.json").read_text())
+    assert set(manifest["engines"]) == {"vllm", "sglang", "eagle"} and refused == {}
+    assert manifest["engines"]["vllm"]["format"] == "speculators"
+    assert set(manifest["engines"]["vllm"]["files"]) == {"config.json", "model.safetensors"}
+    cfg, w = _read(chain / "engines" / "sglang")  # SGLang's LlamaForCausalLMEagle3 names (SpecForge's export)
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and {f"midlayer.{k}" for k in EAGLE3_LAYER} <= set(w)
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(w)
+    _speculators_logits_equal(chain / "engines" / "vllm", chain, target)
+
+
+def test_engine_folders_are_hashed_and_confined(eagle3_chain, tmp_path):
+    from polyspec.manifest import validate_chain
+
+    chain, _ = _with_engines(eagle3_chain, tmp_path)
+    weights = chain / "engines" / "sglang" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(PolyspecError, match="engine sglang: file .* does not match its sha256"):
+        validate_chain(chain)
+    manifest = json.loads((chain / "manifest.json").read_text())
+    manifest["engines"]["sglang"]["path"] = "engines/../../x"
+    (chain / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PolyspecError, match="engines"):
+        validate_chain(chain)
+
+
+def test_an_eagle1_chain_has_no_vllm_folder_and_says_why_in_one_line(eagle1_chain, tmp_path):
+    chain, refused = _with_engines(eagle1_chain, tmp_path)
+    assert sorted(json.loads((chain / "manifest.json").read_text())["engines"]) == ["eagle", "sglang"]
+    assert refused == {"vllm": "vLLM loads EAGLE-3 heads only (train.head: eagle3)"}
+    assert not (chain / "engines" / "sglang" / "hot_token_map.pt").exists()  # a chain holds no pickle
 
 
 def test_an_eagle1_head_is_refused_for_speculators_with_one_error_and_nothing_written(eagle1_chain, tmp_path, capsys):

@@ -267,7 +267,7 @@ def test_speculators_loads_the_folder_and_computes_the_same_logits(request, chai
     _speculators_logits_equal(out, eagle3_chain, target)
 
 
-def _speculators_logits_equal(out: Path, eagle3_chain: Path, target) -> None:
+def _speculators_logits_equal(out: Path, eagle3_chain: Path, target, draft_vocab: int = DRAFT_VOCAB) -> None:
     """speculators' own Eagle3DraftModel loads ``out`` (every tensor into its module of that name) and its layers
     give the polyspec head's draft logits."""
     pytest.importorskip("speculators.models", reason="speculators is not installed (docs/SERVE.md)")
@@ -279,7 +279,7 @@ def _speculators_logits_equal(out: Path, eagle3_chain: Path, target) -> None:
     tl._attn_implementation = "eager"  # its default is flex attention with block masks (training); same maths
     rope = getattr(tl, "rope_parameters", None) or {"rope_theta": tl.rope_theta}
     assert (c.draft_vocab_size, c.norm_before_residual, rope["rope_theta"]) == \
-        (DRAFT_VOCAB, False, target.args.rope_theta)
+        (draft_vocab, False, target.args.rope_theta)
     assert c.speculators_config.verifier.name_or_path == str((eagle3_chain / "levels" / "target").resolve())
     _, w = _read(out)
     state = model.state_dict()
@@ -408,7 +408,7 @@ def test_a_failed_write_leaves_nothing(eagle1_chain, tmp_path, monkeypatch):
     def boom(*_a, **_k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(safetensors.torch, "save", boom)
     with pytest.raises(OSError, match="disk full"):
         export_head(eagle1_chain, "eagle", tmp_path / "e")
     assert list(tmp_path.iterdir()) == []
@@ -489,3 +489,50 @@ def test_an_old_chain_without_the_index_gets_one_clear_error(eagle1_chain, tmp_p
     with pytest.raises(PolyspecError, match="re-assemble the chain, or pass --verifier"):
         export_head(old, "eagle", tmp_path / "eagle")
     assert not (tmp_path / "eagle").exists()
+
+
+# SGLang's LlamaForCausalLMEagle3 (srt/models/llama_eagle3.py), read from its source: its parameters, and the name
+# map of its load_weights, which drops a name it cannot place without a word
+SGLANG_EAGLE3_LAYER = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                       "mlp.down_proj.weight", "input_layernorm.weight", "hidden_norm.weight",
+                       "post_attention_layernorm.weight")
+SGLANG_STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
+                  (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"))
+
+
+def _sglang_eagle3_parameters(cfg: dict) -> set[str]:
+    params = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight"}
+    params |= {f"model.midlayer.{k}" for k in SGLANG_EAGLE3_LAYER}
+    params |= {"model.fc.bias"} if cfg.get("bias") else set()
+    return params | (set() if cfg["tie_word_embeddings"] else {"lm_head.weight"})
+
+
+def _sglang_eagle3_places(names: set[str], params: set[str]) -> dict[str, str | None]:
+    """{file tensor: the parameter SGLang loads it into, or None where it is dropped}; d2t / t2d are read aside."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        if "d2t" in name or "t2d" in name:
+            out[name] = name
+            continue
+        mapped = next((name.replace(a, b) for a, b in SGLANG_STACKED if a in name), name)
+        out[name] = next((p for p in (mapped, f"model.{mapped}") if p in params), None)
+    return out
+
+
+# SafeAILab/EAGLE's EAGLE-3 draft model (cnets.py Model, loaded with strict=False): its state dict's names
+EAGLE3_EAGLE_NAMES = ({f"midlayer.{k}" for k in EAGLE3_LAYER}
+                      | {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"})
+
+
+def test_the_sglang_and_eagle_folders_fill_every_slot_of_their_loaders(eagle3_chain, tmp_path):
+    """Emulations from the loaders' source (neither engine installs here): every tensor lands in a parameter, and
+    every parameter but the embedding (the target's) gets one."""
+    from polyspec.export.head_formats import export_head
+
+    cfg, w = _read(export_head(eagle3_chain, "sglang", tmp_path / "sglang"))
+    params = _sglang_eagle3_parameters(cfg)
+    places = _sglang_eagle3_places(set(w), params)
+    assert None not in places.values(), places
+    assert set(places.values()) - {"d2t", "t2d"} == params - {"model.embed_tokens.weight"}
+    _, w = _read(export_head(eagle3_chain, "eagle", tmp_path / "eagle"))
+    assert set(w) == EAGLE3_EAGLE_NAMES - {"embed_tokens.weight"}

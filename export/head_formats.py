@@ -13,7 +13,9 @@ SGLang"):
   ``eagle_config``); an EAGLE-1/2 head as ``LlamaForCausalLMEagle`` reads it, plus FR-Spec's token map
   (``hot_token_map.pt``: the draft vocabulary's token ids, for ``--speculative-token-map``).
 * ``eagle`` (SafeAILab/EAGLE's ``ea_model`` folder): ``config.json`` + ``model.safetensors`` (EAGLE reads it when
-  there is no ``pytorch_model.bin``), EAGLE-1/2 (``fc``, ``layers.N.*``) or EAGLE-3 (``midlayer.*``) names.
+  there is no ``pytorch_model.bin``), EAGLE-1/2 (``fc``, ``layers.N.*``) or EAGLE-3 (``midlayer.*``) names. EAGLE
+  takes the embedding from the target folder (``base_model_path``) through its ``model.safetensors.index.json`` only,
+  so the export makes sure the target it names has one (:func:`eagle_target_index`).
 
 **EAGLE-1/2 heads, exactly.** polyspec's layer normalises its input (EAGLE's first layer does not) and fc has a bias
 (SGLang's and EAGLE's fc do too). The folder therefore holds two layers: layer 0, which those loaders build without
@@ -71,14 +73,16 @@ class HeadExport:
 # Reading the chain
 
 
-def read_head_source(chain: Path, *, verifier: str | None = None, draft_vocab: int | None = None) -> HeadSource:
-    """The chain's head (hashes checked) and its target. ``verifier`` defaults to the chain's target folder;
-    ``draft_vocab`` (EAGLE-1/2: the token map's size, 0 = none) to the manifest's ``decode.draft.vocab``."""
+def read_head_source(chain: Path, *, verifier: str | None = None, draft_vocab: int | None = None,
+                     hashes: bool = True) -> HeadSource:
+    """The chain's head (hashes checked unless ``hashes`` is False: a writer that has just hashed them) and its
+    target. ``verifier`` defaults to the chain's target folder; ``draft_vocab`` (EAGLE-1/2: the token map's size,
+    0 = none) to the manifest's ``decode.draft.vocab``."""
     from polyspec.decode.head import head_type, read_head_config, read_token_counts
     from polyspec.decode.model import ModelArgs, read_json_object
     from polyspec.weights import load_safetensors
 
-    manifest, level, head_dir, target_dir = _head_and_target(Path(chain))
+    manifest, level, head_dir, target_dir = _head_and_target(Path(chain), hashes)
     cfg = read_head_config(head_dir)
     args = ModelArgs.from_dict(cfg["args"])
     target_cfg = read_json_object(target_dir / "config.json")
@@ -92,11 +96,11 @@ def read_head_source(chain: Path, *, verifier: str | None = None, draft_vocab: i
         draft_vocab=manifest.decode.draft.vocab if draft_vocab is None else draft_vocab)
 
 
-def _head_and_target(chain: Path) -> tuple[Any, str, Path, Path]:
+def _head_and_target(chain: Path, hashes: bool = True) -> tuple[Any, str, Path, Path]:
     """(manifest, the head level's name, its folder, the target's folder) of a chain that validates."""
     from polyspec.manifest import level_folders, validate_chain
 
-    manifest = validate_chain(chain)
+    manifest = validate_chain(chain, hashes=hashes)
     folders = level_folders(chain, manifest)
     heads = [i for i, lv in enumerate(manifest.levels) if lv.kind == "head"]
     if not heads:
@@ -297,13 +301,14 @@ def build_export(src: HeadSource, fmt: str) -> HeadExport:
 def write_export(exp: HeadExport, out: Path) -> Path:
     """Write the folder atomically (built beside ``out``, then swapped in)."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from polyspec.fsutil import atomic_folder
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(json.dumps(exp.config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        save_file(exp.tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        # serialised here, written by Python: a full disk is an OSError (one clear error), not a SafetensorError
+        (tmp / WEIGHTS_FILE).write_bytes(save(exp.tensors, metadata={"format": "pt"}))
         if exp.token_map is not None:
             torch.save(exp.token_map.to(torch.int64).clone(), tmp / TOKEN_MAP_FILE)
         # a temporary folder is private (0700): an engine may run as another user or in a container
@@ -323,8 +328,59 @@ def export_head(chain: Path, fmt: str, out: Path, *, verifier: str | None = None
     check_replaceable(out, flag="--out", overwrite=overwrite, own=_not_an_export, keep=[chain])
     if fmt not in FORMATS:
         raise PolyspecError(f"unknown head format {fmt!r}; choose one of {list(FORMATS)}")
-    exp = build_export(read_head_source(chain, verifier=verifier, draft_vocab=draft_vocab), fmt)
+    src = read_head_source(chain, verifier=verifier, draft_vocab=draft_vocab)
+    exp = build_export(src, fmt)
+    if fmt == "eagle":
+        eagle_target_index(Path(src.verifier), Path(chain))
     return write_export(exp, out)
+
+
+# The engine folders an export writes inside the chain (``engines/<name>``), each in its engine's head format
+ENGINES = {"vllm": "speculators", "sglang": "sglang", "eagle": "eagle"}
+
+
+def write_engines(chain: Path, verifier: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Write the chain's draft head into ``chain/engines/<engine>`` in every format of :data:`ENGINES` it can be
+    written in exactly; returns ({engine: EngineEntry}, {engine: why not} for the rest). ``verifier``: the target
+    folder the engines should load (the chain's final place, not the folder being written). No FR-Spec token map:
+    a chain holds no pickle (``polyspec chain export-head --format sglang`` writes one)."""
+    from polyspec.chain_spec import EngineEntry
+    from polyspec.manifest import hash_folder, read_manifest
+
+    if not any(lv.kind == "head" for lv in read_manifest(chain).levels):
+        return {}, {}
+    src = read_head_source(chain, verifier=verifier, draft_vocab=0, hashes=False)
+    written, refused = {}, {}
+    for engine, fmt in ENGINES.items():
+        why = refusal(src, fmt)
+        if why:  # an EAGLE-1/2 head for vLLM: the one-line reason, not export-head's list of alternatives
+            refused[engine] = ("vLLM loads EAGLE-3 heads only (train.head: eagle3)"
+                               if fmt == "speculators" and src.kind == "eagle" else why)
+            continue
+        folder = Path(chain) / "engines" / engine
+        folder.parent.mkdir(exist_ok=True)
+        write_export(build_export(src, fmt), folder)
+        written[engine] = EngineEntry(format=fmt, path=f"engines/{engine}", files=hash_folder(folder))
+    return written, refused
+
+
+def eagle_target_index(target: Path, chain: Path) -> Path | None:
+    """The ``model.safetensors.index.json`` of the target EAGLE is given as ``base_model_path``: written beside a
+    single ``model.safetensors`` when missing (a chain's target has it from ``assemble_chain``); None for a hub id,
+    whose own repository must hold one. A chain's files are hashed, so one is never added inside a chain."""
+    from polyspec.weights import INDEX_FILE, write_index
+
+    if not target.is_dir() or (target / INDEX_FILE).is_file():
+        return (target / INDEX_FILE) if target.is_dir() else None
+    if target.resolve().is_relative_to(chain.resolve()):
+        raise PolyspecError(f"{target} has no {INDEX_FILE} (the chain was assembled by an older polyspec) and EAGLE's "
+                            "loader finds the target's embedding only through it: re-assemble the chain, or pass "
+                            "--verifier a copy of the target folder (the index is written there)")
+    index = write_index(target)
+    if index is None:
+        raise PolyspecError(f"{target} has neither {INDEX_FILE} nor a single model.safetensors; EAGLE's loader finds "
+                            "the target's embedding only through that index")
+    return index
 
 
 def _not_an_export(folder: Path) -> list[str]:
@@ -333,4 +389,4 @@ def _not_an_export(folder: Path) -> list[str]:
 
 
 __all__ = ["FORMATS", "HeadSource", "HeadExport", "read_head_source", "refusal", "build_export", "write_export",
-           "export_head", "llama_config", "eagle1_tensors", "eagle3_tensors", "token_map"]
+           "export_head", "eagle_target_index", "ENGINES", "write_engines", "llama_config", "eagle1_tensors", "eagle3_tensors", "token_map"]

@@ -5,8 +5,8 @@ Only MLflow imports this file: when :func:`polyspec.export.mlflow_model.log_chai
 pickle is written or read. ``predict`` decodes with the chain (its manifest's mode unless ``params.mode`` says
 otherwise):
 
-* input: a prompt string, a list of prompts, one ``{"prompt": ...}`` or ``{"messages": [{role, content}, ...]}``
-  object, a list of them, or a pandas DataFrame with a ``prompt`` or ``messages`` column (one row per request);
+* input: rows, one per request, each with a ``prompt`` string or a ``messages`` list of {role, content}: a list of
+  such objects or a pandas DataFrame (over HTTP: ``{"dataframe_records": [...]}``), as the model's signature says;
 * params: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``mode`` (ar | dual | chain);
 * output: one dict per request: ``text``, ``new_tokens``, ``tokens_per_second``, ``mode``, ``mean_accepted``
   ({level: tokens emitted per forward, the paper's L_i}) and ``beta``.

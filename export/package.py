@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,11 +105,14 @@ def search_measurements(s: Search) -> dict[str, Any]:
 
 
 def export_chain(out: Path, levels: Sequence[Path], decode: Any, measurements: dict[str, Any], *,
-                 onnx: bool = True, stamps: dict[str, Any] | None = None) -> Path:
+                 onnx: bool = True, stamps: dict[str, Any] | None = None,
+                 say: Callable[[str], None] = lambda _: None) -> Path:
     """Write the chain folder ``out`` atomically and validate it before it replaces ``out``: the level folders
     ``levels`` (top first; the last one drafts where ``decode.draft.source`` is model, and a draft head gets
-    ``head.onnx`` when ``onnx``), a manifest with ``decode`` (a DecodeSpec) and ``measurements`` (its ``onnx`` entry
-    added here); ``stamps``: those of the measurement (kept under the manifest's ``stamps.profile``)."""
+    ``head.onnx`` when ``onnx``), the head in each serving engine's format (``engines/<engine>``: vLLM, SGLang, EAGLE,
+    where the head can be written exactly; ``say`` names the others and why), a manifest with ``decode`` (a
+    DecodeSpec) and ``measurements`` (its ``onnx`` entry added here); ``stamps``: those of the measurement (kept under
+    the manifest's ``stamps.profile``)."""
     from polyspec.fsutil import check_replaceable
     from polyspec.manifest import not_a_chain
 
@@ -119,19 +122,23 @@ def export_chain(out: Path, levels: Sequence[Path], decode: Any, measurements: d
     # an existing output is replaced whole: only a chain (or an empty folder) may be, never a folder holding the parts
     check_replaceable(out, flag="export.out", overwrite=True, own=not_a_chain, keep=levels, kept="the part folder")
     drafts = decode.draft.source == "model" and len(levels) > 1
-    return atomic_folder(out, lambda tmp: _write_chain(tmp, levels, drafts, decode, measurements, onnx, stamps))
+    target = str((out / "levels" / "target").resolve())  # where the engines' configs find the verifier
+    return atomic_folder(out, lambda tmp: _write_chain(tmp, levels, drafts, decode, measurements, onnx, stamps,
+                                                       target, say))
 
 
-def export_profiled(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True) -> Path:
+def export_profiled(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True,
+                    say: Callable[[str], None] = lambda _: None) -> Path:
     """:func:`export_chain` of a profiled chain: its ``parts``, ``decode`` (the recipe's DecodeSpec) with the
     profile's decision, the profile's measurements and stamps."""
     return export_chain(out, ordered_parts(parts), decided(p, decode), measurements_for_manifest(p), onnx=onnx,
-                        stamps=p.stamps)
+                        stamps=p.stamps, say=say)
 
 
 def _write_chain(tmp: Path, levels: list[Path], drafts: bool, decode: Any, measurements: dict[str, Any],
-                 onnx: bool, stamps: dict[str, Any] | None) -> None:
+                 onnx: bool, stamps: dict[str, Any] | None, target: str, say: Callable[[str], None]) -> None:
     """The chain assembled in ``tmp`` (the head copied first, so its ONNX file is hashed with it)."""
+    from polyspec.export.head_formats import write_engines
     from polyspec.manifest import _classify, assemble_chain, read_manifest, validate_chain, write_manifest
     from polyspec.stamp import hardware_stamp, software_stamp
 
@@ -147,8 +154,11 @@ def _write_chain(tmp: Path, levels: list[Path], drafts: bool, decode: Any, measu
     sw = software_stamp()
     manifest.stamps = {"software": sw, "hardware": hardware_stamp(), "git_sha": sw.get("git_sha"),
                        "packages": sw.get("packages"), "profile": stamps or {}}
+    manifest.engines, refused = write_engines(chain, target)
     write_manifest(chain, manifest)
     validate_chain(chain)
+    for engine, why in refused.items():
+        say(f"export: no engines/{engine}: {why}")
     for x in chain.iterdir():  # the chain's content becomes tmp's content
         os.replace(x, tmp / x.name)
     shutil.rmtree(tmp / "parts", ignore_errors=True)

@@ -435,9 +435,9 @@ def export_stage(e: Any, *, levels: list[Path], decode: DecodeSpec, workdir: Pat
     if search is not None:
         with _scratch(Path(workdir)) as work:
             export_chain(out, _searched_folders(search, levels, work), searched(search, decode),
-                         search_measurements(search), onnx=e.onnx, stamps=search.stamps)
+                         search_measurements(search), onnx=e.onnx, stamps=search.stamps, say=say)
     else:
-        export_profiled(out, levels, profile, decode, onnx=e.onnx)
+        export_profiled(out, levels, profile, decode, onnx=e.onnx, say=say)
     say(f"export: chain written to {out} ({time.perf_counter() - t0:.1f} s)")
     _log_export(tracker, out)
     if log_model and tracker is not None and getattr(tracker, "enabled", False):

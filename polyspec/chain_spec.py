@@ -150,6 +150,14 @@ class LevelEntry(Spec):
     reads_features_from: str | None = Field(None, description="heads: the level whose hidden states it reads")
 
 
+class EngineEntry(Spec):
+    """The draft head in a serving engine's own folder layout (``engines/<name>/``, written by the export)."""
+
+    format: str = Field(description="the head format (export/head_formats.py FORMATS) the folder is written in")
+    path: str = Field(pattern=r"^engines/[A-Za-z0-9_.-]+$", description="folder relative to the chain folder")
+    files: dict[str, str] = Field(description="file (relative to the engine folder) -> sha256")
+
+
 class ChainManifest(Spec):
     """A self-describing chain (``manifest.json``)."""
 
@@ -160,6 +168,8 @@ class ChainManifest(Spec):
     decode: DecodeSpec = Field(default_factory=DecodeSpec)
     measurements: dict[str, Any] = Field(default_factory=dict)
     stamps: dict[str, Any] = Field(default_factory=dict)
+    engines: dict[str, EngineEntry] = Field(default_factory=dict, description="engine name (vllm, sglang, eagle) -> "
+                                            "the draft head in that engine's format")
 
     @model_validator(mode="before")
     @classmethod

@@ -39,7 +39,14 @@ from polyspec.fsutil import (
 from polyspec.modes import mode_of
 from polyspec.safeload import read_json
 from polyspec.shapes import Claims, chain_problems, level_problems
-from polyspec.weights import SAFETENSORS_SUFFIX, check_safetensors, content_problem, is_pickle_name, read_header
+from polyspec.weights import (
+    SAFETENSORS_SUFFIX,
+    check_safetensors,
+    content_problem,
+    is_pickle_name,
+    read_header,
+    write_index,
+)
 
 MANIFEST = "manifest.json"
 HEAD_MODEL_TYPE = "polyspec-eagle-head"  # decode.head.HEAD_MODEL_TYPE (not imported here: that loads torch)
@@ -112,6 +119,7 @@ def validate_chain(chain_dir: Path, *, hashes: bool = True) -> ChainManifest:
         claims.append(claim)
     problems += chain_problems([lv.name for lv in manifest.levels], claims,
                                [lv.reads_features_from for lv in manifest.levels])
+    problems += _engine_problems(chain_dir, manifest, hashes)
     if problems:
         more = len(problems) - MAX_LISTED_PROBLEMS
         listed = problems[:MAX_LISTED_PROBLEMS] + ([f"... and {more} more problems"] if more > 0 else [])
@@ -120,8 +128,8 @@ def validate_chain(chain_dir: Path, *, hashes: bool = True) -> ChainManifest:
 
 
 def level_folders(chain_dir: Path, manifest: ChainManifest) -> list[Path]:
-    """Each level's folder, top first, after refusing any manifest path (a level's ``path`` or a file entry) that is
-    not relative and normalised, or that resolves outside the chain folder. Nothing outside the chain folder is looked
+    """Each level's folder, top first, after refusing any manifest path (a level's or an engine folder's ``path`` or
+    a file entry) that is not relative and normalised, or that resolves outside the chain folder. Nothing outside the chain folder is looked
     at: an escaping path is refused the same way whether its target exists or not."""
     chain_dir = Path(chain_dir)
     root = chain_dir.resolve()
@@ -132,6 +140,10 @@ def level_folders(chain_dir: Path, manifest: ChainManifest) -> list[Path]:
             key = f"levels.{i}.files[{rel!r}]"
             _check_relative(chain_dir, rel, key)
             _confined(chain_dir, root, f"{lv.path}/{rel}", key)
+    for name, entry in manifest.engines.items():
+        _confined(chain_dir, root, entry.path, f"engines.{name}.path")
+        for rel in entry.files:
+            _confined(chain_dir, root, f"{entry.path}/{rel}", f"engines.{name}.files[{rel!r}]")
     _check_disjoint(chain_dir, manifest)
     return folders
 
@@ -195,6 +207,7 @@ def _unlisted_files(chain_dir: Path, manifest: ChainManifest) -> list[str]:
     """Everything in the chain folder that the manifest does not list (links are never followed while looking: a
     symbolic link to a folder is one entry, and never a listed file)."""
     listed = {MANIFEST} | {f"{lv.path}/{rel}" for lv in manifest.levels for rel in lv.files}
+    listed |= {f"{e.path}/{rel}" for e in manifest.engines.values() for rel in e.files}
     found = []
     for dirpath, dirnames, filenames in os.walk(chain_dir):
         here = Path(dirpath)
@@ -210,24 +223,13 @@ def _level_problems(i: int, lv: LevelEntry, folder: Path, hashes: bool) -> tuple
     if not folder.is_dir():
         return [f"level {lv.name}: folder {folder} is missing"], None
     problems = _file_list_problems(i, lv, folder)
-    intact = []
-    for rel, digest in lv.files.items():
-        f = folder / rel
-        if not f.is_file():
-            problems.append(f"level {lv.name}: file {f} is missing")
-        elif (links := f.stat().st_nlink) > 1:
-            problems.append(f"level {lv.name}: {f} has {links} hard links: the same file is reachable from outside "
-                            "the chain folder, where editing it would change the chain after validation; copy it "
-                            "in (cp without -l) or export the chain again")
-        elif hashes and sha256_file(f) != digest:
-            problems.append(f"level {lv.name}: file {f} does not match its sha256 in the manifest (changed)")
-        else:
-            intact.append(rel)
+    found, intact = _listed_file_problems(f"level {lv.name}", folder, lv.files, hashes)
+    problems += found
     headers: dict[str, Any] = {}
     weights_read = all(rel in intact for rel in lv.files if rel.endswith(SAFETENSORS_SUFFIX))
     for rel in intact:
         try:
-            _check_content(lv, folder / rel, rel, headers)
+            _check_content(f"level {lv.name}", folder / rel, rel, headers)
         except PolyspecError as exc:
             problems.append(str(exc))
             weights_read = weights_read and not rel.endswith(SAFETENSORS_SUFFIX)
@@ -239,15 +241,52 @@ def _level_problems(i: int, lv: LevelEntry, folder: Path, hashes: bool) -> tuple
     return [p for p in problems if p], claims
 
 
-def _check_content(lv: LevelEntry, path: Path, rel: str, headers: dict[str, Any]) -> None:
-    """A listed file is what its level may hold: safetensors whose header parses (its tensors' shapes go to
-    ``headers``), JSON that parses within the limits, or other text / named binaries that are no pickle."""
+def _listed_file_problems(owner: str, folder: Path, files: dict[str, str],
+                          hashes: bool) -> tuple[list[str], list[str]]:
+    """(problems, the files that are intact) of the files a level or an engine folder (``owner``, for messages)
+    lists: each is there, has no second hard link and (with ``hashes``) matches its sha256."""
+    problems, intact = [], []
+    for rel, digest in files.items():
+        f = folder / rel
+        if not f.is_file():
+            problems.append(f"{owner}: file {f} is missing")
+        elif (links := f.stat().st_nlink) > 1:
+            problems.append(f"{owner}: {f} has {links} hard links: the same file is reachable from outside "
+                            "the chain folder, where editing it would change the chain after validation; copy it "
+                            "in (cp without -l) or export the chain again")
+        elif hashes and sha256_file(f) != digest:
+            problems.append(f"{owner}: file {f} does not match its sha256 in the manifest (changed)")
+        else:
+            intact.append(rel)
+    return problems, intact
+
+
+def _engine_problems(chain_dir: Path, manifest: ChainManifest, hashes: bool) -> list[str]:
+    """What is wrong with the engine folders (``engines``): their listed files as a level's, and their content (no
+    pickle; safetensors and JSON that parse)."""
+    problems = []
+    for name, entry in manifest.engines.items():
+        folder = chain_dir / entry.path
+        found, intact = _listed_file_problems(f"engine {name}", folder, entry.files, hashes)
+        problems += found
+        for rel in intact:
+            try:
+                _check_content(f"engine {name}", folder / rel, rel, {})
+            except PolyspecError as exc:
+                problems.append(str(exc))
+    return problems
+
+
+def _check_content(owner: str, path: Path, rel: str, headers: dict[str, Any]) -> None:
+    """A listed file is what its level (or engine folder: ``owner``) may hold: safetensors whose header parses (its
+    tensors' shapes go to ``headers``), JSON that parses within the limits, or other text / named binaries that are
+    no pickle."""
     if rel.endswith(SAFETENSORS_SUFFIX):
         headers.update(read_header(path))
         return
     why = content_problem(path, rel)
     if why:
-        raise PolyspecError(f"level {lv.name}: {why}")
+        raise PolyspecError(f"{owner}: {why}")
     if rel.endswith(".json"):
         _read_json(path, obj=False)
 
@@ -404,6 +443,8 @@ def _copy_level(chain_dir: Path, parts: list[tuple[str, Path]], i: int) -> Level
         kind = "target"
     rel = f"levels/{name}"
     copy_tree(src, chain_dir / rel, ignore=_pickles)
+    if kind == "target":
+        write_index(chain_dir / rel)  # listed and hashed like its weights: EAGLE's loader finds the embedding by it
     return LevelEntry(name=name, kind=kind, path=rel, files=hash_folder(chain_dir / rel), dtype=dtype,
                       quantization=quant, reads_features_from=(parts[i - 1][0] if kind == "head" else None),
                       base_model=str(src.name))

@@ -241,32 +241,12 @@ def start_run(
     if parent is None:
         if nested:
             log.info("no active MLflow run: %s starts a top-level run", stage)
-        uri = tracking_uri(recipe)
-        client = _open_store(uri)
-        experiment_id = _ensure_experiment(client, uri, recipe.tracking.experiment)
         restore_uri = (mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None,)
-        mlflow.set_tracking_uri(uri)
-        try:
-            run = mlflow.start_run(experiment_id=experiment_id, run_name=stage, tags=tags)
-        except BaseException:
-            mlflow.set_tracking_uri(restore_uri[0])
-            raise
+        tracker = _top_level_run(recipe, stage, tags)
     else:
-        uri = mlflow.get_tracking_uri()
         if not nested:
             log.info("MLflow run %s is active: %s nests under it", parent.info.run_id, stage)
-        if recipe.tracking.uri and recipe.tracking.uri != uri:
-            log.warning(
-                "tracking.uri=%s is ignored: %s nests under the active MLflow run in %s", recipe.tracking.uri, stage, uri
-            )
-        from mlflow import MlflowClient
-
-        client = MlflowClient(tracking_uri=uri)
-        experiment_id = parent.info.experiment_id
-        run = mlflow.start_run(experiment_id=experiment_id, run_name=stage, nested=True, tags=tags)
-
-    run_id = run.info.run_id
-    tracker = Tracker(run_id, client, experiment_id, uri)
+        tracker = _nested_run(recipe, stage, tags, parent)
     try:
         try:
             tracker.log_text(recipe_to_yaml(recipe), "recipe.yaml")
@@ -274,12 +254,50 @@ def start_run(
             tracker.log_params(flatten(recipe.model_dump(mode="json")))
             yield tracker
         except BaseException as exc:
-            try:
-                _end(client, run_id, "FAILED" if isinstance(exc, Exception) else "KILLED")
-            except Exception as end_exc:  # never hide the block's own exception
-                log.warning("could not end MLflow run %s: %s", run_id, end_exc)
+            _end_quietly(tracker, "FAILED" if isinstance(exc, Exception) else "KILLED")
             raise
-        _end(client, run_id, "FINISHED")
+        _end(tracker._client, tracker.run_id, "FINISHED")
     finally:
         if restore_uri is not None:
             mlflow.set_tracking_uri(restore_uri[0])
+
+
+def _top_level_run(recipe: Recipe, stage: str, tags: dict[str, str]) -> Tracker:
+    """A run in :func:`tracking_uri`'s store under ``tracking.experiment``; MLflow's global URI set to that store
+    (the caller restores it), and restored here when the run does not start."""
+    import mlflow
+
+    uri = tracking_uri(recipe)
+    client = _open_store(uri)
+    experiment_id = _ensure_experiment(client, uri, recipe.tracking.experiment)
+    before = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    mlflow.set_tracking_uri(uri)
+    try:
+        run = mlflow.start_run(experiment_id=experiment_id, run_name=stage, tags=tags)
+    except BaseException:
+        mlflow.set_tracking_uri(before)
+        raise
+    return Tracker(run.info.run_id, client, experiment_id, uri)
+
+
+def _nested_run(recipe: Recipe, stage: str, tags: dict[str, str], parent: Any) -> Tracker:
+    """A run nested under MLflow's active run ``parent``, in the parent's store and experiment."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = mlflow.get_tracking_uri()
+    if recipe.tracking.uri and recipe.tracking.uri != uri:
+        log.warning("tracking.uri=%s is ignored: %s nests under the active MLflow run in %s", recipe.tracking.uri,
+                    stage, uri)
+    experiment_id = parent.info.experiment_id
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=stage, nested=True, tags=tags)
+    return Tracker(run.info.run_id, MlflowClient(tracking_uri=uri), experiment_id, uri)
+
+
+def _end_quietly(tracker: Tracker, status: str) -> None:
+    """End the run as ``status``; a failure to do so is logged, never raised (it would hide the block's own)."""
+    try:
+        _end(tracker._client, tracker.run_id, status)
+    except Exception as end_exc:
+        log.warning("could not end MLflow run %s: %s", tracker.run_id, end_exc)
+

@@ -113,3 +113,28 @@ def load_safetensors(path: str | Path, device: str = "cpu") -> dict[str, torch.T
         return load_file(str(path), device=device)
     except (SafetensorError, OSError) as exc:
         raise _unreadable(path, exc) from None
+
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def write_index(folder: Path) -> Path | None:
+    """Write ``model.safetensors.index.json`` naming ``model.safetensors`` for each of its tensors, when a folder has
+    that one file and no index (else None). SafeAILab/EAGLE's draft model finds the target's embedding only through
+    this index (cnets.py: ``weight_map["model.embed_tokens.weight"]``) and asks the hub for it when it is missing;
+    transformers, vLLM and polyspec still read the single file."""
+    import json
+
+    folder = Path(folder)
+    single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    if not single.is_file() or index.exists():
+        return None
+    names = sorted(read_header(single))
+    # the data bytes: the file less its 8-byte length prefix and JSON header
+    with single.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+    body = {"metadata": {"total_size": single.stat().st_size - 8 - header_len},
+            "weight_map": {name: SINGLE_FILE for name in names}}
+    index.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+    return index

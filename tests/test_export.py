@@ -185,16 +185,20 @@ def test_export_killed_with_sigkill_then_rerun(parts, profile, tmp_path):
 
 
 def test_export_onto_a_full_file_system_is_one_error_and_the_old_chain_stays(parts, profile, tmp_path):
-    """A real 5 MB tmpfs (root only; skipped elsewhere, where tests/test_hostile.py's emulated ENOSPC still runs): the
-    first export fits, the second does not: one error (exit 1), the old chain intact, nothing half-written."""
+    """A real tmpfs of 1.5 chains (root only; skipped elsewhere, where tests/test_hostile.py's emulated ENOSPC still
+    runs): the first export fits, the second does not: one error (exit 1), the old chain intact, nothing
+    half-written."""
     import subprocess
 
     from polyspec.chain_spec import DecodeSpec
     from polyspec.export.package import export_profiled
 
+    probe = export_chain(tmp_path / "probe", parts, profile, DecodeSpec(), onnx=False)
+    size_kb = sum(f.stat().st_size for f in probe.rglob("*") if f.is_file()) * 3 // 2 // 1024 + 64
     small = tmp_path / "small"
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5M", "tmpfs", str(small)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(small)],
+                             capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode(errors='replace').strip()})")
     try:

@@ -260,20 +260,26 @@ def test_a_qkv_bias_head_gets_a_zero_o_bias_for_vllm_and_is_refused_by_sglang(qk
 
 @pytest.mark.parametrize("chain_name", ["eagle3_chain", "qkv_bias_chain"])
 def test_speculators_loads_the_folder_and_computes_the_same_logits(request, chain_name, target, tmp_path):
-    pytest.importorskip("speculators.models", reason="speculators is not installed (docs/SERVE.md)")
-    from speculators.models import Eagle3DraftModel
-
     from polyspec.export.head_formats import export_head
 
     eagle3_chain = request.getfixturevalue(chain_name)
     out = export_head(eagle3_chain, "speculators", tmp_path / "spec", verifier=None)
+    _speculators_logits_equal(out, eagle3_chain, target)
+
+
+def _speculators_logits_equal(out: Path, eagle3_chain: Path, target, draft_vocab: int = DRAFT_VOCAB) -> None:
+    """speculators' own Eagle3DraftModel loads ``out`` (every tensor into its module of that name) and its layers
+    give the polyspec head's draft logits."""
+    pytest.importorskip("speculators.models", reason="speculators is not installed (docs/SERVE.md)")
+    from speculators.models import Eagle3DraftModel
+
     model = Eagle3DraftModel.from_pretrained(str(out)).eval()
     c = model.config
     tl = c.transformer_layer_config
     tl._attn_implementation = "eager"  # its default is flex attention with block masks (training); same maths
     rope = getattr(tl, "rope_parameters", None) or {"rope_theta": tl.rope_theta}
     assert (c.draft_vocab_size, c.norm_before_residual, rope["rope_theta"]) == \
-        (DRAFT_VOCAB, False, target.args.rope_theta)
+        (draft_vocab, False, target.args.rope_theta)
     assert c.speculators_config.verifier.name_or_path == str((eagle3_chain / "levels" / "target").resolve())
     _, w = _read(out)
     state = model.state_dict()
@@ -293,6 +299,56 @@ def test_speculators_loads_the_folder_and_computes_the_same_logits(request, chai
         h = model.layers[0](x, attention_mask=mask, position_ids=pos, position_embeddings=model.rotary_emb(x, pos))
         got = model.lm_head(model.norm(h[0] if isinstance(h, tuple) else h))[0]
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def _with_engines(chain: Path, root: Path) -> tuple[Path, dict[str, str]]:
+    """A copy of ``chain`` with its engine folders written and listed, as the export stage writes them."""
+    import shutil
+
+    from polyspec.export.head_formats import write_engines
+    from polyspec.manifest import read_manifest, validate_chain, write_manifest
+
+    copy = root / "chain"
+    shutil.copytree(chain, copy)
+    manifest = read_manifest(copy)
+    manifest.engines, refused = write_engines(copy, str((copy / "levels" / "target").resolve()))
+    write_manifest(copy, manifest)
+    validate_chain(copy)
+    return copy, refused
+
+
+def test_an_eagle3_chain_carries_vllm_and_sglang_folders_that_load(eagle3_chain, target, tmp_path):
+    chain, refused = _with_engines(eagle3_chain, tmp_path)
+    manifest = json.loads((chain / "manifest.json").read_text())
+    assert set(manifest["engines"]) == {"vllm", "sglang", "eagle"} and refused == {}
+    assert manifest["engines"]["vllm"]["format"] == "speculators"
+    assert set(manifest["engines"]["vllm"]["files"]) == {"config.json", "model.safetensors"}
+    cfg, w = _read(chain / "engines" / "sglang")  # SGLang's LlamaForCausalLMEagle3 names (SpecForge's export)
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and {f"midlayer.{k}" for k in EAGLE3_LAYER} <= set(w)
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(w)
+    _speculators_logits_equal(chain / "engines" / "vllm", chain, target)
+
+
+def test_engine_folders_are_hashed_and_confined(eagle3_chain, tmp_path):
+    from polyspec.manifest import validate_chain
+
+    chain, _ = _with_engines(eagle3_chain, tmp_path)
+    weights = chain / "engines" / "sglang" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(PolyspecError, match="engine sglang: file .* does not match its sha256"):
+        validate_chain(chain)
+    manifest = json.loads((chain / "manifest.json").read_text())
+    manifest["engines"]["sglang"]["path"] = "engines/../../x"
+    (chain / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PolyspecError, match="engines"):
+        validate_chain(chain)
+
+
+def test_an_eagle1_chain_has_no_vllm_folder_and_says_why_in_one_line(eagle1_chain, tmp_path):
+    chain, refused = _with_engines(eagle1_chain, tmp_path)
+    assert sorted(json.loads((chain / "manifest.json").read_text())["engines"]) == ["eagle", "sglang"]
+    assert refused == {"vllm": "vLLM loads EAGLE-3 heads only (train.head: eagle3)"}
+    assert not (chain / "engines" / "sglang" / "hot_token_map.pt").exists()  # a chain holds no pickle
 
 
 def test_an_eagle1_head_is_refused_for_speculators_with_one_error_and_nothing_written(eagle1_chain, tmp_path, capsys):
@@ -352,7 +408,7 @@ def test_a_failed_write_leaves_nothing(eagle1_chain, tmp_path, monkeypatch):
     def boom(*_a, **_k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(safetensors.torch, "save", boom)
     with pytest.raises(OSError, match="disk full"):
         export_head(eagle1_chain, "eagle", tmp_path / "e")
     assert list(tmp_path.iterdir()) == []
@@ -368,3 +424,115 @@ def test_a_token_map_needs_the_heads_token_counts(target_dir, target, tmp_path):
     assert not (tmp_path / "sg").exists()
     assert not (export_head(chain, "sglang", tmp_path / "sg", draft_vocab=0) / TOKEN_MAP_FILE).exists()
     export_head(chain, "eagle", tmp_path / "e")  # EAGLE has no token map: the counts are not needed
+
+
+def _eagle_embedding(base_model_path: Path) -> torch.Tensor:
+    """EAGLE's own path to the target's embedding (cnets.py / cnets1.py ``Model.__init__`` with load_emb): the
+    index's weight_map names the file, joined to base_model_path, sliced by the tensor's name."""
+    from safetensors import safe_open
+
+    index = json.loads((base_model_path / "model.safetensors.index.json").read_text())
+    emb_path = base_model_path / index["weight_map"]["model.embed_tokens.weight"]
+    with safe_open(str(emb_path), framework="pt", device="cpu") as f:
+        return f.get_slice("model.embed_tokens.weight")[:, :].float()
+
+
+# EAGLE-1/2's draft model (cnets1.py Model, loaded with strict=False, so a name it lacks is silently dropped): fc with
+# bias, layers.N with no input norm in layer 0, the embedding from the target
+def _eagle1_parameter_names(cfg: dict) -> set[str]:
+    layer = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "post_attention_layernorm.weight")
+    names = {f"layers.{i}.{k}" for i in range(cfg["num_hidden_layers"]) for k in layer}
+    names |= {f"layers.{i}.input_layernorm.weight" for i in range(1, cfg["num_hidden_layers"])}
+    return names | {"fc.weight"} | ({"fc.bias"} if cfg.get("bias", True) else set())
+
+
+def test_the_eagle_folder_finds_the_targets_embedding_through_the_index(eagle1_chain, target, tmp_path):
+    from polyspec.export.head_formats import export_head, read_head_source
+
+    out = export_head(eagle1_chain, "eagle", tmp_path / "eagle")
+    base = Path(read_head_source(eagle1_chain).verifier)  # what the user passes as base_model_path
+    assert base == (eagle1_chain / "levels" / "target").resolve()
+    torch.testing.assert_close(_eagle_embedding(base), target.embed_tokens.weight.float())
+    cfg, w = _read(out)
+    assert set(w) == _eagle1_parameter_names(cfg)  # every exported tensor has a slot, every slot a tensor
+
+    from polyspec.manifest import validate_chain
+
+    validate_chain(eagle1_chain)  # the index is one of the target's listed, hashed files
+
+
+def test_the_eagle_export_writes_the_index_into_a_verifier_folder(eagle1_chain, target_dir, tmp_path):
+    import shutil
+
+    from polyspec.export.head_formats import export_head
+
+    verifier = tmp_path / "target_copy"
+    shutil.copytree(target_dir, verifier)
+    assert not (verifier / "model.safetensors.index.json").exists()
+    export_head(eagle1_chain, "eagle", tmp_path / "eagle", verifier=str(verifier))
+    assert _eagle_embedding(verifier).shape[0] == json.loads((verifier / "config.json").read_text())["vocab_size"]
+
+
+def test_an_old_chain_without_the_index_gets_one_clear_error(eagle1_chain, tmp_path):
+    import shutil
+
+    from polyspec.export.head_formats import export_head
+
+    old = tmp_path / "old"
+    shutil.copytree(eagle1_chain, old)
+    (old / "levels" / "target" / "model.safetensors.index.json").unlink()
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["levels"][0]["files"]["model.safetensors.index.json"]  # as polyspec before the index wrote it
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PolyspecError, match="re-assemble the chain, or pass --verifier"):
+        export_head(old, "eagle", tmp_path / "eagle")
+    assert not (tmp_path / "eagle").exists()
+
+
+# SGLang's LlamaForCausalLMEagle3 (srt/models/llama_eagle3.py), read from its source: its parameters, and the name
+# map of its load_weights, which drops a name it cannot place without a word
+SGLANG_EAGLE3_LAYER = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                       "mlp.down_proj.weight", "input_layernorm.weight", "hidden_norm.weight",
+                       "post_attention_layernorm.weight")
+SGLANG_STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
+                  (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"))
+
+
+def _sglang_eagle3_parameters(cfg: dict) -> set[str]:
+    params = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight"}
+    params |= {f"model.midlayer.{k}" for k in SGLANG_EAGLE3_LAYER}
+    params |= {"model.fc.bias"} if cfg.get("bias") else set()
+    return params | (set() if cfg["tie_word_embeddings"] else {"lm_head.weight"})
+
+
+def _sglang_eagle3_places(names: set[str], params: set[str]) -> dict[str, str | None]:
+    """{file tensor: the parameter SGLang loads it into, or None where it is dropped}; d2t / t2d are read aside."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        if "d2t" in name or "t2d" in name:
+            out[name] = name
+            continue
+        mapped = next((name.replace(a, b) for a, b in SGLANG_STACKED if a in name), name)
+        out[name] = next((p for p in (mapped, f"model.{mapped}") if p in params), None)
+    return out
+
+
+# SafeAILab/EAGLE's EAGLE-3 draft model (cnets.py Model, loaded with strict=False): its state dict's names
+EAGLE3_EAGLE_NAMES = ({f"midlayer.{k}" for k in EAGLE3_LAYER}
+                      | {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"})
+
+
+def test_the_sglang_and_eagle_folders_fill_every_slot_of_their_loaders(eagle3_chain, tmp_path):
+    """Emulations from the loaders' source (neither engine installs here): every tensor lands in a parameter, and
+    every parameter but the embedding (the target's) gets one."""
+    from polyspec.export.head_formats import export_head
+
+    cfg, w = _read(export_head(eagle3_chain, "sglang", tmp_path / "sglang"))
+    params = _sglang_eagle3_parameters(cfg)
+    places = _sglang_eagle3_places(set(w), params)
+    assert None not in places.values(), places
+    assert set(places.values()) - {"d2t", "t2d"} == params - {"model.embed_tokens.weight"}
+    _, w = _read(export_head(eagle3_chain, "eagle", tmp_path / "eagle"))
+    assert set(w) == EAGLE3_EAGLE_NAMES - {"embed_tokens.weight"}

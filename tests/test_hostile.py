@@ -440,10 +440,10 @@ def test_a_chain_write_onto_a_full_disk_is_one_error_and_the_old_chain_stays(cha
 def test_a_full_disk_under_export_head_is_one_error(chain, tmp_path, capsys, monkeypatch):
     from safetensors import torch as st_torch
 
-    def save_file(*a, **k):
+    def save(*a, **k):  # export-head serialises with safetensors' save and writes the bytes itself
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(st_torch, "save_file", save_file)
+    monkeypatch.setattr(st_torch, "save", save)
     code, err = _cli(capsys, "chain", "export-head", chain, "--format", "eagle", "--out", tmp_path / "eagle")
     assert code == 1 and "no space left on the device of" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chain"]

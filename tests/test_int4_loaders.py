@@ -99,17 +99,49 @@ def test_quantization_config_is_complete(k192_folders):
     assert json.loads((portable / "quantize_config.json").read_text()) == qc
 
 
+SMOL_LAYER = {f"model.layers.0.{n}": s for n, s in {
+    "self_attn.q_proj": (576, 576), "self_attn.k_proj": (576, 192), "self_attn.v_proj": (576, 192),
+    "self_attn.o_proj": (576, 576), "mlp.gate_proj": (576, 1536), "mlp.up_proj": (576, 1536),
+    "mlp.down_proj": (1536, 576)}.items()}  # SmolLM2-135M's seven projections
+
+
+def test_vllm_merges_qkv_and_gate_up():
+    from polyspec.quantize.loaders import vllm_shapes
+
+    assert vllm_shapes(SMOL_LAYER) == {"model.layers.0.self_attn.qkv_proj": (576, 960),
+                                       "model.layers.0.self_attn.o_proj": (576, 576),
+                                       "model.layers.0.mlp.gate_up_proj": (576, 3072),
+                                       "model.layers.0.mlp.down_proj": (1536, 576)}
+    with pytest.raises(ValueError, match="K = 512"):
+        vllm_shapes({"a.q_proj": (576, 64), "a.k_proj": (512, 64)})
+
+
 def test_loader_support_states_each_loader():
     from polyspec.quantize.loaders import loader_support
 
-    smol = {"q": (576, 576), "k": (576, 192), "gate": (576, 1536), "down": (1536, 576)}
-    short = loader_support(smol, 128)
+    short = loader_support(SMOL_LAYER, 128)
     assert short["vllm"].startswith("no:") and "576" in short["vllm"]
     assert "gptq_torch" in short["transformers+gptqmodel"]
-    portable = loader_support(smol, 64)
+    portable = loader_support(SMOL_LAYER, 64)
     assert portable["transformers+gptqmodel"] == "yes"
-    assert portable["vllm"].startswith("yes:") and "K=576 N=576: Exllama (--dtype float16 only)" in portable["vllm"]
-    assert loader_support({"q": (4096, 4096), "down": (11008, 4096)}, 128)["vllm"] == "yes (Marlin on every layer)"
+    vllm = portable["vllm"]
+    assert vllm.startswith("yes:") and "K=576 N=960: Exllama (--dtype float16 only)" in vllm  # merged q/k/v
+    assert "K=576 N=3072: Machete (Hopper (SM90) only) / Exllama" in vllm  # merged gate/up
+    assert "N=192" not in vllm and "N=1536" not in vllm and "K=1536" not in vllm  # down_proj: Marlin
+    llama7b = {"l.self_attn.q_proj": (4096, 4096), "l.self_attn.k_proj": (4096, 4096), "l.mlp.down_proj": (11008, 4096)}
+    assert loader_support(llama7b, 128)["vllm"] == "yes (Marlin on every merged layer)"
+    assert loader_support({"l.mlp.down_proj": (576, 100)}, 64)["vllm"].startswith("no: no vLLM GPTQ kernel")
+
+
+def test_vllm_notes_record_merged_shapes_and_rules():
+    from polyspec.quantize.loaders import vllm_notes
+
+    notes = vllm_notes(SMOL_LAYER, 64)
+    assert notes["merged_layers"] == {"down_proj K=1536 N=576": ["Marlin", "Exllama"],
+                                      "gate_up_proj K=576 N=3072": ["Machete", "Exllama"],
+                                      "o_proj K=576 N=576": ["Exllama"], "qkv_proj K=576 N=960": ["Exllama"]}
+    assert len(notes["rules"]) == 2 and any("before" in k for k in notes["rules"])
+    json.dumps(notes)  # it goes into config.json
 
 
 def test_quantize_model_rtn_records_groups_and_loaders(tmp_path):
@@ -122,6 +154,8 @@ def test_quantize_model_rtn_records_groups_and_loaders(tmp_path):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["meta"]["polyspec_loaders"] == rec["loaders"] and qc["group_size"] == 64
     assert qc["meta"]["quantizer"] == [qc["meta"]["quantizer"][0]]  # polyspec listed once
+    merged = qc["meta"]["polyspec_vllm"]["merged_layers"]
+    assert "qkv_proj K=192 N=320" in merged and "gate_up_proj K=192 N=768" in merged  # 192 + 64 + 64, 2 x 384
 
 
 @pytest.mark.skipif(importlib.util.find_spec("optimum") is None or importlib.util.find_spec("gptqmodel") is None,

@@ -2,6 +2,7 @@
 finished stages, and a stage killed midway leaves no half-written artifact and is redone."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -36,8 +37,13 @@ def test_run_end_to_end_rerun_and_interrupted_stage(tmp_path, monkeypatch, capfd
     capsys = capfd  # polyspec's own lines go to the terminal's descriptors (polyspec.console), not sys.stdout
     target = make_tiny_llama(tmp_path / "target", seed=4)
     recipe = _recipe(tmp_path, target)
+    capsys.readouterr()  # the fixture's own output
     assert main(["run", str(recipe)]) == 0
     out, err = capsys.readouterr()
+    # piped (capfd's descriptors are files): polyspec's own lines, no bar redrawn in place into one endless line
+    lines = (out + err).splitlines()
+    assert len(lines) < 150 and max(map(len, lines)) < 400, (len(lines), max(map(len, lines)))
+    assert re.search(r"^train: step \d+/\d+ \(100%\), loss ", err, re.M) and "\r" not in out + err, err
     chain = tmp_path / "work" / "chain"
     assert (chain / "manifest.json").is_file()
     assert main(["validate-chain", str(chain)]) == 0

@@ -731,3 +731,26 @@ def test_compile_without_a_cpp_compiler_is_refused_before_any_work(tmp_path, tin
     monkeypatch.setattr(stage, "_cpp_compiler", lambda: True)
     assert stage.runtime_settings(recipe.train, "cpu")["device"] == "cpu"
     assert stage.runtime_settings(_recipe(tmp_path, tiny_model).train, "cpu")["device"] == "cpu"
+
+
+def test_line_progress_says_one_line_per_tenth_of_the_steps(capfd):
+    """Piped output: polyspec's own progress lines instead of Lightning's bar (which redraws in place)."""
+    from types import SimpleNamespace
+
+    from polyspec.train.module import LineProgress
+
+    bar = LineProgress()
+    trainer = SimpleNamespace(estimated_stepping_batches=40, global_step=0, is_global_zero=True)
+    for step in range(1, 41):
+        trainer.global_step = step
+        bar.on_train_batch_end(trainer, None, {"loss": torch.tensor(2.5)}, None, step - 1)
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 10 and lines[0].startswith("train: step 4/40 (10%), loss 2.500,")
+    assert lines[-1].startswith("train: step 40/40 (100%)")
+    resumed = LineProgress()  # a resumed run past some marks reports the next one only
+    trainer.global_step = 21
+    resumed.on_train_batch_end(trainer, None, None, None, 0)
+    assert capfd.readouterr().err.startswith("train: step 21/40 (52%), ")
+    resumed.on_train_batch_end(SimpleNamespace(estimated_stepping_batches=40, global_step=40, is_global_zero=False),
+                               None, None, None, 0)
+    assert capfd.readouterr().err == ""

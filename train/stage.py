@@ -349,6 +349,16 @@ def _say(enabled: bool, text: str) -> None:
         say(text)
 
 
+def _progress_callback(tqdm_bar: type) -> Any:
+    """On a terminal, Lightning's training bar there (:func:`_terminal_bar`); on a pipe or a file, polyspec's own
+    lines (:class:`polyspec.train.module.LineProgress`) while Lightning's bar, which redraws in place (one endless
+    line in a file), goes to the run's log file with the other third-party output."""
+    from polyspec.console import stream
+    from polyspec.train.module import LineProgress
+
+    return _terminal_bar(tqdm_bar)(refresh_rate=1) if stream().isatty() else LineProgress()
+
+
 def _terminal_bar(base: type) -> type:
     """Lightning's TQDMProgressBar with the training bar on the terminal (polyspec.console.stream) and its
     validation / sanity-check bars where third-party output goes (the run's log file under polyspec.console.quiet):
@@ -518,7 +528,7 @@ def _fit(train: TrainConfig, t: TrainInputs, runtime: dict[str, Any], teacher, p
                               save_on_train_epoch_end=False)
     cbs: list[Any] = [ckpt_cb, logger_cb, *callbacks]
     if progress:
-        cbs.append(_terminal_bar(TQDMProgressBar)(refresh_rate=1))
+        cbs.append(_progress_callback(TQDMProgressBar))
     trainer = _trainer(cfg, runtime, cbs, progress, state_dir, has_val=val_dl is not None,
                        interval=_val_interval(cfg, len(train_dl), world), log_every=log_every)
     resume = latest_checkpoint(ckpt_dir)

@@ -7,9 +7,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ROOMS = ("polyspec", "train", "quantize", "export", "decode", "data", "bench")
 MAX_LINES = 60
-ALLOWED = {
-    "polyspec/tracking.py:start_run",  # being split on branch engines
-}
+ALLOWED: set[str] = set()  # "room/file.py:name" of a function allowed over the limit, with the reason beside it
 
 
 def long_functions(root: Path, rooms: tuple[str, ...], limit: int) -> dict[str, int]:

@@ -107,7 +107,7 @@ def search_measurements(s: Search) -> dict[str, Any]:
 def export_chain(out: Path, levels: Sequence[Path], decode: Any, measurements: dict[str, Any], *,
                  onnx: bool = True, stamps: dict[str, Any] | None = None) -> Path:
     """Write the chain folder ``out`` atomically and validate it before it replaces ``out``: the level folders
-    ``levels`` (top first; the last one drafts where ``decode.draft.source`` is model, and a draft head gets
+    ``levels`` (top first; the last one drafts where ``decode.draft.source`` is model or it is a head; a draft head gets
     ``head.onnx`` when ``onnx``), a manifest with ``decode`` (a DecodeSpec) and ``measurements`` (its ``onnx`` entry
     added here); ``stamps``: those of the measurement (kept under the manifest's ``stamps.profile``)."""
     from polyspec.fsutil import check_replaceable
@@ -118,8 +118,15 @@ def export_chain(out: Path, levels: Sequence[Path], decode: Any, measurements: d
         raise PolyspecError("a chain needs at least its target level")
     # an existing output is replaced whole: only a chain (or an empty folder) may be, never a folder holding the parts
     check_replaceable(out, flag="export.out", overwrite=True, own=not_a_chain, keep=levels, kept="the part folder")
-    drafts = decode.draft.source == "model" and len(levels) > 1
+    # the last level drafts where a model drafts, and always where it is a head (a head never verifies)
+    drafts = len(levels) > 1 and (decode.draft.source == "model" or _is_head(levels[-1]))
     return atomic_folder(out, lambda tmp: _write_chain(tmp, levels, drafts, decode, measurements, onnx, stamps))
+
+
+def _is_head(folder: Path) -> bool:
+    from polyspec.manifest import _classify
+
+    return _classify(folder)[0] == "head"
 
 
 def export_profiled(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True) -> Path:
@@ -132,11 +139,11 @@ def export_profiled(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: b
 def _write_chain(tmp: Path, levels: list[Path], drafts: bool, decode: Any, measurements: dict[str, Any],
                  onnx: bool, stamps: dict[str, Any] | None) -> None:
     """The chain assembled in ``tmp`` (the head copied first, so its ONNX file is hashed with it)."""
-    from polyspec.manifest import _classify, assemble_chain, read_manifest, validate_chain, write_manifest
+    from polyspec.manifest import assemble_chain, read_manifest, validate_chain, write_manifest
     from polyspec.stamp import hardware_stamp, software_stamp
 
     draft, onnx_info = (levels[-1] if drafts else None), None
-    if draft is not None and _classify(draft)[0] == "head":
+    if draft is not None and _is_head(draft):
         draft = tmp / "parts" / "head"
         copy_tree(levels[-1], draft, ignore=shutil.ignore_patterns(FILE_HASHES))  # the manifest hashes
         onnx_info = _export_onnx(levels[0], draft, OPSET) if onnx else None

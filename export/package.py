@@ -34,6 +34,12 @@ def ordered_parts(parts: Parts) -> list[Path]:
     return [Path(x) for x in parts]
 
 
+def cost_table(costs: Mapping[str, Any]) -> dict[str, list[dict[str, float]]]:
+    """The manifest's ``T``: per level, each measured width's median and p10 / p90 forward time."""
+    return {name: [{"width": r.width, "median_s": r.median_s, "p10_s": r.p10_s, "p90_s": r.p90_s} for r in rows]
+            for name, rows in costs.items()}
+
+
 def measurements_for_manifest(p: Profile) -> dict[str, Any]:
     """What the manifest's ``measurements`` carries: T and L tables, verdicts (``verdict`` / ``candidates``: the first
     insertion's, ``insertions``: all), decision, speedups (:func:`export_chain` adds the ONNX parity)."""
@@ -45,8 +51,7 @@ def measurements_for_manifest(p: Profile) -> dict[str, Any]:
         "dtype": p.dtype,
         "prompts": to_json(p.prompts),
         "kv_length": p.kv_length,
-        "T": {name: [{"width": r.width, "median_s": r.median_s, "p10_s": r.p10_s, "p90_s": r.p90_s} for r in rows]
-              for name, rows in p.costs.items()},
+        "T": cost_table(p.costs),
         "L": summary_L(p),
         "acceptance_hist": {nm: {lv: to_json(d.accept_hist) for lv, d in c.per_level.items() if d.accept_hist}
                             for nm, c in p.final.items()},
@@ -92,8 +97,7 @@ def search_measurements(s: Search) -> dict[str, Any]:
         "device": s.device,
         "dtype": s.dtype,
         "kv_length": s.settings.get("kv_length"),
-        "T": {name: [{"width": r.width, "median_s": r.median_s, "p10_s": r.p10_s, "p90_s": r.p90_s} for r in rows]
-              for name, rows in s.costs.items()},
+        "T": cost_table(s.costs),
         "candidates": to_json(s.candidates),
         "confirmed": to_json(s.confirmed),
         "ar": to_json(s.ar),

@@ -34,6 +34,12 @@ def ordered_parts(parts: Parts) -> list[Path]:
     return [Path(x) for x in parts]
 
 
+def cost_table(costs: Mapping[str, Any]) -> dict[str, list[dict[str, float]]]:
+    """The manifest's ``T``: per level, each measured width's median and p10 / p90 forward time."""
+    return {name: [{"width": r.width, "median_s": r.median_s, "p10_s": r.p10_s, "p90_s": r.p90_s} for r in rows]
+            for name, rows in costs.items()}
+
+
 def measurements_for_manifest(p: Profile) -> dict[str, Any]:
     """What the manifest's ``measurements`` carries: T and L tables, verdicts (``verdict`` / ``candidates``: the first
     insertion's, ``insertions``: all), decision, speedups (:func:`export_chain` adds the ONNX parity)."""
@@ -45,8 +51,7 @@ def measurements_for_manifest(p: Profile) -> dict[str, Any]:
         "dtype": p.dtype,
         "prompts": to_json(p.prompts),
         "kv_length": p.kv_length,
-        "T": {name: [{"width": r.width, "median_s": r.median_s, "p10_s": r.p10_s, "p90_s": r.p90_s} for r in rows]
-              for name, rows in p.costs.items()},
+        "T": cost_table(p.costs),
         "L": summary_L(p),
         "acceptance_hist": {nm: {lv: to_json(d.accept_hist) for lv, d in c.per_level.items() if d.accept_hist}
                             for nm, c in p.final.items()},
@@ -92,8 +97,7 @@ def search_measurements(s: Search) -> dict[str, Any]:
         "device": s.device,
         "dtype": s.dtype,
         "kv_length": s.settings.get("kv_length"),
-        "T": {name: [{"width": r.width, "median_s": r.median_s, "p10_s": r.p10_s, "p90_s": r.p90_s} for r in rows]
-              for name, rows in s.costs.items()},
+        "T": cost_table(s.costs),
         "candidates": to_json(s.candidates),
         "confirmed": to_json(s.confirmed),
         "ar": to_json(s.ar),
@@ -108,7 +112,7 @@ def export_chain(out: Path, levels: Sequence[Path], decode: Any, measurements: d
                  onnx: bool = True, stamps: dict[str, Any] | None = None,
                  say: Callable[[str], None] = lambda _: None) -> Path:
     """Write the chain folder ``out`` atomically and validate it before it replaces ``out``: the level folders
-    ``levels`` (top first; the last one drafts where ``decode.draft.source`` is model, and a draft head gets
+    ``levels`` (top first; the last one drafts where ``decode.draft.source`` is model or it is a head; a draft head gets
     ``head.onnx`` when ``onnx``), the head in each serving engine's format (``engines/<engine>``: vLLM, SGLang, EAGLE,
     where the head can be written exactly; ``say`` names the others and why), a manifest with ``decode`` (a
     DecodeSpec) and ``measurements`` (its ``onnx`` entry added here); ``stamps``: those of the measurement (kept under
@@ -121,10 +125,17 @@ def export_chain(out: Path, levels: Sequence[Path], decode: Any, measurements: d
         raise PolyspecError("a chain needs at least its target level")
     # an existing output is replaced whole: only a chain (or an empty folder) may be, never a folder holding the parts
     check_replaceable(out, flag="export.out", overwrite=True, own=not_a_chain, keep=levels, kept="the part folder")
-    drafts = decode.draft.source == "model" and len(levels) > 1
+    # the last level drafts where a model drafts, and always where it is a head (a head never verifies)
+    drafts = len(levels) > 1 and (decode.draft.source == "model" or _is_head(levels[-1]))
     target = str((out / "levels" / "target").resolve())  # where the engines' configs find the verifier
     return atomic_folder(out, lambda tmp: _write_chain(tmp, levels, drafts, decode, measurements, onnx, stamps,
                                                        target, say))
+
+
+def _is_head(folder: Path) -> bool:
+    from polyspec.manifest import _classify
+
+    return _classify(folder)[0] == "head"
 
 
 def export_profiled(out: Path, parts: Parts, p: Profile, decode: Any, *, onnx: bool = True,
@@ -139,11 +150,11 @@ def _write_chain(tmp: Path, levels: list[Path], drafts: bool, decode: Any, measu
                  onnx: bool, stamps: dict[str, Any] | None, target: str, say: Callable[[str], None]) -> None:
     """The chain assembled in ``tmp`` (the head copied first, so its ONNX file is hashed with it)."""
     from polyspec.export.head_formats import write_engines
-    from polyspec.manifest import _classify, assemble_chain, read_manifest, validate_chain, write_manifest
+    from polyspec.manifest import assemble_chain, read_manifest, validate_chain, write_manifest
     from polyspec.stamp import hardware_stamp, software_stamp
 
     draft, onnx_info = (levels[-1] if drafts else None), None
-    if draft is not None and _classify(draft)[0] == "head":
+    if draft is not None and _is_head(draft):
         draft = tmp / "parts" / "head"
         copy_tree(levels[-1], draft, ignore=shutil.ignore_patterns(FILE_HASHES))  # the manifest hashes
         onnx_info = _export_onnx(levels[0], draft, OPSET) if onnx else None

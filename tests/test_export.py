@@ -293,3 +293,20 @@ def test_lossless_line_says_what_a_failed_greedy_check_means():
     assert "expected in float16 on CUDA" in _lossless_line(False, "cuda:1", "float16")
     for device, dtype in (("cuda", "float32"), ("cpu", "bfloat16")):
         assert "not expected" in _lossless_line(False, device, dtype)
+
+
+def test_a_head_stays_the_draft_level_whatever_the_decision_drafts_with(parts, tmp_path):
+    """export_chain on level folders, a DecodeSpec and a measurements dict: under prompt lookup drafting a bottom
+    head is still the draft level (a head never verifies) and gets its ONNX file; a model level below the target
+    becomes a verifier (no draft level) when prompt lookup drafts alone."""
+    from polyspec.chain_spec import DecodeSpec, DraftSpec
+    from polyspec.export.package import export_chain
+
+    lookup = DecodeSpec(mode="chain", draft=DraftSpec(source="lookup", lookup=4))
+    levels = [parts["target"], parts["int4"], parts["head"]]
+    m = validate_chain(export_chain(tmp_path / "a", levels, lookup, {"note": 1}, onnx=True))
+    assert [(lv.name, lv.kind) for lv in m.levels] == [("target", "target"), ("intermediate", "int4"),
+                                                        ("draft", "head")]
+    assert "head.onnx" in m.levels[2].files and m.measurements["note"] == 1 and m.decode == lookup
+    m = validate_chain(export_chain(tmp_path / "b", levels[:2], lookup, {}, onnx=False))
+    assert [(lv.name, lv.kind) for lv in m.levels] == [("target", "target"), ("intermediate", "int4")]

@@ -82,13 +82,9 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    from polyspec.device import cpu_flags
+
+    return cpu_flags() or platform.processor()
 
 
 def _compiler() -> str | None:

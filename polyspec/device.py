@@ -39,15 +39,38 @@ def resolve_device(device: str) -> Any:
     return torch.device(name)
 
 
+def cpu_flags() -> str:
+    """The CPU's feature flags as the kernel lists them (/proc/cpuinfo's ``flags``, ``Features`` on Arm); "" where
+    there is no such file."""
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# bf16 in hardware: x86's AVX512-BF16 and AMX, Arm's BF16 extension
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def fast_bf16_matmul(device: Any) -> bool:
-    """Whether bfloat16 matrix products are fast on ``device``: every CUDA GPU polyspec supports, and CPUs whose
-    oneDNN has bf16 instructions (AVX512-BF16 or AMX). On a 2-core AVX512-BF16 VM a [1024, 576] x [576, 8192] product
-    ran 5x faster in bf16 than in float32 (docs/TRAIN.md, "bf16 on the CPU"); head training and teacher feature
-    extraction use it. Decoding is another question (GEMV, not GEMM): see :func:`resolve_dtype`."""
+    """Whether bfloat16 matrix products are fast on ``device``: every CUDA GPU polyspec supports, and CPUs with bf16
+    instructions (AVX512-BF16, AMX, Arm BF16). On a 2-core AVX512-BF16 VM a [1024, 576] x [576, 8192] product ran 5x
+    faster in bf16 than in float32 (docs/TRAIN.md, "bf16 on the CPU"); head training and teacher feature extraction
+    use it. oneDNN also calls bf16 "supported" on AVX-512 CPUs without it (Skylake / Cascade Lake Xeons), where it
+    emulates it: that product ran 3.4x *slower* than float32 on one. Decoding is another question (GEMV, not GEMM):
+    see :func:`resolve_dtype`."""
     import torch
 
     if torch.device(device).type == "cuda":
         return True
+    flags = set(cpu_flags().split())
+    if flags and not flags & BF16_FLAGS:
+        return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

@@ -30,6 +30,23 @@ def test_device_and_dtype_resolution():
             resolve_device("cuda")
 
 
+@pytest.mark.parametrize("flags, mkldnn, fast", [
+    ("fpu avx512f avx512bw avx512_vnni", True, False),  # Cascade Lake: oneDNN emulates bf16, slower than fp32
+    ("fpu avx512f avx512_bf16", True, True),
+    ("fpu amx_tile amx_bf16", True, True),
+    ("fp asimd bf16", True, True),  # Arm's Features line
+    ("", True, True),  # no /proc/cpuinfo: oneDNN's word
+    ("fpu avx512_bf16", False, False),
+])
+def test_bf16_matmul_is_fast_only_with_bf16_instructions(monkeypatch, flags, mkldnn, fast):
+    from polyspec import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: mkldnn)
+    assert device.fast_bf16_matmul("cpu") is fast
+    assert device.fast_bf16_matmul("cuda") is True
+
+
 @pytest.mark.parametrize("env, rank0", [({}, True), ({"RANK": "0", "LOCAL_RANK": ""}, True), ({"RANK": "1"}, False),
                                         ({"LOCAL_RANK": "2"}, False), ({"NODE_RANK": "1"}, False)])
 def test_global_rank_zero(monkeypatch, env, rank0):

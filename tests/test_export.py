@@ -193,7 +193,7 @@ def test_export_onto_a_full_file_system_is_one_error_and_the_old_chain_stays(par
     from polyspec.chain_spec import DecodeSpec
     from polyspec.export.package import export_profiled
 
-    probe = export_chain(tmp_path / "probe", parts, profile, DecodeSpec(), onnx=False)
+    probe = export_profiled(tmp_path / "probe", parts, profile, DecodeSpec(), onnx=False)
     size_kb = sum(f.stat().st_size for f in probe.rglob("*") if f.is_file()) * 3 // 2 // 1024 + 64
     small = tmp_path / "small"
     small.mkdir()

@@ -334,6 +334,7 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     load_head(out, target)
 
 
+@pytest.mark.slow  # minutes of training on 2 cores: the fast tier keeps one training run per head kind
 def test_tiny_eagle3_training_lowers_the_loss_and_decodes_losslessly(tmp_path, peaked_model):
     from polyspec.decode.chain import ChainDecoder
     from polyspec.decode.head import load_head, read_head_config, save_head
@@ -417,6 +418,7 @@ def test_eagle3_offline_cache_holds_the_fused_layers_and_final_state_and_trains(
     assert dual.generate(prompt, 16).token_ids == ar
 
 
+@pytest.mark.slow  # minutes of training on 2 cores: the fast tier keeps one training run per head kind
 def test_resume_after_a_kill_ends_with_the_same_step_count(tmp_path, tiny_model):
     import lightning as L
 
@@ -646,6 +648,7 @@ def test_eagle_ttt_options_checked_and_keyed():
         cfg(aux_layers=[1])
 
 
+@pytest.mark.slow  # minutes of training on 2 cores: the fast tier keeps one training run per head kind
 def test_tiny_eagle_training_with_an_unroll_logs_each_step_and_decodes_losslessly(tmp_path, tiny_model):
     """train.ttt_steps on an EAGLE-1/2 head: one step deep for the first ttt_start share of the steps, then
     unrolled (each step's agreement logged); the loss falls and the head decodes exactly like ar."""

@@ -45,11 +45,18 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
 def _flags() -> list[str]:
-    """The compiler flags; POLYSPEC_PORTABLE_ROWS=1 builds the portable fp32 rows for int4 and bf16 weights even
-    where AVX512-BF16 is there (the tests compare both paths this way)."""
-    portable = os.environ.get("POLYSPEC_PORTABLE_ROWS", "") not in ("", "0")
-    return _FLAGS + (["-DPOLYSPEC_PORTABLE_ROWS"] if portable else [])
+    """The compiler flags. POLYSPEC_PORTABLE_ROWS=1 builds the portable fp32 rows for int4 and bf16 weights even
+    where AVX512-BF16 is there (the tests compare both paths this way); POLYSPEC_HALF_WIDTH=1 builds those rows on
+    8-lane vectors (the portable rows' FMA rate on a core that issues 512-bit operations in halves, emulated on a
+    full-width one: docs/KERNELS.md)."""
+    half = _env_flag("POLYSPEC_HALF_WIDTH")
+    portable = half or _env_flag("POLYSPEC_PORTABLE_ROWS")
+    return _FLAGS + (["-DPOLYSPEC_PORTABLE_ROWS"] if portable else []) + (["-DPOLYSPEC_HALF_WIDTH"] if half else [])
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

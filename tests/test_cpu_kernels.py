@@ -107,11 +107,12 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
 
 
-def _with_portable_build(tmp_path, monkeypatch, fn):
-    """fn() run against the portable build (POLYSPEC_PORTABLE_ROWS: fp32 rows for int4 and bf16 weights), the loaded
-    library restored afterwards; returns (fn's result, that build's dot_path())."""
+def _with_portable_build(tmp_path, monkeypatch, fn, env: str = "POLYSPEC_PORTABLE_ROWS"):
+    """fn() run against the portable build (POLYSPEC_PORTABLE_ROWS: fp32 rows for int4 and bf16 weights; or
+    POLYSPEC_HALF_WIDTH: the same on 8-lane vectors), the loaded library restored afterwards; returns (fn's result,
+    that build's dot_path())."""
     saved = ck._lib, ck._tried, ck._failure
-    monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", "1")
+    monkeypatch.setenv(env, "1")
     monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(tmp_path))
     ck._lib, ck._tried, ck._failure = None, False, None
     try:
@@ -138,6 +139,30 @@ def test_both_bf16_row_kernels_compute_the_bf16_matmul(k, tmp_path, monkeypatch)
         assert y.dtype == torch.bfloat16 and ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
     # both sum exact products in fp32: they differ by at most one bf16 rounding step of the output
     assert ((native.double() - portable.double()).abs() <= 2 ** -7 * portable.double().abs() + 1e-3).all()
+
+
+def test_the_half_width_build_computes_the_same_matmul_batch_invariantly(tmp_path, monkeypatch):
+    """POLYSPEC_HALF_WIDTH (the widened bf16 rows on 8-lane vectors, to measure a half-width core's FMA rate here)
+    is held to the full-width build's contract: the fp64 matmul to fp32 rounding, and a row's result independent of
+    the rows beside it at every pass width (blocks of 4 weight rows and a tail row: n = 301)."""
+    g = _gen(44)
+    w = torch.randn(301, 577, generator=g).bfloat16()
+    b = torch.randn(301, generator=g).bfloat16()
+    x = torch.randn(9, 577, generator=g)
+
+    def run():
+        full = ck.linear(x, w, b)
+        rows = [ck.linear(x[i:i + 1], w, b)[0] for i in range(9)] + [ck.linear(x[:5], w, b)]
+        return full, rows
+
+    with torch.inference_mode():
+        (full, rows), path = _with_portable_build(tmp_path, monkeypatch, run, env="POLYSPEC_HALF_WIDTH")
+    assert path == "fp32"
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert ((full.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    for i in range(9):
+        assert torch.equal(rows[i], full[i])
+    assert torch.equal(rows[9], full[:5])
 
 
 def test_an_fp32_input_against_bf16_weights_is_not_rounded():

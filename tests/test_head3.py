@@ -274,3 +274,37 @@ def test_the_chain_feeds_the_head_fused_target_states(target_dir):
         _, aux = Transformer.from_pretrained(target_dir)(torch.tensor(prompt), aux_layers=tuple(head.aux_layers))
         want = head.fuse(aux)[:-1]  # head rows 1..5 read the features of positions 0..4
     torch.testing.assert_close(seen[0], want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_chain_with_an_eagle31_head_keeps_its_kind_and_decodes_like_ar(tmp_path):
+    """The head folder's head_type travels through the chain (assemble, validate, load_chain): the loaded head has
+    its norms and weights, and greedy dual decoding equals ar. A folder claiming eagle3.1 without an fc_norm tensor
+    is named by the chain's shape check."""
+    from conftest import make_tiny_llama
+    from safetensors.torch import load_file
+
+    from polyspec.chain_spec import DecodeSpec
+    from polyspec.decode.generate import build_decoder, load_chain
+    from polyspec.decode.head import read_head_config, save_head
+    from polyspec.manifest import assemble_chain
+    from polyspec.shapes import head_problems
+
+    target_dir = make_tiny_llama(tmp_path / "t", layers=4)  # with a tokenizer: load_chain reads it
+    head = make_head(Transformer.from_pretrained(target_dir), 200, head_type="eagle3.1")
+    head_dir = save_head(head, tmp_path / "h", {"t": "tiny"})
+    assemble_chain(tmp_path / "c", target_dir, [], head_dir, DecodeSpec(mode="dual", draft={"k": 3}))
+    chain = load_chain(tmp_path / "c", device="cpu", dtype="float32")
+    loaded = chain.models["draft"]
+    assert (type(loaded), loaded.head_type, loaded.norm_output) == (Eagle3Head, "eagle3.1", True)
+    mine = head.trainable_state_dict()
+    assert all(torch.equal(v, mine[k]) for k, v in loaded.trainable_state_dict().items())
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = build_decoder(chain, "ar", max_seq_len=64).generate(prompt, 16)
+    dual = build_decoder(chain, "dual", max_seq_len=64).generate(prompt, 16)
+    assert dual.token_ids == ar.token_ids and dual.stats["levels"][-1]["tokens_emitted"] > 0
+    headers = {k: ("F32", tuple(v.shape)) for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+    assert head_problems(read_head_config(head_dir), headers, "draft")[0] == []
+    del headers["fc_norm.1.weight"]
+    problems, _ = head_problems(read_head_config(head_dir), headers, "draft")
+    assert problems == ["draft: the weights have no tensor fc_norm.1.weight (expected [128], from hidden_size 128, "
+                        "aux_layers)"]

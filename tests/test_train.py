@@ -682,6 +682,39 @@ def test_tiny_eagle_training_with_an_unroll_logs_each_step_and_decodes_losslessl
                         max_seq_len=64).generate(prompt, 16).token_ids == ar
 
 
+def test_an_eagle31_training_step_is_finite_and_trains_its_norms(tmp_path, peaked_model):
+    """train.head=eagle3.1: the stage builds an EAGLE-3.1 head (fc_norm, norm_output), a training step unrolled three
+    steps deep gives a finite loss whose gradient reaches every fc_norm, one optimizer step moves them, and the head
+    gets its own training key (an eagle3 key is unchanged)."""
+    from polyspec.decode.model import Transformer
+    from polyspec.train.module import HeadModule
+    from polyspec.train.stage import _new_head, head_settings, train_key
+
+    teacher = Transformer.from_pretrained(peaked_model).eval()
+    cfg = head_settings(_recipe(tmp_path, peaked_model, head="eagle3.1", draft_vocab=100).train)
+    torch.manual_seed(0)
+    counts = torch.randint(0, 1000, (teacher.args.vocab_size,), generator=torch.Generator().manual_seed(0))
+    head = _new_head(cfg, teacher, counts)
+    assert (head.head_type, head.norm_output, len(head.fc_norm), cfg.ttt_steps) == ("eagle3.1", True, 3, 3)
+    module = HeadModule(head, cfg, draft_k=3, teacher=teacher)
+    g = torch.Generator().manual_seed(1)
+    b, t = 2, 20
+    batch = {"input_ids": torch.randint(0, teacher.args.vocab_size, (b, t), generator=g),
+             "loss_mask": (torch.rand(b, t, generator=g) > 0.3).long(), "lengths": torch.tensor([20, 14])}
+    before = [n.weight.detach().clone() for n in head.fc_norm]
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    loss = module._losses(batch, 0.0, cfg.ttt_steps)["loss"]
+    loss.backward()
+    assert math.isfinite(float(loss.detach()))
+    assert all(n.weight.grad is not None and bool(n.weight.grad.abs().sum() > 0) for n in head.fc_norm)
+    opt.step()
+    assert all(not torch.equal(n.weight, w) for n, w in zip(head.fc_norm, before, strict=True))
+    runtime = {"strategy": "auto", "devices": 1, "precision": "32-true", "accelerator": "cpu"}
+    keys = {h: train_key("t", "t", "d", _recipe(tmp_path, peaked_model, head=h).train, runtime)
+            for h in ("eagle3", "eagle3.1")}
+    assert keys["eagle3"] != keys["eagle3.1"]
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_compiled_training_step_matches_the_eager_reference(tmp_path, tiny_model, steps):
     """train.compile: the training step's layer pass and row losses through torch.compile (inductor) give the eager

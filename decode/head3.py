@@ -20,9 +20,10 @@ is the same tensor, ``fc_norm.{i}.weight`` [H] the only new ones (speculators' n
 a_i are the target's residual-stream outputs of the ``aux_layers`` (0-based layer i: Hugging Face's
 ``hidden_states[i + 1]``; default [1, N/2 - 1, N - 4] as SpecForge's). Positions follow the EAGLE head: head row t
 reads (token x_{t+1}, g_t) and its logits predict x_{t+2}; RoPE position t. At later draft steps the head's own
-``h_out`` (H wide, not normalised; EAGLE-3.1: normalised) takes g's place, without fc. In a chain the level above the head returns the aux
-concatenation and :meth:`Eagle3Head.fuse` turns it into g (see :class:`polyspec.decode.levels.ModelLevel`), so every
-feature the chain stores is H wide, whether it came from a level above or from the head itself.
+``h_out`` (H wide, not normalised; EAGLE-3.1: normalised) takes g's place, without fc. In a chain the level above the
+head returns the aux concatenation and :meth:`Eagle3Head.fuse` turns it into g (see
+:class:`polyspec.decode.levels.ModelLevel`), so every feature the chain stores is H wide, whether it came from a level
+above or from the head itself.
 
 Tensor names map 1:1 onto the engines' formats: ``fc.weight``, ``layer.*`` (SpecForge ``midlayer.*``, speculators
 ``layers.0.*``), ``norm.weight``, ``lm_head.weight`` [Vd, H], ``d2t`` int64 [Vd], ``t2d`` bool [V]. Speculators'
@@ -247,7 +248,7 @@ class Eagle3Head(CachedDecoder):
         run = self.layer if layer is None else layer
         if not self.norm_output:
             return run
-        return lambda *a: self.norm(run(*a))
+        return lambda *a: self.state(run(*a))
 
 
 def init_from_target(head: Eagle3Head, target: nn.Module, draft_ids: torch.Tensor) -> Eagle3Head:

@@ -8,12 +8,14 @@ SGLang"):
   (``speculators_model_type`` eagle3, ``transformer_layer_config``, ``speculators_config``, ...) and
   ``model.safetensors`` with ``fc``, ``layers.0.*``, ``norm``, ``lm_head`` [Vd, H], ``d2t`` int64 [Vd] (target id -
   draft id), ``t2d`` bool [V]; an EAGLE-3.1 head also ``fc_norm.{i}.weight`` and ``"fc_norm": true, "norm_output":
-  true`` (vLLM releases with EAGLE-3.1 support read both). EAGLE-3 heads only: speculators has no EAGLE-1/2 model type any more, and vLLM's
-  EAGLE-1 loader has neither the fc bias nor the layer-0 input norm polyspec's EAGLE-1/2 heads use.
+  true`` (vLLM releases with EAGLE-3.1 support read both). EAGLE-3 heads only: speculators has no EAGLE-1/2 model
+  type any more, and vLLM's EAGLE-1 loader has neither the fc bias nor the layer-0 input norm polyspec's EAGLE-1/2
+  heads use.
 * ``sglang``: an EAGLE-3 head as SpecForge writes it for ``LlamaForCausalLMEagle3`` (``midlayer.*``, aux layers in
   ``eagle_config``; an EAGLE-3.1 head also ``fc_norm.{i}.weight`` and top-level ``fc_norm`` / ``norm_output``, which
-  SGLang releases before its EAGLE-3.1 support ignore without a word); an EAGLE-1/2 head as ``LlamaForCausalLMEagle`` reads it, plus FR-Spec's token map
-  (``hot_token_map.pt``: the draft vocabulary's token ids, for ``--speculative-token-map``).
+  SGLang releases before its EAGLE-3.1 support ignore without a word); an EAGLE-1/2 head as ``LlamaForCausalLMEagle``
+  reads it, plus FR-Spec's token map (``hot_token_map.pt``: the draft vocabulary's token ids, for
+  ``--speculative-token-map``).
 * ``eagle`` (SafeAILab/EAGLE's ``ea_model`` folder): ``config.json`` + ``model.safetensors`` (EAGLE reads it when
   there is no ``pytorch_model.bin``), EAGLE-1/2 (``fc``, ``layers.N.*``) or EAGLE-3 (``midlayer.*``) names. EAGLE
   takes the embedding from the target folder (``base_model_path``) through its ``model.safetensors.index.json`` only,

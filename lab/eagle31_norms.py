@@ -12,8 +12,8 @@ reuse), so a rerun only measures. Prints one JSON line per head and the differen
 
     OMP_NUM_THREADS=1 python lab/eagle31_norms.py --steps 2 --prompts 2 --tokens 16 workdir=/tmp/e31 \\
         target.device=cpu target.dtype=float32 train.precision=32-true train.features=online \\
-        data.max_conversations=40 data.heldout_fraction=0.25 data.max_length=256 train.batch_size=2 train.warmup_steps=1 \\
-        train.accept_prompts=0 tracking.enabled=false
+        data.max_conversations=40 data.heldout_fraction=0.25 data.max_length=256 train.batch_size=2 \\
+        train.warmup_steps=1 train.accept_prompts=0 tracking.enabled=false
 """
 
 from __future__ import annotations

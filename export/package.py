@@ -179,7 +179,8 @@ def _write_chain(tmp: Path, levels: list[Path], drafts: bool, decode: Any, measu
 def check_onnx_head(head_dir: Path) -> None:
     """Refuse (before any work) an ONNX export of a head that onnx_head cannot write (a head type it does not know).
     A bottom level that is no head (a model draft) has nothing to export."""
-    from polyspec.decode.head import HEAD_MODEL_TYPE, HEAD_TYPES, head_type, read_head_config
+    from polyspec.chain_spec import HEAD_TYPES
+    from polyspec.decode.head import HEAD_MODEL_TYPE, head_type, read_head_config
     from polyspec.decode.model import read_hf_config
 
     if read_hf_config(Path(head_dir)).get("model_type") != HEAD_MODEL_TYPE:

@@ -217,7 +217,8 @@ def _chi2_critical(df: int, alpha: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("tree", [None, DraftSpec(tree=TreeShape(top_k=2, depth=2, total_tokens=4))], ids=["linear", "tree"])
+@pytest.mark.parametrize("tree", [None, pytest.param(DraftSpec(tree=TreeShape(top_k=2, depth=2, total_tokens=4)),
+                                                  marks=pytest.mark.slow)], ids=["linear", "tree"])
 def test_sampled_output_is_the_warped_target(tmp_path_factory, tree):
     """A tiny-vocabulary target (V = 8) and an EAGLE-3 head whose draft vocabulary leaves 3 target tokens out (they
     can only come from the residual): the first two tokens of many seeded runs against the exact joint."""

@@ -455,6 +455,7 @@ def test_resume_after_a_kill_ends_with_the_same_step_count(tmp_path, tiny_model)
     assert info["steps"] == expected and info["epochs_completed"] == 3
 
 
+@pytest.mark.slow  # heavy (the fast tier stays under 6 minutes: README)
 def test_lightning_ddp_with_two_gloo_processes(tmp_path, tiny_model):
     """``python -m polyspec.train`` with strategy ddp, 2 CPU processes: Lightning re-runs the command as rank 1."""
     tree = _tree(tmp_path, tiny_model, strategy="ddp", devices=2, epochs=1, checkpoint_every=100)

@@ -20,7 +20,7 @@ a proper distribution (zero outside the subset), so the chain stays exactly loss
 subset is simply never proposed and comes from the residual.
 
 The EAGLE-3 head lives in :mod:`polyspec.decode.head3`; :func:`save_head` / :func:`load_head` write and read both
-kinds (config ``head_type``: absent or "eagle" here, "eagle3" there).
+kinds (config ``head_type``: absent or "eagle" here, "eagle3" or "eagle3.1" there).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from polyspec.chain_spec import EAGLE3_TYPES, HEAD_TYPES
 from polyspec.decode import cpu_kernels
 from polyspec.decode.model import (
     CachedDecoder,
@@ -50,7 +51,6 @@ HEAD_MODEL_TYPE = "polyspec-eagle-head"
 TOKEN_COUNTS_FILE = "token_counts.safetensors"
 HEAD_FORMAT_VERSION = 1
 TRAINABLE_PREFIXES = ("fc.", "layer.")
-HEAD_TYPES = ("eagle", "eagle3")  # EAGLE-1/2 (this module), EAGLE-3 (polyspec.decode.head3)
 
 
 def ttt_mask(t: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -295,7 +295,8 @@ def save_head(head: EagleHead, out_dir: str | Path, target_info: dict[str, Any],
               token_counts: torch.Tensor | None = None) -> Path:
     """Write ``out_dir`` atomically: config.json (model_type, format version, the layer's ModelArgs, the caller's
     target identity/hash; for an EAGLE-3 head also head_type, aux_layers and draft_vocab_size) and model.safetensors
-    with the head's own tensors only (EAGLE-1/2: fc.* and layer.*; EAGLE-3: also norm, lm_head, d2t, t2d; never the
+    with the head's own tensors only (EAGLE-1/2: fc.* and layer.*; EAGLE-3: also norm, lm_head, d2t, t2d, and for
+    EAGLE-3.1 fc_norm.*; never the
     target's embedding or lm_head);
     with ``token_counts`` (int64 [V]: occurrences of each token id in the training targets) also
     token_counts.safetensors, which :meth:`EagleHead.set_draft_vocab` reads."""
@@ -343,7 +344,7 @@ def read_head_config(head_dir: str | Path) -> dict[str, Any]:
 
 
 def head_type(cfg: dict[str, Any]) -> str:
-    """"eagle" (EAGLE-1/2, also every folder written before head types existed) or "eagle3"."""
+    """"eagle" (EAGLE-1/2, also every folder written before head types existed), "eagle3" or "eagle3.1"."""
     kind = cfg.get("head_type", "eagle")
     if kind not in HEAD_TYPES:
         raise PolyspecError(f"head_type {kind!r} in a head config is not one of {list(HEAD_TYPES)}")
@@ -369,7 +370,7 @@ def load_head(head_dir: str | Path, target: nn.Module) -> EagleHead:
     if not weights_path.is_file():
         raise PolyspecError(f"{head_dir} has no model.safetensors")
     ref = target.embed_tokens.weight
-    eagle3 = head_type(cfg) == "eagle3"
+    eagle3 = head_type(cfg) in EAGLE3_TYPES
     with torch.device("meta"):
         head = _empty_head3(cfg, args) if eagle3 else \
             EagleHead(args, nn.Embedding(args.vocab_size, args.hidden_size),
@@ -402,7 +403,7 @@ def _empty_head3(cfg: dict[str, Any], args: ModelArgs) -> nn.Module:
     if not isinstance(aux, list) or not all(isinstance(i, int) for i in aux) or not isinstance(size, int):
         raise PolyspecError(f"an eagle3 head config needs aux_layers (a list of layer ids) and draft_vocab_size (an "
                             f"integer), got {aux!r} and {size!r}")
-    return Eagle3Head(args, nn.Embedding(args.vocab_size, args.hidden_size), aux, size)
+    return Eagle3Head(args, nn.Embedding(args.vocab_size, args.hidden_size), aux, size, head_type(cfg))
 
 
 def read_token_counts(head_dir: str | Path, vocab_size: int) -> torch.Tensor | None:

@@ -8,12 +8,22 @@ vocabulary, trained with a training-time test. Beside :class:`polyspec.decode.he
     logits_d   = lm_head(norm(h_out))                              [Vd]: the draft vocabulary, its own trained rows
     target id  = draft id + d2t[draft id];  t2d[target id] = whether the target token is in the draft vocabulary
 
+EAGLE-3.1 (``head_type`` "eagle3.1"; vllm-project/speculators' and SpecForge's ``fc_norm`` + ``norm_output``) adds two
+norms and nothing else:
+
+    g          = fc(concat(fc_norm_0(a_low), fc_norm_1(a_mid), fc_norm_2(a_high)))    one RMSNorm per aux layer
+    s          = norm(h_out);  logits_d = lm_head(s)                                 s, not h_out, is fed back
+
+so the state the head returns and its next draft step reads is ``norm(h_out)`` (:meth:`Eagle3Head.state`); ``norm``
+is the same tensor, ``fc_norm.{i}.weight`` [H] the only new ones (speculators' names).
+
 a_i are the target's residual-stream outputs of the ``aux_layers`` (0-based layer i: Hugging Face's
 ``hidden_states[i + 1]``; default [1, N/2 - 1, N - 4] as SpecForge's). Positions follow the EAGLE head: head row t
 reads (token x_{t+1}, g_t) and its logits predict x_{t+2}; RoPE position t. At later draft steps the head's own
-``h_out`` (H wide, not normalised) takes g's place, without fc. In a chain the level above the head returns the aux
-concatenation and :meth:`Eagle3Head.fuse` turns it into g (see :class:`polyspec.decode.levels.ModelLevel`), so every
-feature the chain stores is H wide, whether it came from a level above or from the head itself.
+``h_out`` (H wide, not normalised; EAGLE-3.1: normalised) takes g's place, without fc. In a chain the level above the
+head returns the aux concatenation and :meth:`Eagle3Head.fuse` turns it into g (see
+:class:`polyspec.decode.levels.ModelLevel`), so every feature the chain stores is H wide, whether it came from a level
+above or from the head itself.
 
 Tensor names map 1:1 onto the engines' formats: ``fc.weight``, ``layer.*`` (SpecForge ``midlayer.*``, speculators
 ``layers.0.*``), ``norm.weight``, ``lm_head.weight`` [Vd, H], ``d2t`` int64 [Vd], ``t2d`` bool [V]. Speculators'
@@ -30,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from polyspec.chain_spec import EAGLE3_TYPES
 from polyspec.decode.head import training_unroll, ttt_mask
 from polyspec.decode.model import (
     MLP,
@@ -44,7 +55,7 @@ from polyspec.decode.model import (
 from polyspec.errors import PolyspecError
 
 HEAD_TYPE = "eagle3"
-TRAINABLE_PREFIXES = ("fc.", "layer.", "norm.", "lm_head.")
+TRAINABLE_PREFIXES = ("fc.", "fc_norm.", "layer.", "norm.", "lm_head.")
 VOCAB_BUFFERS = ("d2t", "t2d")
 
 
@@ -102,11 +113,11 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(CachedDecoder):
-    """fc(aux) -> Eagle3Layer(embed(x_{t+1}), .) -> norm -> lm_head over the draft vocabulary (module docstring)."""
+    """fc(aux) -> Eagle3Layer(embed(x_{t+1}), .) -> norm -> lm_head over the draft vocabulary (module docstring);
+    ``head_type`` "eagle3.1" adds EAGLE-3.1's fc_norm and norm_output."""
 
-    head_type = HEAD_TYPE
-
-    def __init__(self, args: ModelArgs, embed_tokens: nn.Embedding, aux_layers: list[int], draft_size: int):
+    def __init__(self, args: ModelArgs, embed_tokens: nn.Embedding, aux_layers: list[int], draft_size: int,
+                 head_type: str = HEAD_TYPE):
         super().__init__()
         h = args.hidden_size
         if embed_tokens.embedding_dim != h:
@@ -114,8 +125,15 @@ class Eagle3Head(CachedDecoder):
         if not aux_layers or not 0 < draft_size <= args.vocab_size:
             raise PolyspecError(f"an EAGLE-3 head needs aux layers (got {aux_layers}) and a draft vocabulary in "
                                 f"1..{args.vocab_size} (got {draft_size})")
+        if head_type not in EAGLE3_TYPES:
+            raise PolyspecError(f"an EAGLE-3 head's type is one of {list(EAGLE3_TYPES)}, got {head_type!r}")
         self.args = args
+        self.head_type = head_type
         self.aux_layers = [int(i) for i in aux_layers]
+        self.norm_output = head_type == "eagle3.1"
+        # EAGLE-3.1: each fused layer normalised on its own before fc (speculators' fc_norm.{i}.weight)
+        self.fc_norm = nn.ModuleList(RMSNorm(h, args.rms_norm_eps) for _ in self.aux_layers) \
+            if head_type == "eagle3.1" else None
         self.fc = Linear(len(self.aux_layers) * h, h, bias=False)
         self.layer = Eagle3Layer(args)
         self.norm = RMSNorm(h, args.rms_norm_eps)
@@ -159,8 +177,18 @@ class Eagle3Head(CachedDecoder):
                 if k.startswith(TRAINABLE_PREFIXES) or k in VOCAB_BUFFERS}
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """The target's aux concatenation [..., A H] -> the head's input feature g [..., H]."""
-        return self.fc(aux.to(self._compute_dtype()))
+        """The target's aux concatenation [..., A H] -> the head's input feature g [..., H] (EAGLE-3.1: each of the A
+        blocks through its own fc_norm first)."""
+        aux = aux.to(self._compute_dtype())
+        if self.fc_norm is not None:
+            blocks = aux.chunk(len(self.fc_norm), dim=-1)  # A x [..., H]
+            aux = torch.cat([norm(b) for norm, b in zip(self.fc_norm, blocks, strict=True)], dim=-1)
+        return self.fc(aux)
+
+    def state(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer output [..., H] -> the state the head returns and its next draft step reads: the output itself,
+        or with norm_output (EAGLE-3.1) its final norm."""
+        return self.norm(x) if self.norm_output else x
 
     def _layers(self) -> list[nn.Module]:
         return [self.layer]
@@ -171,14 +199,16 @@ class Eagle3Head(CachedDecoder):
         emb = self.embed_tokens(ids.to(self.embed_tokens.weight.device)).to(dtype)  # [B, T, H]
         return torch.cat((emb, features.to(dtype)), dim=-1)
 
-    def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Layer output [..., H] -> logits over the draft vocabulary [..., Vd]."""
-        return self.lm_head(self.norm(x))
+    def draft_logits(self, s: torch.Tensor) -> torch.Tensor:
+        """A state [..., H] (:meth:`state` of a layer output) -> logits over the draft vocabulary [..., Vd]; the final
+        norm is applied once, here or (norm_output) in the state already."""
+        return self.lm_head(s if self.norm_output else self.norm(s))
 
     def _out(self, x: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, T, V] float32, -inf outside the draft vocabulary; the layer output [B, T, H])."""
+        """(logits [B, T, V] float32, -inf outside the draft vocabulary; the state [B, T, H]) of layer outputs x."""
         if last_only:
             x = x[:, -1:]
+        x = self.state(x)
         sub = self.draft_logits(x).float()  # [B, T, Vd]
         logits = torch.full((*sub.shape[:-1], self.args.vocab_size), float("-inf"), device=sub.device)
         return logits.index_copy(-1, self.draft_ids.to(sub.device), sub), x
@@ -201,15 +231,24 @@ class Eagle3Head(CachedDecoder):
         return (logits[0], x[0]) if squeeze else (logits, x)
 
     def unroll(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, ...]]:
-        """The training-time test (:func:`polyspec.decode.head.training_unroll`) from g = fc(aux): input_ids [B, T],
-        aux [B, T, A H] (row t: the target's aux states at t) -> per step (draft logits [B, T, Vd], hidden [B, T, H])."""
-        return training_unroll(self, input_ids, self.fuse(aux), steps, self.draft_logits)
+        """The training-time test (:func:`polyspec.decode.head.training_unroll`) from g = fuse(aux): input_ids
+        [B, T], aux [B, T, A H] (row t: the target's aux states at t) -> per step (draft logits [B, T, Vd], state
+        [B, T, H])."""
+        return training_unroll(self, input_ids, self.fuse(aux), steps, self.draft_logits, self._step(None))
 
     def unrolled_states(self, input_ids: torch.Tensor, aux: torch.Tensor, steps: int,
                         layer: Any = None) -> list[torch.Tensor]:
-        """:meth:`unroll`'s hidden states [B, T, H] alone, one per step (training computes the logits of the rows
-        that count itself: polyspec.train.losses.step_rows); ``layer`` as in :func:`training_unroll`."""
-        return [out for _, out in training_unroll(self, input_ids, self.fuse(aux), steps, None, layer)]
+        """:meth:`unroll`'s states [B, T, H] alone, one per step (training computes the logits of the rows that count
+        itself: polyspec.train.losses.step_rows); ``layer`` as in :func:`training_unroll`."""
+        return [out for _, out in training_unroll(self, input_ids, self.fuse(aux), steps, None, self._step(layer))]
+
+    def _step(self, layer: Any) -> Any:
+        """What one unroll step runs: the layer (or ``layer``, its compiled form), then :meth:`state`, so the next
+        step reads what a draft step feeds back."""
+        run = self.layer if layer is None else layer
+        if not self.norm_output:
+            return run
+        return lambda *a: self.state(run(*a))
 
 
 def init_from_target(head: Eagle3Head, target: nn.Module, draft_ids: torch.Tensor) -> Eagle3Head:

@@ -7,15 +7,20 @@ SGLang"):
 * ``speculators`` (vllm-project/speculators' ``eagle3`` model, what ``vllm serve DIR`` takes): ``config.json``
   (``speculators_model_type`` eagle3, ``transformer_layer_config``, ``speculators_config``, ...) and
   ``model.safetensors`` with ``fc``, ``layers.0.*``, ``norm``, ``lm_head`` [Vd, H], ``d2t`` int64 [Vd] (target id -
-  draft id), ``t2d`` bool [V]. EAGLE-3 heads only: speculators has no EAGLE-1/2 model type any more, and vLLM's
-  EAGLE-1 loader has neither the fc bias nor the layer-0 input norm polyspec's EAGLE-1/2 heads use.
+  draft id), ``t2d`` bool [V]; an EAGLE-3.1 head also ``fc_norm.{i}.weight`` and ``"fc_norm": true, "norm_output":
+  true`` (vLLM releases with EAGLE-3.1 support read both). EAGLE-3 heads only: speculators has no EAGLE-1/2 model
+  type any more, and vLLM's EAGLE-1 loader has neither the fc bias nor the layer-0 input norm polyspec's EAGLE-1/2
+  heads use.
 * ``sglang``: an EAGLE-3 head as SpecForge writes it for ``LlamaForCausalLMEagle3`` (``midlayer.*``, aux layers in
-  ``eagle_config``); an EAGLE-1/2 head as ``LlamaForCausalLMEagle`` reads it, plus FR-Spec's token map
-  (``hot_token_map.pt``: the draft vocabulary's token ids, for ``--speculative-token-map``).
+  ``eagle_config``; an EAGLE-3.1 head also ``fc_norm.{i}.weight`` and top-level ``fc_norm`` / ``norm_output``, which
+  SGLang releases before its EAGLE-3.1 support ignore without a word); an EAGLE-1/2 head as ``LlamaForCausalLMEagle``
+  reads it, plus FR-Spec's token map (``hot_token_map.pt``: the draft vocabulary's token ids, for
+  ``--speculative-token-map``).
 * ``eagle`` (SafeAILab/EAGLE's ``ea_model`` folder): ``config.json`` + ``model.safetensors`` (EAGLE reads it when
   there is no ``pytorch_model.bin``), EAGLE-1/2 (``fc``, ``layers.N.*``) or EAGLE-3 (``midlayer.*``) names. EAGLE
   takes the embedding from the target folder (``base_model_path``) through its ``model.safetensors.index.json`` only,
-  so the export makes sure the target it names has one (:func:`eagle_target_index`).
+  so the export makes sure the target it names has one (:func:`eagle_target_index`). EAGLE's model has no EAGLE-3.1
+  norms: an EAGLE-3.1 head is refused.
 
 **EAGLE-1/2 heads, exactly.** polyspec's layer normalises its input (EAGLE's first layer does not) and fc has a bias
 (SGLang's and EAGLE's fc do too). The folder therefore holds two layers: layer 0, which those loaders build without
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from polyspec.chain_spec import EAGLE3_TYPES
 from polyspec.errors import PolyspecError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads FORMATS without loading it
@@ -50,7 +56,7 @@ class HeadSource:
     """What an export needs from a chain: its head's tensors and shape, and the target it drafts for."""
 
     level: str  # the chain level's name, for messages
-    kind: str  # "eagle" (EAGLE-1/2) or "eagle3"
+    kind: str  # "eagle" (EAGLE-1/2), "eagle3" or "eagle3.1" (chain_spec.HEAD_TYPES)
     args: Any  # decode.model.ModelArgs of the head's layer
     tensors: dict[str, torch.Tensor]  # the head folder's tensors, polyspec's names
     target_layers: int
@@ -137,7 +143,7 @@ def refusal(src: HeadSource, fmt: str) -> str | None:
                 "vLLM's EAGLE-1 loader has no fc bias and no layer-0 input norm, both of which this EAGLE-1/2 head "
                 "uses; --format sglang or --format eagle write it exactly, or train an EAGLE-3 head (train.head: "
                 "eagle3) for vLLM")
-    if src.kind == "eagle3" and len(set(src.aux_layers)) != 3:
+    if src.kind in EAGLE3_TYPES and len(set(src.aux_layers)) != 3:
         return (f"the head fuses the target layers {src.aux_layers}; vLLM, SGLang and EAGLE build fc for exactly 3 "
                 "distinct layers (each engine captures a layer once), so train.aux_layers needs three different "
                 "layers (a target of 7 or more layers gets them by default)")
@@ -150,17 +156,25 @@ def refusal(src: HeadSource, fmt: str) -> str | None:
     return None
 
 
+def _eagle31(src: HeadSource) -> bool:
+    """Whether the head has EAGLE-3.1's fc_norm and norm_output (decode/head3.py)."""
+    return src.kind == "eagle3.1"
+
+
 def _eagle_refusal(src: HeadSource) -> str | None:
     """SafeAILab/EAGLE's draft layer: head_dim = hidden / heads, RoPE without scaling (its scaled RoPE ignores
     rope_theta), and for EAGLE-3 the target layers its base model hard-codes."""
     a = src.args
+    if _eagle31(src):
+        return ("EAGLE's EAGLE-3 model has neither the per-layer fc_norm nor the normalised state fed back "
+                "(norm_output) of this EAGLE-3.1 head; --format speculators or sglang carry both")
     if a.head_dim * a.num_heads != a.hidden_size:
         return f"EAGLE's attention takes head_dim = hidden / heads; this head has head_dim {a.head_dim}"
     if a.rope_scaling:
         return f"EAGLE's draft layer does not reproduce RoPE scaling {a.rope_scaling}; --format sglang does"
     n = src.target_layers
     fixed = [1, n // 2 - 1, n - 4]  # EAGLE's base model keeps the inputs of layers 2, N/2 and N - 3
-    if src.kind == "eagle3" and sorted(src.aux_layers) != sorted(fixed):
+    if src.kind in EAGLE3_TYPES and sorted(src.aux_layers) != sorted(fixed):
         return (f"EAGLE's base model feeds an EAGLE-3 head the outputs of layers {fixed}, this head reads "
                 f"{src.aux_layers}; --format sglang or speculators take any three layers")
     return None
@@ -197,9 +211,12 @@ def eagle3_tensors(src: HeadSource, layer_prefix: str, *, vocab_maps: bool = Tru
     out = {(layer_prefix + k.removeprefix("layer.") if k.startswith("layer.") else k): v.contiguous()
            for k, v in src.tensors.items() if vocab_maps or k not in ("d2t", "t2d")}
     order = sorted(range(len(src.aux_layers)), key=src.aux_layers.__getitem__)
-    # engines concatenate the captured layers in layer order: fc's input blocks follow it
+    # engines concatenate the captured layers in layer order: fc's input blocks (and EAGLE-3.1's fc_norms) follow it
     blocks = out["fc.weight"].chunk(len(order), dim=1)  # [H, H] per aux layer, in the head's order
     out["fc.weight"] = torch.cat([blocks[i] for i in order], dim=1).contiguous()
+    if _eagle31(src):
+        norms = [out.pop(f"fc_norm.{i}.weight") for i in range(len(order))]
+        out |= {f"fc_norm.{j}.weight": norms[i] for j, i in enumerate(order)}
     a = src.args
     if a.attention_bias or a.has_o_bias:  # the config's attention_bias gives q, k, v and o_proj a bias each
         sizes = {"q": a.num_heads * a.head_dim, "k": a.num_kv_heads * a.head_dim, "v": a.num_kv_heads * a.head_dim,
@@ -243,7 +260,8 @@ def build_speculators(src: HeadSource) -> HeadExport:
         # speculators / vLLM count the inputs of layers, polyspec the outputs: + 1
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in sorted(src.aux_layers)],
         # polyspec's residual is the un-normalised hidden state; vLLM reads a missing key as true
-        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": _eagle31(src),
+        "norm_output": _eagle31(src),
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3", "default_proposal_method": "greedy",
@@ -259,8 +277,10 @@ def build_speculators(src: HeadSource) -> HeadExport:
 def build_sglang(src: HeadSource) -> HeadExport:
     """SGLang's ``LlamaForCausalLMEagle3`` (SpecForge's export) or ``LlamaForCausalLMEagle`` + FR-Spec token map."""
     dtype = _dtype_name(src.tensors)
-    if src.kind == "eagle3":
+    if src.kind in EAGLE3_TYPES:
         config = llama_config(src.args, layers=1, dtype=dtype)
+        if _eagle31(src):  # SGLang's LlamaForCausalLMEagle3 reads both from the top level
+            config.update(fc_norm=True, norm_output=True)
         config.update(architectures=["LlamaForCausalLMEagle3"],
                       draft_vocab_size=int(src.tensors["lm_head.weight"].shape[0]),
                       target_hidden_size=src.args.hidden_size,
@@ -275,7 +295,7 @@ def build_sglang(src: HeadSource) -> HeadExport:
 def build_eagle(src: HeadSource) -> HeadExport:
     """SafeAILab/EAGLE's draft folder: ``bias`` true (fc has one) for EAGLE-1/2, ``draft_vocab_size`` for EAGLE-3."""
     dtype = _dtype_name(src.tensors)
-    if src.kind == "eagle3":
+    if src.kind in EAGLE3_TYPES:
         config = llama_config(src.args, layers=1, dtype=dtype)
         config["draft_vocab_size"] = int(src.tensors["lm_head.weight"].shape[0])
         return HeadExport(config, eagle3_tensors(src, "midlayer."))
@@ -293,7 +313,7 @@ def build_export(src: HeadSource, fmt: str) -> HeadExport:
         raise PolyspecError(f"unknown head format {fmt!r}; choose one of {list(FORMATS)}")
     why = refusal(src, fmt)
     if why:
-        kind = "EAGLE-3" if src.kind == "eagle3" else "EAGLE-1/2"
+        kind = {"eagle3": "EAGLE-3", "eagle3.1": "EAGLE-3.1"}.get(src.kind, "EAGLE-1/2")
         raise PolyspecError(f"cannot write the {kind} head (chain level {src.level!r}) in the {fmt} format: {why}")
     return BUILDERS[fmt](src)
 

@@ -3,7 +3,8 @@
 The exported graph is the head's stateless pass (no KV cache): ``input_ids`` int64 [B, T] (tokens x_{t+1}) and
 ``features`` float32 [B, T, H] (features f_t) -> ``logits`` float32 [B, T, V] and ``hidden`` [B, T, H], causal within
 the block, RoPE positions 0..T-1. For an EAGLE-3 head ``features`` is the fused feature g_t = fc(aux_t) (the head's
-``fuse``; ``fc.weight`` is in its model.safetensors) or the head's own ``hidden`` of the step before, and the logits
+``fuse``, EAGLE-3.1's fc_norm included; ``fc.weight`` and ``fc_norm.*`` are in its model.safetensors) or the head's
+own ``hidden`` of the step before (EAGLE-3.1: the normalised state), and the logits
 are its draft vocabulary's scattered to target ids (-inf elsewhere), as ``Eagle3Head.forward`` returns them. The target's embedding and lm_head are part of the graph, so the file is
 self-contained. Export uses ``torch.onnx.export(dynamo=True)`` with dynamic batch and sequence axes (the legacy
 TorchScript exporter is not used). onnx / onnxruntime / onnxscript are imported inside the functions.
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from polyspec.chain_spec import EAGLE3_TYPES
 from polyspec.errors import PolyspecError
 
 ONNX_FILE = "head.onnx"
@@ -42,7 +44,7 @@ class _StatelessHead(nn.Module):
         dtype = hd.layer.input_layernorm.weight.dtype
         emb = hd.embed_tokens(input_ids).to(dtype)  # [B, T, H]
         x = torch.cat((emb, features.to(dtype)), dim=-1)  # [B, T, 2H]
-        eagle3 = getattr(hd, "head_type", "eagle") == "eagle3"
+        eagle3 = getattr(hd, "head_type", "eagle") in EAGLE3_TYPES
         if not eagle3:  # EAGLE-1/2: fc first; an EAGLE-3 layer splits the pair itself
             x = hd.fc(x)  # [B, T, H]
         cos, sin = rope_cos_sin(hd.inv_freq, torch.arange(t, device=x.device), x.dtype)  # [T, D] each
@@ -50,6 +52,7 @@ class _StatelessHead(nn.Module):
         x = hd.layer(x, cos, sin, causal, None, 0, 0)  # [B, T, H]
         if not eagle3:
             return hd.lm_head(x).float(), x
+        x = hd.state(x)  # what the head returns and feeds back (EAGLE-3.1: normalised)
         sub = hd.draft_logits(x).float()  # [B, T, Vd]: scattered to target ids, -inf elsewhere, as the head does
         full = torch.full((b, t, hd.args.vocab_size), float("-inf"), device=x.device)
         return full.index_copy(-1, hd.draft_ids, sub), x

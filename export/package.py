@@ -179,13 +179,14 @@ def _write_chain(tmp: Path, levels: list[Path], drafts: bool, decode: Any, measu
 def check_onnx_head(head_dir: Path) -> None:
     """Refuse (before any work) an ONNX export of a head that onnx_head cannot write (a head type it does not know).
     A bottom level that is no head (a model draft) has nothing to export."""
+    from polyspec.chain_spec import HEAD_TYPES
     from polyspec.decode.head import HEAD_MODEL_TYPE, head_type, read_head_config
     from polyspec.decode.model import read_hf_config
 
     if read_hf_config(Path(head_dir)).get("model_type") != HEAD_MODEL_TYPE:
         return
     kind = head_type(read_head_config(head_dir))
-    if kind not in ("eagle", "eagle3"):
+    if kind not in HEAD_TYPES:
         raise PolyspecError(f"ONNX export of an {kind} head ({head_dir}) is not supported yet; set export.onnx=false",
                             exit_code=2)
 

@@ -12,7 +12,7 @@ What a round drafts is one :class:`DraftSpec` everywhere: the recipe, the manife
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -21,6 +21,13 @@ from polyspec.errors import PolyspecError
 from polyspec.modes import CHAIN, MODES
 
 SCHEMA_VERSION = 2
+
+# A draft head's kind: its folder's config.json ``head_type`` and the recipe's ``train.head`` (decode/head.py,
+# decode/head3.py). eagle3.1 is EAGLE-3 with Eagle 3.1's two norms (fc_norm on each fused layer, the final norm's
+# output fed back: norm_output), as vllm-project/speculators and SpecForge name them.
+HeadType = Literal["eagle", "eagle3", "eagle3.1"]
+HEAD_TYPES: tuple[str, ...] = get_args(HeadType)
+EAGLE3_TYPES = ("eagle3", "eagle3.1")  # the EAGLE-3 family: fused aux layers, their own lm_head
 
 
 class Spec(BaseModel):

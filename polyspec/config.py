@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from polyspec.chain_spec import DecodeSpec
+from polyspec.chain_spec import EAGLE3_TYPES, DecodeSpec, HeadType
 from polyspec.device import DTYPE_CHOICES
 from polyspec.errors import PolyspecError
 from polyspec.safeload import load_yaml, read_bytes, utf8_text
@@ -142,10 +142,11 @@ class TrainConfig(Section):
         "(docs/TRAIN.md); the first steps pay the compilation"
     )
     seed: int = 0
-    head: Literal["eagle", "eagle3"] = Field(
+    head: HeadType = Field(
         "eagle", description="eagle: EAGLE-1/2 head (reads the target's final hidden state, shares its lm_head); "
         "eagle3: EAGLE-3 head (fused low/middle/high layer states, its own lm_head over train.draft_vocab tokens, "
-        "trained with a training-time test)"
+        "trained with a training-time test); eagle3.1: EAGLE-3 with Eagle 3.1's two norms (an RMSNorm per fused "
+        "layer before fc, and the final norm's output fed back to the next step; docs/TRAIN.md)"
     )
     ttt_steps: int | None = Field(
         None, ge=1, description="training-time test: the head unrolled on its own states for this many steps "
@@ -179,13 +180,13 @@ class TrainConfig(Section):
         if self.head == "eagle" and (self.ttt_steps or 1) == 1 and unused:
             raise ValueError(f"{', '.join('train.' + k for k in unused)} only apply to an unrolled head; set "
                              "train.ttt_steps above 1 too")
-        if self.head == "eagle3" and self.draft_vocab == 0:
+        if self.head in EAGLE3_TYPES and self.draft_vocab == 0:
             raise ValueError("train.draft_vocab must be >= 1 for an EAGLE-3 head (its lm_head has that many rows)")
         return self
 
 
 TTT_KEYS = ("ttt_steps", "ttt_decay", "ttt_start")  # the training-time test (both heads)
-EAGLE3_ONLY = ("aux_layers",)  # TrainConfig keys only train.head=eagle3 reads
+EAGLE3_ONLY = ("aux_layers",)  # TrainConfig keys only the EAGLE-3 heads (train.head=eagle3 / eagle3.1) read
 TTT_DECAY = 0.8  # the default weight ratio of successive unroll steps' losses, both heads
 EAGLE3_DEFAULTS = {"ttt_steps": 3, "ttt_decay": TTT_DECAY, "draft_vocab": 32000}
 EAGLE_DEFAULTS = {"ttt_steps": 1, "ttt_decay": TTT_DECAY, "draft_vocab": 0}  # EAGLE-1/2: no unroll unless asked

@@ -5,8 +5,9 @@ against each other. Used by :func:`polyspec.manifest.validate_chain`; no torch.
 The layouts checked tensor by tensor: the Hugging Face Llama family as polyspec's engine reads it
 (``model.layers.N.self_attn.q_proj.weight`` ...; decode/model.py), its GPTQ int4 copy (``qweight`` [in / 8, out],
 ``scales`` [groups, out]) and polyspec's EAGLE heads (``fc``, ``layer.*``; EAGLE-3 also ``lm_head``, ``d2t``,
-``t2d``). A model of another family (served through transformers) gets the checks every decoder shares: its layer
-count against the layers its weights hold, its embedding against its vocabulary and hidden sizes.
+``t2d``; EAGLE-3.1 ``fc_norm.*``). A model of another family (served through transformers) gets the checks every
+decoder shares: its layer count against the layers its weights hold, its embedding against its vocabulary and hidden
+sizes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from polyspec.chain_spec import EAGLE3_TYPES
 
 Headers = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (dtype, shape), over all of a level's files
 
@@ -177,7 +180,7 @@ def head_problems(cfg: dict[str, Any], headers: Headers, where: str) -> tuple[li
         return [f"{where}: a head's config.json needs an 'args' object (its layer's sizes)"], Claims(head=True)
     sizes = {k: _positive(args, k, f"{where}: args", problems, required=k != "head_dim")
              for k in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")}
-    eagle3 = cfg.get("head_type", "eagle") == "eagle3"
+    eagle3 = cfg.get("head_type", "eagle") in EAGLE3_TYPES
     aux = cfg.get("aux_layers") or []
     if eagle3 and not (isinstance(aux, list) and aux and all(isinstance(a, int) and a >= 0 for a in aux)):
         problems.append(f"{where}: aux_layers must be a non-empty list of layer indices >= 0, got {aux!r}")
@@ -202,6 +205,9 @@ def head_problems(cfg: dict[str, Any], headers: Headers, where: str) -> tuple[li
                                        where))
         problems.append(_shape_problem(headers, "d2t", (draft,), f"draft_vocab_size {draft}", where))
         problems.append(_shape_problem(headers, "t2d", (v,), f"args: vocab_size {v}", where))
+    if cfg.get("head_type") == "eagle3.1":  # one fc_norm per fused layer
+        problems += [_shape_problem(headers, f"fc_norm.{i}.weight", (h,), f"hidden_size {h}, aux_layers", where)
+                     for i in range(len(aux))]
     return [p for p in problems if p][:MAX_PROBLEMS_PER_LEVEL], claims
 
 

@@ -240,7 +240,7 @@ def test_the_counter_sees_a_host_read(monkeypatch, models):
 
 @pytest.mark.parametrize("draft, sp, backend, tree", [
     ("head", T09, "aot_eager", None), ("other", SamplingParams(), "aot_eager", None),
-    ("head", SamplingParams(), "aot_eager", TREE),
+    pytest.param("head", SamplingParams(), "aot_eager", TREE, marks=pytest.mark.slow),
     pytest.param("head", T09, "inductor", None, marks=pytest.mark.slow),
 ], ids=["head-T0.9", "model-T0", "head-tree-T0", "head-T0.9-inductor"])
 def test_the_round_compiles_with_fullgraph_and_equals_the_eager_round(models, draft, sp, backend, tree):

@@ -76,14 +76,14 @@ def eagle1_chain(target_dir, target, tmp_path_factory):
     return _chain(tmp_path_factory.mktemp("e1"), target_dir, head, counts)
 
 
-def _eagle3_head(target, aux: list[int] | None = None, qkv_bias: bool = False):
+def _eagle3_head(target, aux: list[int] | None = None, qkv_bias: bool = False, head_type: str = "eagle3"):
     from polyspec.decode.head3 import Eagle3Head, default_aux_layers, draft_vocab_ids, init_from_target
 
     # qkv_bias: Qwen2's layer (q/k/v bias, no o_proj bias)
     args = dataclasses.replace(target.args, num_layers=1, attention_bias=qkv_bias, o_proj_bias=False if qkv_bias
                                else None)
     aux = aux if aux is not None else default_aux_layers(target.args.num_layers)
-    head = Eagle3Head(args, target.embed_tokens, aux, DRAFT_VOCAB)
+    head = Eagle3Head(args, target.embed_tokens, aux, DRAFT_VOCAB, head_type)
     counts = torch.randint(0, 1000, (target.args.vocab_size,), generator=torch.Generator().manual_seed(3))
     head = init_from_target(head, target, draft_vocab_ids(counts, DRAFT_VOCAB))
     _randomise(head, 4)
@@ -93,6 +93,14 @@ def _eagle3_head(target, aux: list[int] | None = None, qkv_bias: bool = False):
 @pytest.fixture(scope="module")
 def eagle3_chain(target_dir, target, tmp_path_factory):
     return _chain(tmp_path_factory.mktemp("e3"), target_dir, _eagle3_head(target), None)
+
+
+@pytest.fixture(scope="module")
+def eagle31_chain(target_dir, target, tmp_path_factory):
+    """An EAGLE-3.1 head (fc_norm, norm_output) whose aux layers are not in layer order: its fc_norms move with fc's
+    blocks."""
+    return _chain(tmp_path_factory.mktemp("e31"), target_dir, _eagle3_head(target, [4, 1, 3], head_type="eagle3.1"),
+                  None)
 
 
 def _read(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -258,7 +266,7 @@ def test_a_qkv_bias_head_gets_a_zero_o_bias_for_vllm_and_is_refused_by_sglang(qk
             export_head(qkv_bias_chain, fmt, tmp_path / fmt)
 
 
-@pytest.mark.parametrize("chain_name", ["eagle3_chain", "qkv_bias_chain"])
+@pytest.mark.parametrize("chain_name", ["eagle3_chain", "qkv_bias_chain", "eagle31_chain"])
 def test_speculators_loads_the_folder_and_computes_the_same_logits(request, chain_name, target, tmp_path):
     from polyspec.export.head_formats import export_head
 
@@ -268,8 +276,9 @@ def test_speculators_loads_the_folder_and_computes_the_same_logits(request, chai
 
 
 def _speculators_logits_equal(out: Path, eagle3_chain: Path, target, draft_vocab: int = DRAFT_VOCAB) -> None:
-    """speculators' own Eagle3DraftModel loads ``out`` (every tensor into its module of that name) and its layers
-    give the polyspec head's draft logits."""
+    """speculators' own Eagle3DraftModel loads ``out`` (every tensor into its module of that name) and its modules,
+    in the order its forward runs them, give the polyspec head's draft logits and the state its next step reads
+    (EAGLE-3.1: fc_norm per aux layer before fc; norm_output: the final norm's output fed back)."""
     pytest.importorskip("speculators.models", reason="speculators is not installed (docs/SERVE.md)")
     from speculators.models import Eagle3DraftModel
 
@@ -287,18 +296,28 @@ def _speculators_logits_equal(out: Path, eagle3_chain: Path, target, draft_vocab
         assert torch.equal(state[name], tensor), name
 
     head = _polyspec_head(eagle3_chain, target)
+    eagle31 = head.head_type == "eagle3.1"
+    assert (c.fc_norm, c.norm_output, c.norm_before_fc) == (eagle31, eagle31, False)
+    assert (model.fc_norm is not None) == eagle31
     g = torch.Generator().manual_seed(6)
     t = 6
     ids = torch.randint(0, target.args.vocab_size, (1, t), generator=g)
-    aux = torch.randn(1, t, 3 * target.args.hidden_size, generator=g)
+    states = {i: torch.randn(1, t, target.args.hidden_size, generator=g) for i in head.aux_layers}
     with torch.no_grad():
-        ref = head.draft_logits(head(ids[0], head.fuse(aux[0]))[1])
+        ref_state = head(ids[0], head.fuse(torch.cat([states[i] for i in head.aux_layers], -1)[0]))[1]
+        ref = head.draft_logits(ref_state)
+        aux = torch.cat([states[i] for i in sorted(states)], -1)  # engines concatenate in layer order
+        if model.fc_norm is not None:
+            aux = torch.cat([n(a) for n, a in zip(model.fc_norm, aux.chunk(3, -1), strict=True)], -1)
         x = torch.cat((target.embed_tokens(ids), model.fc(aux)), -1)  # [1, T, 2H]: the first layer splits it
         pos = torch.arange(t)[None]
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
         h = model.layers[0](x, attention_mask=mask, position_ids=pos, position_embeddings=model.rotary_emb(x, pos))
-        got = model.lm_head(model.norm(h[0] if isinstance(h, tuple) else h))[0]
+        h = h[0] if isinstance(h, tuple) else h
+        fed_back = model.norm(h) if c.norm_output else h  # what speculators' next TTT step reads
+        got = model.lm_head(model.norm(h))[0]
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fed_back[0], ref_state, rtol=1e-4, atol=1e-4)
 
 
 def _with_engines(chain: Path, root: Path) -> tuple[Path, dict[str, str]]:
@@ -504,6 +523,7 @@ def _sglang_eagle3_parameters(cfg: dict) -> set[str]:
     params = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight"}
     params |= {f"model.midlayer.{k}" for k in SGLANG_EAGLE3_LAYER}
     params |= {"model.fc.bias"} if cfg.get("bias") else set()
+    params |= {f"model.fc_norm.{i}.weight" for i in range(3)} if cfg.get("fc_norm") else set()  # EAGLE-3.1
     return params | (set() if cfg["tie_word_embeddings"] else {"lm_head.weight"})
 
 
@@ -536,3 +556,27 @@ def test_the_sglang_and_eagle_folders_fill_every_slot_of_their_loaders(eagle3_ch
     assert set(places.values()) - {"d2t", "t2d"} == params - {"model.embed_tokens.weight"}
     _, w = _read(export_head(eagle3_chain, "eagle", tmp_path / "eagle"))
     assert set(w) == EAGLE3_EAGLE_NAMES - {"embed_tokens.weight"}
+
+
+def test_an_eagle31_chain_carries_its_norms_for_vllm_and_sglang_and_eagle_refuses_it(eagle31_chain, tmp_path):
+    """EAGLE-3.1's fc_norm weights (in layer order, as fc's blocks) and both flags reach vLLM's and SGLang's folders;
+    SGLang's loader places every tensor; EAGLE's format, which has no such norms, is refused with one error."""
+    from polyspec.export.head_formats import export_head
+
+    chain, refused = _with_engines(eagle31_chain, tmp_path)
+    manifest = json.loads((chain / "manifest.json").read_text())
+    assert set(manifest["engines"]) == {"vllm", "sglang"} and "EAGLE-3.1" in refused["eagle"]
+    cfg, w = _read(chain / "engines" / "sglang")
+    assert (cfg["fc_norm"], cfg["norm_output"]) == (True, True)
+    params = _sglang_eagle3_parameters(cfg)
+    places = _sglang_eagle3_places(set(w), params)
+    assert None not in places.values(), places
+    assert set(places.values()) - {"d2t", "t2d"} == params - {"model.embed_tokens.weight"}
+    _, head_w = _read(chain / "levels" / "draft")
+    _, vllm_w = _read(chain / "engines" / "vllm")
+    for j, i in enumerate((1, 2, 0)):  # the head fuses layers [4, 1, 3]; engines take them as [1, 3, 4]
+        assert torch.equal(w[f"fc_norm.{j}.weight"], head_w[f"fc_norm.{i}.weight"])
+        assert torch.equal(vllm_w[f"fc_norm.{j}.weight"], head_w[f"fc_norm.{i}.weight"])
+    with pytest.raises(PolyspecError, match="EAGLE-3.1 head .* in the eagle format: .*fc_norm"):
+        export_head(eagle31_chain, "eagle", tmp_path / "eagle")
+    assert not (tmp_path / "eagle").exists()

@@ -29,14 +29,22 @@ def target_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("t3") / "t", layers=4, tokenizer=None)
 
 
-def make_head(target: Transformer, draft_size: int, seed: int = 0) -> Eagle3Head:
-    """A random EAGLE-3 head over ``target`` whose draft vocabulary is a random subset of ``draft_size`` tokens."""
+HEAD_TYPES = ["eagle3", "eagle3.1"]
+
+
+def make_head(target: Transformer, draft_size: int, seed: int = 0, head_type: str = "eagle3") -> Eagle3Head:
+    """A random EAGLE-3 head over ``target`` whose draft vocabulary is a random subset of ``draft_size`` tokens
+    (eagle3.1: its fc_norm weights random around 1, so a norm left out changes the output)."""
     import dataclasses
 
     torch.manual_seed(seed)
     args = dataclasses.replace(target.args, num_layers=1)
-    head = Eagle3Head(args, target.embed_tokens, default_aux_layers(target.args.num_layers), draft_size)
+    head = Eagle3Head(args, target.embed_tokens, default_aux_layers(target.args.num_layers), draft_size, head_type)
     counts = torch.randint(0, 1000, (target.args.vocab_size,), generator=torch.Generator().manual_seed(seed))
+    if head.fc_norm is not None:
+        with torch.no_grad():
+            for norm in head.fc_norm:
+                norm.weight.copy_(1.0 + 0.3 * torch.randn(norm.weight.shape))
     return init_from_target(head, target, draft_vocab_ids(counts, draft_size)).eval()
 
 
@@ -84,11 +92,12 @@ def test_ttt_mask_sees_the_context_and_its_own_drafts_only():
                 assert bool(m[q, col]) == want, (step, q, col)
 
 
-def test_unroll_step_equals_a_cached_draft(target_dir):
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_unroll_step_equals_a_cached_draft(target_dir, head_type):
     """Unroll step k at row t is what the head computes when it drafts k tokens past row t with a cache: its cache
     holds rows 0..t (step 0) and then its own k entries. Checked against forward() with a real cache."""
     t = Transformer.from_pretrained(target_dir)
-    head = make_head(t, 64)
+    head = make_head(t, 64, head_type=head_type)
     ids = torch.randint(0, t.args.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
     aux = torch.randn(1, 9, 3 * t.args.hidden_size, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -107,22 +116,48 @@ def test_unroll_step_equals_a_cached_draft(target_dir):
             assert torch.isinf(logits[0, ~head.t2d]).all()
 
 
-def test_save_load_round_trip_gives_identical_logits(target_dir, tmp_path):
+def test_eagle31_normalises_each_fused_layer_and_feeds_back_the_normalised_state(target_dir):
+    """EAGLE-3.1 against EAGLE-3 with the same weights: g = fc(concat(fc_norm_i(a_i))), the same logits from the same
+    g, and the state returned (what the next draft step reads) is norm(the layer output), not the output itself."""
+    t = Transformer.from_pretrained(target_dir)
+    plain, h31 = make_head(t, 64), make_head(t, 64, head_type="eagle3.1")  # one seed: the same fc, layer, lm_head
+    assert plain.fc_norm is None and len(h31.fc_norm) == 3
+    aux = torch.randn(6, 3 * t.args.hidden_size, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([3, 9, 27, 81, 243, 7])
+    with torch.no_grad():
+        normed = torch.cat([n(a) for n, a in zip(h31.fc_norm, aux.chunk(3, -1), strict=True)], -1)
+        g = h31.fuse(aux)
+        torch.testing.assert_close(g, plain.fuse(normed), rtol=0, atol=0)
+        assert not torch.allclose(g, plain.fuse(aux))
+        logits, state = h31(ids, g)
+        ref_logits, out = plain(ids, g)
+    torch.testing.assert_close(logits, ref_logits)
+    torch.testing.assert_close(state, plain.norm(out))
+    assert not torch.allclose(state, out)
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_save_load_round_trip_gives_identical_logits(target_dir, tmp_path, head_type):
     from safetensors.torch import load_file
 
     from polyspec.decode.head import load_head, read_head_config, save_head
 
     t = Transformer.from_pretrained(target_dir)
-    head = make_head(t, 100)
+    head = make_head(t, 100, head_type=head_type)
     out = save_head(head, tmp_path / "h3", {"t": "tiny"})
     cfg = read_head_config(out)
-    assert (cfg["head_type"], cfg["aux_layers"], cfg["draft_vocab_size"]) == ("eagle3", head.aux_layers, 100)
+    assert (cfg["head_type"], cfg["aux_layers"], cfg["draft_vocab_size"]) == (head_type, head.aux_layers, 100)
     names = set(load_file(str(out / "model.safetensors")))
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layer.hidden_norm.weight",
             "layer.self_attn.q_proj.weight"} <= names
-    assert not any(n.startswith("embed_tokens") for n in names)
+    fc_norms = {f"fc_norm.{i}.weight" for i in range(3)}
+    assert (fc_norms <= names) == (head_type == "eagle3.1") and not any(n.startswith("embed_tokens") for n in names)
     loaded = load_head(out, t)
     assert type(loaded) is Eagle3Head and torch.equal(loaded.draft_ids, head.draft_ids)
+    assert (loaded.head_type, loaded.norm_output) == (head_type, head_type == "eagle3.1")
+    aux = torch.randn(5, 3 * t.args.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(loaded.fuse(aux), head.fuse(aux))
     ids = torch.tensor([3, 9, 27, 81, 243])
     feats = torch.randn(5, t.args.hidden_size)
     with torch.no_grad():
@@ -142,13 +177,14 @@ def test_save_load_round_trip_gives_identical_logits(target_dir, tmp_path):
     assert parity["max_abs_diff_logits"] < 1e-4 and parity["max_abs_diff_hidden"] < 1e-4
 
 
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
 @pytest.mark.parametrize("tree", [None, DraftSpec(tree=TreeShape(top_k=3, depth=4, total_tokens=12))], ids=["linear", "tree"])
-def test_greedy_dual_and_chain_with_an_eagle3_head_equal_ar(target_dir, tree):
+def test_greedy_dual_and_chain_with_an_eagle3_head_equal_ar(target_dir, tree, head_type):
     from polyspec.decode.int4 import quantize_model_rtn
 
     t = Transformer.from_pretrained(target_dir).eval()
     q = quantize_model_rtn(Transformer.from_pretrained(target_dir).eval(), group_size=128)
-    head = make_head(t, 200)
+    head = make_head(t, 200, head_type=head_type)
     prompt = [5, 17, 230, 9, 77, 3]
     ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 20).token_ids
     for levels, kw in [([ModelLevel(t, "t"), HeadLevel(head, "head")], {"draft": DraftSpec(k=4)}),
@@ -181,7 +217,8 @@ def _chi2_critical(df: int, alpha: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("tree", [None, DraftSpec(tree=TreeShape(top_k=2, depth=2, total_tokens=4))], ids=["linear", "tree"])
+@pytest.mark.parametrize("tree", [None, pytest.param(DraftSpec(tree=TreeShape(top_k=2, depth=2, total_tokens=4)),
+                                                  marks=pytest.mark.slow)], ids=["linear", "tree"])
 def test_sampled_output_is_the_warped_target(tmp_path_factory, tree):
     """A tiny-vocabulary target (V = 8) and an EAGLE-3 head whose draft vocabulary leaves 3 target tokens out (they
     can only come from the residual): the first two tokens of many seeded runs against the exact joint."""
@@ -238,3 +275,37 @@ def test_the_chain_feeds_the_head_fused_target_states(target_dir):
         _, aux = Transformer.from_pretrained(target_dir)(torch.tensor(prompt), aux_layers=tuple(head.aux_layers))
         want = head.fuse(aux)[:-1]  # head rows 1..5 read the features of positions 0..4
     torch.testing.assert_close(seen[0], want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_chain_with_an_eagle31_head_keeps_its_kind_and_decodes_like_ar(tmp_path):
+    """The head folder's head_type travels through the chain (assemble, validate, load_chain): the loaded head has
+    its norms and weights, and greedy dual decoding equals ar. A folder claiming eagle3.1 without an fc_norm tensor
+    is named by the chain's shape check."""
+    from conftest import make_tiny_llama
+    from safetensors.torch import load_file
+
+    from polyspec.chain_spec import DecodeSpec
+    from polyspec.decode.generate import build_decoder, load_chain
+    from polyspec.decode.head import read_head_config, save_head
+    from polyspec.manifest import assemble_chain
+    from polyspec.shapes import head_problems
+
+    target_dir = make_tiny_llama(tmp_path / "t", layers=4)  # with a tokenizer: load_chain reads it
+    head = make_head(Transformer.from_pretrained(target_dir), 200, head_type="eagle3.1")
+    head_dir = save_head(head, tmp_path / "h", {"t": "tiny"})
+    assemble_chain(tmp_path / "c", target_dir, [], head_dir, DecodeSpec(mode="dual", draft={"k": 3}))
+    chain = load_chain(tmp_path / "c", device="cpu", dtype="float32")
+    loaded = chain.models["draft"]
+    assert (type(loaded), loaded.head_type, loaded.norm_output) == (Eagle3Head, "eagle3.1", True)
+    mine = head.trainable_state_dict()
+    assert all(torch.equal(v, mine[k]) for k, v in loaded.trainable_state_dict().items())
+    prompt = [5, 17, 230, 9, 77, 3]
+    ar = build_decoder(chain, "ar", max_seq_len=64).generate(prompt, 16)
+    dual = build_decoder(chain, "dual", max_seq_len=64).generate(prompt, 16)
+    assert dual.token_ids == ar.token_ids and dual.stats["levels"][-1]["tokens_emitted"] > 0
+    headers = {k: ("F32", tuple(v.shape)) for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+    assert head_problems(read_head_config(head_dir), headers, "draft")[0] == []
+    del headers["fc_norm.1.weight"]
+    problems, _ = head_problems(read_head_config(head_dir), headers, "draft")
+    assert problems == ["draft: the weights have no tensor fc_norm.1.weight (expected [128], from hidden_size 128, "
+                        "aux_layers)"]

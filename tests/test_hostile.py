@@ -601,7 +601,8 @@ def test_slow_header_clients_are_dropped_and_normal_ones_all_served(loaded):
 
     from polyspec.decode.serve.limits import ServeLimits
 
-    app = _app(loaded, limits=ServeLimits(read_timeout=1.0, max_connections=400))
+    # 2 s: a loaded 2-core CI machine can take over 1 s to read a normal client's body beside 300 connections
+    app = _app(loaded, limits=ServeLimits(read_timeout=2.0, max_connections=400))
     with _serving(app) as port:
         partial = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
         body = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
@@ -615,7 +616,7 @@ def test_slow_header_clients_are_dropped_and_normal_ones_all_served(loaded):
 
         with ThreadPoolExecutor(16) as pool:
             assert list(pool.map(ask, range(16))) == [200] * 16
-        assert all(_closed_within(s, max(3.0 - (time.monotonic() - t0), 0.1)) for s in slow)
+        assert all(_closed_within(s, max(5.0 - (time.monotonic() - t0), 0.1)) for s in slow)
         for s in slow:
             s.close()
 

@@ -138,6 +138,7 @@ def _post(url: str, body: dict) -> object:
         return json.loads(r.read())
 
 
+@pytest.mark.slow  # heavy (the fast tier stays under 6 minutes: README)
 def test_mlflow_models_serve_answers_a_scoring_request_on_loopback(logged, tmp_path):
     """``mlflow models serve --env-manager local`` (this environment) on 127.0.0.1 answers /invocations."""
     from polyspec.decode.generate import generate_text, load_chain

@@ -33,6 +33,7 @@ decode: {{draft: {{k: 2}}, mu: [4], max_new_tokens: 8}}
     return p
 
 
+@pytest.mark.slow  # heavy (the fast tier stays under 6 minutes: README)
 def test_run_end_to_end_rerun_and_interrupted_stage(tmp_path, monkeypatch, capfd):
     capsys = capfd  # polyspec's own lines go to the terminal's descriptors (polyspec.console), not sys.stdout
     target = make_tiny_llama(tmp_path / "target", seed=4)

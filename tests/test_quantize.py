@@ -331,6 +331,7 @@ class _Tracker:
         self.params.update(p)
 
 
+@pytest.mark.slow  # heavy (the fast tier stays under 6 minutes: README)
 @needs_gptqmodel
 def test_quantize_stage_on_a_tiny_recipe(tmp_path):
     from polyspec.config import validate_tree
@@ -376,6 +377,7 @@ def test_quantize_stage_on_a_tiny_recipe(tmp_path):
     assert quantize_stage(recipe, tracker=_Tracker()) == out
 
 
+@pytest.mark.slow  # heavy (the fast tier stays under 6 minutes: README)
 @needs_gptqmodel
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")
 def test_gptq_runs_in_a_child_and_leaves_no_threads_here(tmp_path):

@@ -263,13 +263,13 @@ def _chi2_pairs(loaded, cands, bottom: str, n: int = 600) -> tuple[float, float]
     return stat, chi2_critical(sum(e > 0 for e in exp) - 1, 1e-3)
 
 
-@pytest.mark.parametrize("bottom", ["head", "lookup"])
+@pytest.mark.parametrize("bottom", [pytest.param("head", marks=pytest.mark.slow), "lookup"])
 def test_four_level_chain_samples_the_targets_law(loaded, cands, bottom):
     stat, crit = _chi2_pairs(loaded, cands, bottom)
     assert stat < crit, (stat, crit)
 
 
-@pytest.mark.parametrize("bottom", ["head", "lookup"])
+@pytest.mark.parametrize("bottom", [pytest.param("head", marks=pytest.mark.slow), "lookup"])
 def test_a_wrong_residual_fails_the_same_check(monkeypatch, loaded, cands, bottom):
     """Resampling from p instead of normalise(max(0, p - q)) at a rejection biases the output: the check has power."""
     from polyspec.decode import sampling

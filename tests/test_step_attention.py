@@ -161,6 +161,7 @@ print("step ok")
 '''
 
 
+@pytest.mark.slow  # heavy (the fast tier stays under 6 minutes: README)
 @needs_triton
 def test_a_static_step_on_the_kernels_matches_the_models_forward_under_the_interpreter():
     """The op's kernels inside the whole static step (views of the fused projection, a bucket's buffers, padding rows,

@@ -455,6 +455,7 @@ def test_resume_after_a_kill_ends_with_the_same_step_count(tmp_path, tiny_model)
     assert info["steps"] == expected and info["epochs_completed"] == 3
 
 
+@pytest.mark.slow  # heavy (the fast tier stays under 6 minutes: README)
 def test_lightning_ddp_with_two_gloo_processes(tmp_path, tiny_model):
     """``python -m polyspec.train`` with strategy ddp, 2 CPU processes: Lightning re-runs the command as rank 1."""
     tree = _tree(tmp_path, tiny_model, strategy="ddp", devices=2, epochs=1, checkpoint_every=100)
@@ -680,6 +681,39 @@ def test_tiny_eagle_training_with_an_unroll_logs_each_step_and_decodes_losslessl
     ar = ChainDecoder([ModelLevel(target, "t")], max_seq_len=64).generate(prompt, 16).token_ids
     assert ChainDecoder([ModelLevel(target, "t"), HeadLevel(head, "h")], draft=DraftSpec(k=3),
                         max_seq_len=64).generate(prompt, 16).token_ids == ar
+
+
+def test_an_eagle31_training_step_is_finite_and_trains_its_norms(tmp_path, peaked_model):
+    """train.head=eagle3.1: the stage builds an EAGLE-3.1 head (fc_norm, norm_output), a training step unrolled three
+    steps deep gives a finite loss whose gradient reaches every fc_norm, one optimizer step moves them, and the head
+    gets its own training key (an eagle3 key is unchanged)."""
+    from polyspec.decode.model import Transformer
+    from polyspec.train.module import HeadModule
+    from polyspec.train.stage import _new_head, head_settings, train_key
+
+    teacher = Transformer.from_pretrained(peaked_model).eval()
+    cfg = head_settings(_recipe(tmp_path, peaked_model, head="eagle3.1", draft_vocab=100).train)
+    torch.manual_seed(0)
+    counts = torch.randint(0, 1000, (teacher.args.vocab_size,), generator=torch.Generator().manual_seed(0))
+    head = _new_head(cfg, teacher, counts)
+    assert (head.head_type, head.norm_output, len(head.fc_norm), cfg.ttt_steps) == ("eagle3.1", True, 3, 3)
+    module = HeadModule(head, cfg, draft_k=3, teacher=teacher)
+    g = torch.Generator().manual_seed(1)
+    b, t = 2, 20
+    batch = {"input_ids": torch.randint(0, teacher.args.vocab_size, (b, t), generator=g),
+             "loss_mask": (torch.rand(b, t, generator=g) > 0.3).long(), "lengths": torch.tensor([20, 14])}
+    before = [n.weight.detach().clone() for n in head.fc_norm]
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    loss = module._losses(batch, 0.0, cfg.ttt_steps)["loss"]
+    loss.backward()
+    assert math.isfinite(float(loss.detach()))
+    assert all(n.weight.grad is not None and bool(n.weight.grad.abs().sum() > 0) for n in head.fc_norm)
+    opt.step()
+    assert all(not torch.equal(n.weight, w) for n, w in zip(head.fc_norm, before, strict=True))
+    runtime = {"strategy": "auto", "devices": 1, "precision": "32-true", "accelerator": "cpu"}
+    keys = {h: train_key("t", "t", "d", _recipe(tmp_path, peaked_model, head=h).train, runtime)
+            for h in ("eagle3", "eagle3.1")}
+    assert keys["eagle3"] != keys["eagle3.1"]
 
 
 @pytest.mark.parametrize("steps", [1, 3])

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from polyspec.chain_spec import EAGLE3_TYPES
 from polyspec.decode.head import subset_logits, subset_weight
 from polyspec.train.ckpt_io import load_tree, save_tree
 from polyspec.train.features import teacher_aux_and_final, teacher_hidden
@@ -56,7 +57,7 @@ class HeadModule(L.LightningModule):
         self.train_log: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
         self._val_sums = torch.zeros(5, dtype=torch.float64)
-        self.eagle3 = getattr(head, "head_type", "eagle") == "eagle3"
+        self.eagle3 = getattr(head, "head_type", "eagle") in EAGLE3_TYPES
         self._aux = tuple(head.aux_layers) if self.eagle3 else ()
         self._kept = {"head." + k for k in head.trainable_state_dict()}  # what checkpoints hold
         self._unroll_from = 0.0  # optimizer step from which training unrolls the head (configure_optimizers)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polyspec.chain_spec import EAGLE3_TYPES
 from polyspec.config import EAGLE3_DEFAULTS, EAGLE3_ONLY, EAGLE_DEFAULTS, TTT_KEYS, TrainConfig
 from polyspec.device import device_name, fast_bf16_matmul, heap_kept, is_global_rank_zero, resolve_dtype
 from polyspec.errors import PolyspecError, missing_extra
@@ -462,7 +463,7 @@ def _acceptance_probe(cfg: TrainConfig, draft: Any, teacher, prepared, tokenizer
 def head_settings(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with the head's defaults (EAGLE3_DEFAULTS, or EAGLE_DEFAULTS for EAGLE-1/2) filled in where the recipe
     leaves them unset."""
-    defaults = EAGLE3_DEFAULTS if cfg.head == "eagle3" else EAGLE_DEFAULTS
+    defaults = EAGLE3_DEFAULTS if cfg.head in EAGLE3_TYPES else EAGLE_DEFAULTS
     return cfg.model_copy(update={k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
@@ -471,7 +472,7 @@ def _aux_layers(cfg: TrainConfig, teacher) -> list[int]:
     [] for an EAGLE-1/2 head."""
     from polyspec.decode.head3 import default_aux_layers
 
-    if cfg.head != "eagle3":
+    if cfg.head not in EAGLE3_TYPES:
         return []
     n = teacher.args.num_layers
     aux = cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(n)
@@ -482,8 +483,8 @@ def _aux_layers(cfg: TrainConfig, teacher) -> list[int]:
 
 
 def _new_head(cfg: TrainConfig, teacher, counts: Any):
-    """A fresh head for ``cfg.head``: EAGLE-1/2 over the teacher's embedding and lm_head, or EAGLE-3 with its draft
-    vocabulary (the most frequent training tokens) and lm_head / norm started from the teacher's."""
+    """A fresh head for ``cfg.head``: EAGLE-1/2 over the teacher's embedding and lm_head, or EAGLE-3 / 3.1 with its
+    draft vocabulary (the most frequent training tokens) and lm_head / norm started from the teacher's."""
     from polyspec.decode.head import EagleHead
     from polyspec.decode.head3 import Eagle3Head, draft_vocab_ids, init_from_target
 
@@ -492,7 +493,7 @@ def _new_head(cfg: TrainConfig, teacher, counts: Any):
         return EagleHead(args, teacher.embed_tokens, teacher.lm_head).float()
     aux = _aux_layers(cfg, teacher)
     size = min(cfg.draft_vocab, args.vocab_size)
-    head = Eagle3Head(args, teacher.embed_tokens, aux, size).float()
+    head = Eagle3Head(args, teacher.embed_tokens, aux, size, cfg.head).float()
     return init_from_target(head, teacher, draft_vocab_ids(counts, size))
 
 
@@ -515,7 +516,7 @@ def _fit(train: TrainConfig, t: TrainInputs, runtime: dict[str, Any], teacher, p
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     head = _new_head(cfg, teacher, counts)
     module = HeadModule(head, cfg, draft_k=t.draft.k,
-                        teacher=teacher if cfg.features == "online" or cfg.head == "eagle3" else None, probe=probe,
+                        teacher=teacher if cfg.features == "online" or cfg.head in EAGLE3_TYPES else None, probe=probe,
                         loss_ids=_loss_ids(cfg, counts))
 
     train_dl, val_dl = _loaders(cfg, prepared, cache_info)

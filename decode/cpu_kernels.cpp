@@ -90,16 +90,21 @@ static inline void by_pass(int64_t g, F&& f) {
 
 // The weight rows stream from memory in address order (pack_weights lays a model's weights out in the order a step
 // reads them), and the hardware prefetcher alone leaves a verification of 2-5 rows waiting on memory: each 128-byte
-// step also asks for the lines PREFETCH_BYTES ahead, as non-temporal (prefetchnta), so a model's weights streaming
-// through do not evict what is read again soon (the draft head's weights between two target steps, the KV cache).
-// Measured on the 2-core AMD EPYC VM (docs/KERNELS.md): bf16 SmolLM2 generations 1.03x (ar) and 1.07x (dual) faster than
-// without it, 1.02x / 1.04x faster than with temporal prefetches. A prefetch never faults: running past the end of
-// a weight is harmless.
+// step also asks for the lines PREFETCH_BYTES ahead. The hint is the build's POLYSPEC_PREFETCH_LOCALITY
+// (cpu_kernels.py picks it by CPU vendor): 0, non-temporal (prefetchnta), on AMD, so a model's weights streaming
+// through do not evict what is read again soon (the draft head's weights between two target steps, the KV cache):
+// on the 2-core AMD EPYC VM bf16 SmolLM2 generations 1.03x (ar) and 1.07x (dual) faster than without a prefetch,
+// 1.02x / 1.04x faster than with temporal ones. 1 (prefetcht2) elsewhere: on an Intel Xeon (Cascade Lake) the bf16
+// target's layers took 2.6x as long with prefetchnta, and 1.25x without a prefetch (docs/KERNELS.md). A prefetch
+// never faults: running past the end of a weight is harmless.
+#ifndef POLYSPEC_PREFETCH_LOCALITY
+#define POLYSPEC_PREFETCH_LOCALITY 1
+#endif
 static constexpr int64_t PREFETCH_BYTES = 9216;
 static inline void prefetch_ahead(const void* p) {
     const char* c = (const char*)p + PREFETCH_BYTES;
-    __builtin_prefetch(c, 0, 0);
-    __builtin_prefetch(c + 64, 0, 0);
+    __builtin_prefetch(c, 0, POLYSPEC_PREFETCH_LOCALITY);
+    __builtin_prefetch(c + 64, 0, POLYSPEC_PREFETCH_LOCALITY);
 }
 
 // Pins two loaded weight vectors in registers for the loop body. Without it GCC folds the load into every input
@@ -151,104 +156,14 @@ static void rows(const float* x, const W* w, const float* bias, int64_t M, int64
             const int64_t left = M - m0;
             // Passes over the row (the first from memory, later ones from L1): measured on our VM (DECODE.md), fp32
             // rows with up to 5 inputs run fastest as passes of 3 and of 1 (a 2-, 4- or 5-input pass is slower), 6
-            // and more as passes of 8.
-            const int64_t g = M >= 6 ? (left >= 8 ? 8 : left) : (left >= 3 ? 3 : 1);
+            // and more as passes of 8. bf16 rows widen every weight once per pass, so for them one pass of up to 8
+            // is faster at every width (0.82-0.93x the time at 2, 4 and 5 inputs on a 49,152 x 576 lm_head).
+            const int64_t g = (M >= 6 || sizeof(W) <= 2) ? (left >= 8 ? 8 : left) : (left >= 3 ? 3 : 1);
             by_pass(g, [&](auto G) { row_dots<W, decltype(G)::value>(xm, row, K, out); });
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
             m0 += g;
         }
     }
-}
-
-// bf16 weights widened to fp32 (CPUs without AVX512-BF16, or fp32 inputs): R consecutive weight rows (one block of
-// R K elements, pack_weights' row-major layout) against G fp32 input rows. Per VL inputs the G input vectors are
-// loaded once for the R rows and each row's VL weights widened once for the G inputs: R + G loads per R G products,
-// where one row at a time took 2 + 2G per 2G and left the load ports, not the FMA units, limiting a verification
-// (docs/KERNELS.md, "The CPU fast path"). One accumulator per (row, input) over k = 0, VL, 2 VL, ..., a fixed-order
-// lane sum, then the K % VL tail in order: every (row, input) pair gets the same sequence for every R, G and M
-// (batch-invariant). VL is 16 (zmm); a POLYSPEC_HALF_WIDTH build runs the same kernel on 8-lane ymm vectors (32 of
-// them with AVX-512VL): the FLOP rate of a core that issues 512-bit operations in halves (Zen 4), for measuring here.
-#ifdef POLYSPEC_HALF_WIDTH
-typedef v8f vw;
-static constexpr int64_t VL = 8;
-typedef uint16_t vwh __attribute__((vector_size(16)));
-typedef uint32_t vwu __attribute__((vector_size(32)));
-static inline float lane_sum_w(vw v) {
-    v4f q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    float a = q[0] + q[2], b = q[1] + q[3];
-    return a + b;
-}
-#else
-typedef v16f vw;
-static constexpr int64_t VL = 16;
-typedef v16h vwh;
-typedef v16u vwu;
-static inline float lane_sum_w(vw v) { return lane_sum(v); }
-#endif
-
-static inline vw load_xw(const float* p) {
-    vw v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-static inline vw load_ww(const uint16_t* p) {
-    vwh h;
-    memcpy(&h, p, sizeof(h));
-    vwu u = __builtin_convertvector(h, vwu) << 16;
-    vw v;
-    memcpy(&v, &u, sizeof(v));
-    return v;
-}
-
-template <int R, int G>
-static inline void block_dots_w16(const float* x, const uint16_t* w, int64_t K, float* out) {
-    vw acc[R][G];
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) acc[r][g] = (vw){0};
-    const int64_t kv = K - K % VL;
-    for (int64_t k = 0; k < kv; k += VL) {
-        // the block is read in address order as a whole (R VL-weight slices per step): prefetch that sweep, 128 bytes
-        // (64 weights) a call
-        if ((k * R) % 64 == 0) prefetch_ahead(w + k * R);
-        vw xs[G];
-        for (int g = 0; g < G; g++) xs[g] = load_xw(x + g * K + k);
-        for (int r = 0; r < R; r++) {
-            const vw wr = load_ww(w + r * K + k);
-            for (int g = 0; g < G; g++) acc[r][g] += wr * xs[g];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) {
-            float s = lane_sum_w(acc[r][g]);
-            for (int64_t k = kv; k < K; k++) s += bf16_to_f32(w[r * K + k]) * x[g * K + k];
-            out[r * 8 + g] = s;
-        }
-}
-
-// One block of R rows against all M input rows: balanced passes of up to 5 (R G accumulators, G input vectors and a
-// weight vector fit the 32 registers), the block read from memory in the first pass and from L1 in later ones.
-template <int R>
-static void block_rows_w16(const float* x, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
-                           int64_t n, float* y) {
-    float out[R * 8];
-    const int64_t passes = (M + 4) / 5;
-    for (int64_t q = 0, m0 = 0; q < passes; q++) {
-        const int64_t g = (M - m0) / (passes - q);
-        by_pass<5>(g, [&](auto G) { block_dots_w16<R, decltype(G)::value>(x + m0 * K, w + n * K, K, out); });
-        for (int r = 0; r < R; r++)
-            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
-        m0 += g;
-    }
-}
-
-// Rows n_begin..n_end-1 of a bf16 weight, widened, in blocks of 4 rows (single rows at the end: each row then has a
-// single accumulator chain, so blocks also hide the FMA latency for one input row).
-static void rows_w16(const float* x, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
-                     int64_t n_begin, int64_t n_end, float* y) {
-    int64_t n = n_begin;
-    for (; n + 4 <= n_end; n += 4) block_rows_w16<4>(x, w, bias, M, K, N, n, y);
-    for (; n < n_end; n++) block_rows_w16<1>(x, w, bias, M, K, N, n, y);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -503,7 +418,7 @@ static inline void rows_w(const float* x, const I4Input& in, const WBF16& w, con
 #ifdef POLYSPEC_DPBF16
     if (w.dot) return rows_dp<uint16_t>(in.xb, in.xb_row, w.w, bias, M, K, N, nb, ne, y);
 #endif
-    rows_w16(x, w.w, bias, M, K, N, nb, ne, y);
+    rows<uint16_t>(x, w.w, bias, M, K, N, nb, ne, y);
 }
 // One pass of G input rows (from row m0) over an int4 weight row, with this build's row kernel. Passes hold up to
 // I4_PASS rows: 4 on the bf16 path (2 accumulators + 1 total per row in registers), 8 on the portable one.

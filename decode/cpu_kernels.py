@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from polyspec.errors import PolyspecError
+
 _ABI = 11
 MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (faster from ~30 rows)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
@@ -50,13 +52,26 @@ def _env_flag(name: str) -> bool:
 
 
 def _flags() -> list[str]:
-    """The compiler flags. POLYSPEC_PORTABLE_ROWS=1 builds the portable fp32 rows for int4 and bf16 weights even
-    where AVX512-BF16 is there (the tests compare both paths this way); POLYSPEC_HALF_WIDTH=1 builds those rows on
-    8-lane vectors (the portable rows' FMA rate on a core that issues 512-bit operations in halves, emulated on a
-    full-width one: docs/KERNELS.md)."""
-    half = _env_flag("POLYSPEC_HALF_WIDTH")
-    portable = half or _env_flag("POLYSPEC_PORTABLE_ROWS")
-    return _FLAGS + (["-DPOLYSPEC_PORTABLE_ROWS"] if portable else []) + (["-DPOLYSPEC_HALF_WIDTH"] if half else [])
+    """The compiler flags; POLYSPEC_PORTABLE_ROWS=1 builds the portable fp32 rows for int4 and bf16 weights even
+    where AVX512-BF16 is there (the tests compare both paths this way)."""
+    portable = _env_flag("POLYSPEC_PORTABLE_ROWS")
+    locality = f"-DPOLYSPEC_PREFETCH_LOCALITY={prefetch_locality()}"
+    return _FLAGS + [locality] + (["-DPOLYSPEC_PORTABLE_ROWS"] if portable else [])
+
+
+def prefetch_locality() -> int:
+    """The weight stream's prefetch hint (cpu_kernels.cpp, prefetch_ahead): 0 (non-temporal) on AMD, where it was
+    measured best, 1 (prefetcht2) elsewhere: on an Intel Xeon non-temporal prefetches made the layers 2.6x slower.
+    POLYSPEC_PREFETCH_LOCALITY (0-3) overrides it."""
+    from polyspec.device import cpu_vendor
+
+    env = os.environ.get("POLYSPEC_PREFETCH_LOCALITY", "").strip()
+    if env:
+        if env not in ("0", "1", "2", "3"):
+            raise PolyspecError(f"POLYSPEC_PREFETCH_LOCALITY must be 0, 1, 2 or 3 (got {env!r}); unset it for the "
+                                "CPU's default")
+        return int(env)
+    return 0 if cpu_vendor() == "AuthenticAMD" else 1
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

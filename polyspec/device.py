@@ -39,18 +39,29 @@ def resolve_device(device: str) -> Any:
     return torch.device(name)
 
 
-def cpu_flags() -> str:
-    """The CPU's feature flags as the kernel lists them (/proc/cpuinfo's ``flags``, ``Features`` on Arm); "" where
-    there is no such file."""
+def _cpuinfo(*keys: str) -> str:
+    """The first /proc/cpuinfo line's value whose name is one of ``keys``; "" where there is none (or no such file)."""
     from pathlib import Path
 
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
+            name, _, value = line.partition(":")
+            if name.strip() in keys:
+                return value.strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags as the kernel lists them (/proc/cpuinfo's ``flags``, ``Features`` on Arm); "" where
+    there is no such file."""
+    return _cpuinfo("flags", "Features")
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's ``vendor_id`` (x86: "AuthenticAMD", "GenuineIntel"); "" elsewhere."""
+    return _cpuinfo("vendor_id")
 
 
 # bf16 in hardware: x86's AVX512-BF16 and AMX, Arm's BF16 extension

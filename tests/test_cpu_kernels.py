@@ -107,13 +107,18 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
 
 
-def _with_portable_build(tmp_path, monkeypatch, fn, env: str = "POLYSPEC_PORTABLE_ROWS"):
-    """fn() run against the portable build (POLYSPEC_PORTABLE_ROWS: fp32 rows for int4 and bf16 weights; or
-    POLYSPEC_HALF_WIDTH: the same on 8-lane vectors), the loaded library restored afterwards; returns (fn's result,
-    that build's dot_path())."""
+@pytest.fixture(scope="module")
+def other_builds(tmp_path_factory):
+    """One kernel cache for this module's portable build: compiled once (~15 s), not once per test."""
+    return tmp_path_factory.mktemp("other_builds")
+
+
+def _with_portable_build(cache, monkeypatch, fn):
+    """fn() run against the portable build (POLYSPEC_PORTABLE_ROWS: fp32 rows for int4 and bf16 weights) kept in
+    ``cache``, the loaded library restored afterwards; returns (fn's result, that build's dot_path())."""
     saved = ck._lib, ck._tried, ck._failure
-    monkeypatch.setenv(env, "1")
-    monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", "1")
+    monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(cache))
     ck._lib, ck._tried, ck._failure = None, False, None
     try:
         return fn(), ck.dot_path()
@@ -122,7 +127,7 @@ def _with_portable_build(tmp_path, monkeypatch, fn, env: str = "POLYSPEC_PORTABL
 
 
 @pytest.mark.parametrize("k", [576, 100, 1536])
-def test_both_bf16_row_kernels_compute_the_bf16_matmul(k, tmp_path, monkeypatch):
+def test_both_bf16_row_kernels_compute_the_bf16_matmul(k, other_builds, monkeypatch):
     """A bf16 input against bf16 weights: the vdpbf16ps rows (where AVX512-BF16 is built) and the portable widened
     rows both compute the exact bf16 products summed in fp32 (to fp32 rounding), so they agree with each other and
     with the fp64 matmul to the one bf16 rounding of the output."""
@@ -132,7 +137,7 @@ def test_both_bf16_row_kernels_compute_the_bf16_matmul(k, tmp_path, monkeypatch)
     x = torch.randn(6, k, generator=g).bfloat16()
     with torch.inference_mode():
         native, native_path = ck.kernel_linear(x, w, b), ck.dot_path()
-        portable, portable_path = _with_portable_build(tmp_path, monkeypatch, lambda: ck.linear(x, w, b))
+        portable, portable_path = _with_portable_build(other_builds, monkeypatch, lambda: ck.linear(x, w, b))
     assert portable_path == "fp32" and native_path in ("fp32", "avx512-bf16")
     ref = F.linear(x.double(), w.double(), b.double())
     for y in (native, portable):
@@ -141,28 +146,39 @@ def test_both_bf16_row_kernels_compute_the_bf16_matmul(k, tmp_path, monkeypatch)
     assert ((native.double() - portable.double()).abs() <= 2 ** -7 * portable.double().abs() + 1e-3).all()
 
 
-def test_the_half_width_build_computes_the_same_matmul_batch_invariantly(tmp_path, monkeypatch):
-    """POLYSPEC_HALF_WIDTH (the widened bf16 rows on 8-lane vectors, to measure a half-width core's FMA rate here)
-    is held to the full-width build's contract: the fp64 matmul to fp32 rounding, and a row's result independent of
-    the rows beside it at every pass width (blocks of 4 weight rows and a tail row: n = 301)."""
-    g = _gen(44)
-    w = torch.randn(301, 577, generator=g).bfloat16()
-    b = torch.randn(301, generator=g).bfloat16()
-    x = torch.randn(9, 577, generator=g)
+def test_the_prefetch_hint_follows_the_cpu_vendor_and_the_environment(monkeypatch):
+    """Non-temporal prefetches on AMD (measured best there), prefetcht2 elsewhere (prefetchnta made an Intel Xeon's
+    layers 2.6x slower); POLYSPEC_PREFETCH_LOCALITY overrides, a bad value is one clear error; the hint is in the
+    build's flags, so each hint is its own cached library."""
+    from polyspec import device
 
-    def run():
-        full = ck.linear(x, w, b)
-        rows = [ck.linear(x[i:i + 1], w, b)[0] for i in range(9)] + [ck.linear(x[:5], w, b)]
-        return full, rows
+    monkeypatch.delenv("POLYSPEC_PREFETCH_LOCALITY", raising=False)
+    for vendor, hint in (("AuthenticAMD", 0), ("GenuineIntel", 1), ("", 1)):
+        monkeypatch.setattr(device, "cpu_vendor", lambda v=vendor: v)
+        assert ck.prefetch_locality() == hint
+        assert f"-DPOLYSPEC_PREFETCH_LOCALITY={hint}" in ck._flags()
+    paths = set()
+    for env in ("0", "3"):
+        monkeypatch.setenv("POLYSPEC_PREFETCH_LOCALITY", env)
+        assert ck.prefetch_locality() == int(env)
+        paths.add(ck.library_path())
+    assert len(paths) == 2
+    monkeypatch.setenv("POLYSPEC_PREFETCH_LOCALITY", "nta")
+    with pytest.raises(PolyspecError, match="POLYSPEC_PREFETCH_LOCALITY must be 0, 1, 2 or 3"):
+        ck.prefetch_locality()
 
-    with torch.inference_mode():
-        (full, rows), path = _with_portable_build(tmp_path, monkeypatch, run, env="POLYSPEC_HALF_WIDTH")
-    assert path == "fp32"
-    ref = F.linear(x.double(), w.double(), b.double())
-    assert ((full.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    for i in range(9):
-        assert torch.equal(rows[i], full[i])
-    assert torch.equal(rows[9], full[:5])
+
+def test_the_cpu_vendor_is_read_from_cpuinfo():
+    from pathlib import Path
+
+    from polyspec.device import cpu_vendor
+
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    if "vendor_id" in text:
+        assert cpu_vendor() and cpu_vendor() in text
+    else:
+        assert cpu_vendor() == ""
 
 
 def test_an_fp32_input_against_bf16_weights_is_not_rounded():
@@ -210,7 +226,7 @@ def _int4_reference_mode() -> str:
     return "bf16" if ck.dot_path() == "avx512-bf16" else "1"
 
 
-def test_both_int4_row_kernels_compute_the_dequantised_matmul(tmp_path, monkeypatch):
+def test_both_int4_row_kernels_compute_the_dequantised_matmul(other_builds, monkeypatch):
     """The portable build (fp32 activations) and this machine's build (bf16 activations where AVX512-BF16 is
     there): each equals the dequantised matmul on its own input, and the two agree to bf16 rounding of the input."""
     monkeypatch.delenv("POLYSPEC_INT4_REFERENCE", raising=False)
@@ -222,7 +238,7 @@ def test_both_int4_row_kernels_compute_the_dequantised_matmul(tmp_path, monkeypa
     x = torch.randn(5, k, generator=g)
     with torch.inference_mode():
         native, native_path = ck.int4_linear(x, layer), ck.dot_path()
-        portable, portable_path = _with_portable_build(tmp_path, monkeypatch, lambda: ck.int4_linear(x, layer))
+        portable, portable_path = _with_portable_build(other_builds, monkeypatch, lambda: ck.int4_linear(x, layer))
     assert portable_path == "fp32" and native_path in ("fp32", "avx512-bf16")
     bias = layer.bias.double()
     for y, xin in ((portable, x.double()), (native, _int4_input(x))):

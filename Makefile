@@ -42,8 +42,10 @@ install: $(STAMP)
 
 assets: $(ASSET_STAMP)
 
+# The fast tier on a worker per core (pytest-xdist), a test file per worker at a time (module fixtures built once)
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP) $(ASSET_STAMP)
 	$(PY) -m pytest -q -m slow

@@ -18,11 +18,17 @@ TINY_VOCAB = 512  # the tiny tokenizers in tests/assets/tokenizers/* have exactl
 
 def pytest_configure(config):
     """The CPU kernel library (polyspec.decode.cpu_kernels) is built once per run into a temporary folder, never into
-    the user's cache; set before collection, where test modules already ask whether it builds."""
+    the user's cache; set before collection, where test modules already ask whether it builds (pytest-xdist's workers
+    inherit the controller's folder)."""
     if "POLYSPEC_KERNEL_CACHE" not in os.environ:
         folder = tempfile.mkdtemp(prefix="polyspec-kernels-")
         os.environ["POLYSPEC_KERNEL_CACHE"] = folder
         config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # `make test` runs a worker per core (pytest-xdist): each takes its share of the cores
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def lab_module(relpath: str):

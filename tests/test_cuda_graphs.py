@@ -98,7 +98,7 @@ def _script(ref, twin, runner, *, head: bool, tol=1e-4):
     assert runner.replays == 7 and runner.captures == 0
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("kind", ["target", "target-bf16", "int4"])
 def test_static_step_matches_the_models_forward(models, kind, compiled):
     ref = copy.deepcopy(models[kind])
@@ -249,7 +249,8 @@ def _levels(t, q, h, static: bool, compiled: bool = False):
 
 
 @pytest.mark.parametrize("tree,compiled", [(None, False), (DraftSpec(tree=TreeShape(top_k=3, depth=3, total_tokens=8)), False),
-                                           (DraftSpec(tree=TreeShape(top_k=3, depth=3, total_tokens=8)), True)],
+                                           pytest.param(DraftSpec(tree=TreeShape(top_k=3, depth=3, total_tokens=8)), True,
+                                                        marks=pytest.mark.slow)],
                          ids=["linear", "tree", "tree-compiled"])
 def test_greedy_chain_on_static_steps_equals_ar(models, tree, compiled):
     t, q, h = models["target"], models["int4"], models["head"]

@@ -338,7 +338,8 @@ def _chi2(dec: ChainDecoder, target: Transformer, prompt: list[int], sp: Samplin
 
 
 @pytest.mark.parametrize("draft, sp", [("other", SamplingParams(temperature=1.0)),
-                                       ("head", SamplingParams(temperature=0.8, top_p=0.85, top_k=3))],
+                                       pytest.param("head", SamplingParams(temperature=0.8, top_p=0.85, top_k=3),
+                                                    marks=pytest.mark.slow)],
                          ids=["model-T1", "head-T0.8-top"])
 def test_output_distribution_is_the_warped_target(small, draft, sp):
     dec = _dual(small, draft, 2, max_seq_len=16)

@@ -90,6 +90,7 @@ def test_projection_is_lemma_3_1_with_the_right_widths():
     assert {c["label"] for c in shape_bench.project(no_tree, ms)} == {"grid dual k=3", "grid chain k=3 mu=8"}
 
 
+@pytest.mark.slow  # heavy (the fast tier stays under 6 minutes: README)
 def test_shape_bench_reports_roofline_ratios_and_times(tmp_path, capsys):
     out = tmp_path / "sb.json"
     rc = main(["shape-bench", "tiny", "--device", "cpu", "--new-tokens", "8", "--repeats", "1",

@@ -119,6 +119,7 @@ def _interpreted(script: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow  # heavy (the fast tier stays under 6 minutes: README)
 @needs_triton
 def test_kernels_and_reference_match_sdpa_under_the_interpreter():
     out = _interpreted(_INTERPRETED)

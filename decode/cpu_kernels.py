@@ -209,12 +209,13 @@ def available() -> bool:
 
 
 def state() -> str:
-    """One line for reports: "on (LIBRARY)", "off (POLYSPEC_CPU_KERNELS)" or "unavailable (WHY)"."""
+    """One line for reports and stamps: "on (LIBRARY, its row kernels and prefetch hint)", "off
+    (POLYSPEC_CPU_KERNELS)" or "unavailable (WHY)"."""
     if not _enabled:
         return "off (POLYSPEC_CPU_KERNELS or set_enabled)"
     if _load() is None:
         return f"unavailable ({_failure})"
-    return f"on ({library_path().name}, int4 and bf16 rows: {dot_path()})"
+    return f"on ({library_path().name}, int4 and bf16 rows: {dot_path()}, prefetch locality {prefetch_locality()})"
 
 
 def dot_path() -> str | None:

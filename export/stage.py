@@ -70,14 +70,17 @@ def folder_digest(folder: Path) -> str:
 
 
 def stamps() -> dict[str, Any]:
-    """Software and hardware stamps plus the machine's load average at this moment (other work skews timings)."""
+    """Software and hardware stamps, the CPU kernels' build (its row kernels and prefetch hint are chosen per CPU),
+    plus the machine's load average at this moment (other work skews timings)."""
+    from polyspec.decode import cpu_kernels
     from polyspec.stamp import hardware_stamp, software_stamp
 
     try:
         load = list(os.getloadavg())
     except OSError:
         load = None
-    return {"software": software_stamp(), "hardware": hardware_stamp(), "load_average": load}
+    return {"software": software_stamp(), "hardware": hardware_stamp(), "cpu_kernels": cpu_kernels.state(),
+            "load_average": load}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from polyspec.decode import cpu_kernels as ck
 from polyspec.errors import PolyspecError
 from polyspec.manifest import read_manifest, validate_chain
 
@@ -64,6 +65,10 @@ def test_exported_chain_validates_and_describes_itself(chain, profile):
     assert m.schema_version == 2 and m.polyspec_version
     assert {"software", "hardware", "git_sha", "packages"} <= set(m.stamps)
     assert "torch" in m.stamps["packages"]
+    # the CPU kernels' build the profile timed (row kernels and prefetch hint are per-CPU choices)
+    assert m.stamps["profile"]["cpu_kernels"].startswith(("on (", "off (", "unavailable ("))
+    if ck.available():
+        assert f"prefetch locality {ck.prefetch_locality()}" in m.stamps["profile"]["cpu_kernels"]
     # only the chain folder is left next to it: no temporary or staging folders
     assert [p.name for p in chain.parent.iterdir()] == ["chain"]
 

@@ -47,14 +47,10 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0")
-
-
 def _flags() -> list[str]:
     """The compiler flags; POLYSPEC_PORTABLE_ROWS=1 builds the portable fp32 rows for int4 and bf16 weights even
     where AVX512-BF16 is there (the tests compare both paths this way)."""
-    portable = _env_flag("POLYSPEC_PORTABLE_ROWS")
+    portable = os.environ.get("POLYSPEC_PORTABLE_ROWS", "") not in ("", "0")
     locality = f"-DPOLYSPEC_PREFETCH_LOCALITY={prefetch_locality()}"
     return _FLAGS + [locality] + (["-DPOLYSPEC_PORTABLE_ROWS"] if portable else [])
 

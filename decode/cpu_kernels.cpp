@@ -7,12 +7,13 @@
 // row while it is in L1 (passes of up to 8 input rows in vector registers; see rows() for the pass sizes). Up to three
 // weights can be computed side by side in one call (q/k/v, gate/up).
 //
-// Batch invariance: output (m, n) is the same sequence of fused multiply-adds whatever M is (two 16-lane accumulators
-// over k = 0, 32, ... and k = 16, 48, ..., an odd 16-wide step into the first, their sum, a fixed-order lane sum, the
-// K % 16 tail, then the bias), so a token's logits do not depend on how many tokens share its forward. Built by
+// Batch invariance: output (m, n) is the same sequence of fused multiply-adds whatever M is (fp32 rows: two 16-lane
+// accumulators over k = 0, 32, ... and k = 16, 48, ..., an odd 16-wide step into the first, their sum, a fixed-order
+// lane sum, the K % 16 tail, then the bias; every other row kernel states its sequence), so a token's logits do not
+// depend on how many tokens share its forward. Built by
 // polyspec/decode/cpu_kernels.py with -O3 -march=native; plain C ABI, called through ctypes with torch tensors' data
 // pointers. Weights: fp32, or bf16 (uint16 bits): for a bf16 input the vdpbf16ps rows (AVX512-BF16; bf16 products
-// summed in fp32), else widened to fp32 by a 16-bit shift. Inputs, biases and outputs are fp32 at the ABI (the
+// summed in fp32), else widened to fp32 in blocks of rows (rows_wide). Inputs, biases and outputs are fp32 at the ABI (the
 // caller widens a bf16 input and rounds the output).
 #include <math.h>
 #include <stdint.h>
@@ -100,7 +101,10 @@ static inline void by_pass(int64_t g, F&& f) {
 #ifndef POLYSPEC_PREFETCH_LOCALITY
 #define POLYSPEC_PREFETCH_LOCALITY 1
 #endif
-static constexpr int64_t PREFETCH_BYTES = 9216;
+#ifndef POLYSPEC_PREFETCH_BYTES
+#define POLYSPEC_PREFETCH_BYTES 9216
+#endif
+static constexpr int64_t PREFETCH_BYTES = POLYSPEC_PREFETCH_BYTES;
 static inline void prefetch_ahead(const void* p) {
     const char* c = (const char*)p + PREFETCH_BYTES;
     __builtin_prefetch(c, 0, POLYSPEC_PREFETCH_LOCALITY);
@@ -156,14 +160,107 @@ static void rows(const float* x, const W* w, const float* bias, int64_t M, int64
             const int64_t left = M - m0;
             // Passes over the row (the first from memory, later ones from L1): measured on our VM (DECODE.md), fp32
             // rows with up to 5 inputs run fastest as passes of 3 and of 1 (a 2-, 4- or 5-input pass is slower), 6
-            // and more as passes of 8. bf16 rows widen every weight once per pass, so for them one pass of up to 8
-            // is faster at every width (0.82-0.93x the time at 2, 4 and 5 inputs on a 49,152 x 576 lm_head).
-            const int64_t g = (M >= 6 || sizeof(W) <= 2) ? (left >= 8 ? 8 : left) : (left >= 3 ? 3 : 1);
+            // and more as passes of 8. (bf16 weights take rows_wide.)
+            const int64_t g = M >= 6 ? (left >= 8 ? 8 : left) : (left >= 3 ? 3 : 1);
             by_pass(g, [&](auto G) { row_dots<W, decltype(G)::value>(xm, row, K, out); });
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
             m0 += g;
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// bf16 weights widened to fp32 (CPUs without AVX512-BF16, and fp32 inputs against bf16 weights): blocks of R weight
+// rows against G input rows, so each loaded input vector feeds R multiplies and each widened weight vector G. One row
+// at a time (2G input loads and 2G multiplies per 32 weights, the inputs re-read from L1 or, at K = 1,536 and 6+
+// inputs, from L2, for every row) ran 8 verified rows at 2.7x a decode step's time on an Intel Xeon (Cascade Lake),
+// at a quarter of its multiply rate. The weights are widened in pairs: a 32-bit lane holding words 2i and 2i + 1
+// gives word 2i by a 16-bit shift and word 2i + 1 by masking, two operations per 32 weights where a zero-extend takes
+// four; so the input is taken in the same order, per 32 inputs the 16 even ones then the 16 odd ones (pairs_prepare).
+// Per (row, input) one accumulator: per 32-chunk the even products then the odd ones, a natural-order 16-wide step for
+// K % 32 >= 16, a fixed-order lane sum, the K % 16 tail: the same sequence for every R, G and M (batch-invariant).
+// ---------------------------------------------------------------------------------------------------------------
+
+// x [M, K] -> xd [M, K]: per 32 inputs the 16 even ones, then the 16 odd ones; a short tail (K % 32) stays as it is.
+static void pairs_prepare(const float* x, int64_t M, int64_t K, std::vector<float>& xd) {
+    xd.resize(M * K);
+    const int64_t k32 = K - K % 32;
+    for (int64_t m = 0; m < M; m++) {
+        const float* xm = x + m * K;
+        float* dm = xd.data() + m * K;
+        for (int64_t k = 0; k < k32; k += 32)
+            for (int i = 0; i < 16; i++) {
+                dm[k + i] = xm[k + 2 * i];
+                dm[k + 16 + i] = xm[k + 2 * i + 1];
+            }
+        memcpy(dm + k32, xm + k32, (K - k32) * sizeof(float));
+    }
+}
+
+template <int R, int G>
+static inline void block_dots_wide(const float* xd, const uint16_t* w, int64_t K, float* out) {
+    v16f acc[R][G];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) acc[r][g] = (v16f){0};
+    const int64_t k32 = K - K % 32, k16 = K - K % 16;
+    const v16u high = (v16u){0} + 0xffff0000u;
+    for (int64_t k = 0; k < k32; k += 32) {
+        for (int r = 0; r < R; r++)  // one line of each row per step, PREFETCH_BYTES ahead
+            __builtin_prefetch((const char*)(w + r * K + k) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+        for (int h = 0; h < 2; h++) {  // the even words, then the odd ones: R widened vectors live at a time
+            v16f wr[R];
+            for (int r = 0; r < R; r++) {
+                v16u u;
+                memcpy(&u, w + r * K + k, sizeof(u));
+                u = h == 0 ? u << 16 : u & high;
+                memcpy(&wr[r], &u, sizeof(u));
+            }
+            for (int g = 0; g < G; g++) {
+                const v16f xv = load_f32(xd + g * K + k + 16 * h);
+                for (int r = 0; r < R; r++) acc[r][g] += wr[r] * xv;
+            }
+        }
+    }
+    if (k16 > k32)
+        for (int r = 0; r < R; r++) {
+            const v16f wr = load_bf16(w + r * K + k32);
+            for (int g = 0; g < G; g++) acc[r][g] += wr * load_f32(xd + g * K + k32);
+        }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            float s = lane_sum(acc[r][g]);
+            for (int64_t k = k16; k < K; k++) s += bf16_to_f32(w[r * K + k]) * xd[g * K + k];
+            out[r * 8 + g] = s;
+        }
+}
+
+// One block of R rows (from row n) against all M prepared input rows, in balanced passes of up to P: the block is
+// read from memory in the first pass and from L1 in later ones.
+template <int R, int P>
+static void block_rows_wide(const float* xd, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
+                            int64_t n, float* y) {
+    float out[R * 8];
+    const int64_t passes = (M + P - 1) / P;
+    for (int64_t q = 0, m0 = 0; q < passes; q++) {
+        const int64_t g = (M - m0) / (passes - q);
+        by_pass<P>(g, [&](auto G) { block_dots_wide<R, decltype(G)::value>(xd + m0 * K, w + n * K, K, out); });
+        for (int r = 0; r < R; r++)
+            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
+        m0 += g;
+    }
+}
+
+// Rows n_begin..n_end-1: blocks of 4 rows against passes of up to 5 inputs (20 accumulators), of 3 rows against up to
+// 8 from 6 inputs (24), single rows at the end. Against one row at a time on the Intel Xeon, bf16 weights streaming
+// from memory, two threads: the same time at 1 input, 0.7x at 5, 0.55x at 8 (docs/KERNELS.md).
+static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
+                      int64_t n_begin, int64_t n_end, float* y) {
+    int64_t n = n_begin;
+    if (M <= 5)
+        for (; n + 4 <= n_end; n += 4) block_rows_wide<4, 5>(xd, w, bias, M, K, N, n, y);
+    else
+        for (; n + 3 <= n_end; n += 3) block_rows_wide<3, 8>(xd, w, bias, M, K, N, n, y);
+    for (; n < n_end; n++) block_rows_wide<1, 8>(xd, w, bias, M, K, N, n, y);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -182,41 +279,54 @@ static inline v16f codes_to_f32(v16b c) {  // two vector conversions (u8 -> i32 
     return __builtin_convertvector(__builtin_convertvector(c, v16i), v16f);
 }
 
-struct I4Input {  // x prepared for int4 rows: xp [M, K] de-interleaved (or xb, below), xs [M, K / gs] group sums
-    const float* xp;
-    const float* xs;
+struct RowsInput {  // x prepared once per call for the int4 and widened bf16 rows
+    const float* xd;     // [M, K] in pairs order (pairs_prepare): the portable int4 rows and the widened bf16 ones
+    const float* xs;     // [M, K / gs] group sums (int4)
     const uint16_t* xb;  // the bf16 path: per row, per 128-code chunk of each group, x's bf16 high then low parts
     int64_t xb_row;      // uint16 words per row of xb
 };
 
-template <int G>
-static inline void row_dots_i4(const I4Input& in, const uint8_t* q, const float* sc, const uint8_t* zr, int64_t K,
-                               int64_t gs, float* out) {
-    const int64_t ng = (K + gs - 1) / gs;
-    v16f tot[G];
-    float corr[G];
-    for (int g = 0; g < G; g++) tot[g] = (v16f){0}, corr[g] = 0.0f;
+// The portable int4 rows: a block of R weight rows against G input rows, each row's codes widened and scaled once per
+// block (w = q s_g, so one accumulator per (row, input) takes every group) and each input vector loaded once for R
+// rows; the zero points come off at the end (sum_g s_g z_g sum_{k in g} x_k, from the group sums). Row at a time,
+// with a total per group, this ran ~15 cycles per 32 codes and row on an Intel Xeon (Cascade Lake), where memory
+// would take ~4, so the int4 level took as long as the bf16 target it should undercut.
+template <int R, int G>
+static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const float* sc, const uint8_t* zr, int64_t K,
+                                 int64_t gs, float* out) {
+    const int64_t ng = (K + gs - 1) / gs, row = K / 2;
+    v16f acc[R][G];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) acc[r][g] = (v16f){0};
     for (int64_t grp = 0; grp < ng; grp++) {
-        v16f a0[G], a1[G];
-        for (int g = 0; g < G; g++) a0[g] = a1[g] = (v16f){0};
+        v16f s[R];
+        for (int r = 0; r < R; r++) s[r] = (v16f){0} + sc[r * ng + grp];
         const int64_t kend = (grp + 1) * gs < K ? (grp + 1) * gs : K;
         for (int64_t k = grp * gs; k < kend; k += 32) {
-            v16b bytes;
-            memcpy(&bytes, q + k / 2, sizeof(bytes));
-            const v16f lo = codes_to_f32(bytes & (uint8_t)0x0f);
-            const v16f hi = codes_to_f32(bytes >> 4);
-            for (int g = 0; g < G; g++) {
-                a0[g] += lo * load_f32(in.xp + g * K + k);
-                a1[g] += hi * load_f32(in.xp + g * K + k + 16);
+            if (k % 128 == 0)  // one line (128 codes) of each row per 4 steps, PREFETCH_BYTES ahead
+                for (int r = 0; r < R; r++)
+                    __builtin_prefetch(q + r * row + k / 2 + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+            for (int h = 0; h < 2; h++) {  // the low nibbles (even k), then the high ones (odd k)
+                v16f wr[R];
+                for (int r = 0; r < R; r++) {
+                    v16b bytes;
+                    memcpy(&bytes, q + r * row + k / 2, sizeof(bytes));
+                    wr[r] = codes_to_f32(h == 0 ? bytes & (uint8_t)0x0f : bytes >> 4) * s[r];
+                }
+                for (int g = 0; g < G; g++) {
+                    const v16f xv = load_f32(in.xd + g * K + k + 16 * h);
+                    for (int r = 0; r < R; r++) acc[r][g] += wr[r] * xv;
+                }
             }
         }
-        const float s = sc[grp], sz = s * (float)zr[grp];
-        for (int g = 0; g < G; g++) {
-            tot[g] += s * (a0[g] + a1[g]);
-            corr[g] += sz * in.xs[g * ng + grp];
-        }
     }
-    for (int g = 0; g < G; g++) out[g] = lane_sum(tot[g]) - corr[g];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            float corr = 0.0f;
+            for (int64_t grp = 0; grp < ng; grp++)
+                corr += sc[r * ng + grp] * (float)zr[r * ng + grp] * in.xs[g * ng + grp];
+            out[r * 8 + g] = lane_sum(acc[r][g]) - corr;
+        }
 }
 
 // The int4 rows on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids; built with -march=native), with bf16 activations
@@ -263,7 +373,7 @@ static int64_t i4b_prepare(const float* x, int64_t M, int64_t K, int64_t gs, std
 }
 
 template <int G>
-static inline void row_dots_i4b(const I4Input& in, const uint8_t* q, const float* sc, const uint8_t* zr, int64_t K,
+static inline void row_dots_i4b(const RowsInput& in, const uint8_t* q, const float* sc, const uint8_t* zr, int64_t K,
                                 int64_t gs, float* out) {
     const __m512i field = _mm512_set1_epi16(0x0078), b16 = _mm512_set1_epi16(0x4180);
     const int64_t ng = (K + gs - 1) / gs, cpg = (gs + 127) / 128;
@@ -409,37 +519,20 @@ struct WI4 {
     int64_t gs;
 };
 
-static inline void rows_w(const float* x, const I4Input&, const WF32& w, const float* bias, int64_t M, int64_t K,
+static inline void rows_w(const float* x, const RowsInput&, const WF32& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
     rows<float>(x, w.w, bias, M, K, N, nb, ne, y);
 }
-static inline void rows_w(const float* x, const I4Input& in, const WBF16& w, const float* bias, int64_t M,
+static inline void rows_w(const float* x, const RowsInput& in, const WBF16& w, const float* bias, int64_t M,
                           int64_t K, int64_t N, int64_t nb, int64_t ne, float* y) {
 #ifdef POLYSPEC_DPBF16
     if (w.dot) return rows_dp<uint16_t>(in.xb, in.xb_row, w.w, bias, M, K, N, nb, ne, y);
 #endif
-    rows<uint16_t>(x, w.w, bias, M, K, N, nb, ne, y);
+    rows_wide(in.xd, w.w, bias, M, K, N, nb, ne, y);
 }
-// One pass of G input rows (from row m0) over an int4 weight row, with this build's row kernel. Passes hold up to
-// I4_PASS rows: 4 on the bf16 path (2 accumulators + 1 total per row in registers), 8 on the portable one.
 #ifdef POLYSPEC_DPBF16
-static const int64_t I4_PASS = 4;
-#else
-static const int64_t I4_PASS = 8;
-#endif
-
-template <int G>
-static inline void i4_dots(const I4Input& in, int64_t m0, int64_t K, int64_t ng, const uint8_t* q, const float* sc,
-                           const uint8_t* zr, int64_t gs, float* out) {
-#ifdef POLYSPEC_DPBF16
-    if constexpr (G <= I4_PASS) row_dots_i4b<G>({nullptr, in.xs + m0 * ng, in.xb + m0 * in.xb_row, in.xb_row}, q, sc,
-                                                zr, K, gs, out);
-#else
-    row_dots_i4<G>({in.xp + m0 * K, in.xs + m0 * ng, nullptr, 0}, q, sc, zr, K, gs, out);
-#endif
-}
-
-static inline void rows_w(const float*, const I4Input& in, const WI4& w, const float* bias, int64_t M, int64_t K,
+// One pass of G (up to 4) input rows from row m0 over an int4 weight row on the bf16 path.
+static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
     const int64_t ng = (K + w.gs - 1) / w.gs;
     float out[8];
@@ -448,17 +541,59 @@ static inline void rows_w(const float*, const I4Input& in, const WI4& w, const f
         const float* sc = w.s + n * ng;
         const uint8_t* zr = w.z + n * ng;
         const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m0 = 0; m0 < M; m0 += I4_PASS) {
-            const int64_t g = M - m0 >= I4_PASS ? I4_PASS : M - m0;
-            by_pass(g, [&](auto G) { i4_dots<decltype(G)::value>(in, m0, K, ng, q, sc, zr, w.gs, out); });
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t g = M - m0 >= 4 ? 4 : M - m0;
+            by_pass<4>(g, [&](auto G) {
+                constexpr int GV = decltype(G)::value;
+                row_dots_i4b<GV>({nullptr, in.xs + m0 * ng, in.xb + m0 * in.xb_row, in.xb_row}, q, sc, zr, K, w.gs,
+                                 out);
+            });
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
         }
     }
 }
+#else
+// One block of R int4 rows (from row n) against all M input rows in balanced passes of up to P.
+template <int R, int P>
+static void block_rows_i4(const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K, int64_t N,
+                          int64_t n, float* y) {
+    const int64_t ng = (K + w.gs - 1) / w.gs;
+    float out[R * 8];
+    const int64_t passes = (M + P - 1) / P;
+    for (int64_t q = 0, m0 = 0; q < passes; q++) {
+        const int64_t g = (M - m0) / (passes - q);
+        const RowsInput part = {in.xd + m0 * K, in.xs + m0 * ng, nullptr, 0};
+        by_pass<P>(g, [&](auto G) {
+            block_dots_i4<R, decltype(G)::value>(part, w.q + n * (K / 2), w.s + n * ng, w.z + n * ng, K, w.gs, out);
+        });
+        for (int r = 0; r < R; r++)
+            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
+        m0 += g;
+    }
+}
+
+// Rows nb..ne-1: blocks of 4 rows against passes of up to 5 inputs, of 2 rows against up to 8 from 6 inputs.
+static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K,
+                          int64_t N, int64_t nb, int64_t ne, float* y) {
+    int64_t n = nb;
+    if (M <= 5)
+        for (; n + 4 <= ne; n += 4) block_rows_i4<4, 5>(in, w, bias, M, K, N, n, y);
+    else
+        for (; n + 2 <= ne; n += 2) block_rows_i4<2, 8>(in, w, bias, M, K, N, n, y);
+    for (; n < ne; n++) block_rows_i4<1, 8>(in, w, bias, M, K, N, n, y);
+}
+#endif
 
 static inline bool dot_rows(const WF32&) { return false; }
 static inline bool dot_rows(const WBF16& w) { return w.dot; }
 static inline bool dot_rows(const WI4&) { return false; }
+static inline bool wide_rows(const WF32&) { return false; }
+static inline bool wide_rows(const WI4&) { return false; }
+#ifdef POLYSPEC_DPBF16
+static inline bool wide_rows(const WBF16& w) { return !w.dot; }
+#else
+static inline bool wide_rows(const WBF16&) { return true; }
+#endif
 static inline int64_t group_size_of(const WF32&) { return 0; }
 static inline int64_t group_size_of(const WBF16&) { return 0; }
 static inline int64_t group_size_of(const WI4& w) { return w.gs; }
@@ -469,9 +604,9 @@ template <typename WT>
 static void run3(const float* x, const WT* ws, const float* const* bs, const int64_t* ns, int64_t M, int64_t K,
                  float* y, int threads) {
     const int64_t N = ns[0] + ns[1] + ns[2];
-    std::vector<float> xp, xs;
+    std::vector<float> xd, xs;
     std::vector<uint16_t> xb;
-    I4Input in = {nullptr, nullptr, nullptr, 0};
+    RowsInput in = {nullptr, nullptr, nullptr, 0};
     const int64_t gs = group_size_of(ws[0]);
     if (gs > 0) {  // int4: de-interleave the input (or split it into bf16 parts) and sum its groups, once
         const int64_t ng = (K + gs - 1) / gs;
@@ -480,14 +615,8 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
         in.xb_row = i4b_prepare(x, M, K, gs, xb, xs.data());
         in.xb = xb.data();
 #else
-        xp.resize(M * K);
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k += 32)
-                for (int i = 0; i < 16; i++) {
-                    xp[m * K + k + i] = x[m * K + k + 2 * i];
-                    xp[m * K + k + 16 + i] = x[m * K + k + 2 * i + 1];
-                }
-        in.xp = xp.data();
+        pairs_prepare(x, M, K, xd);
+        in.xd = xd.data();
         for (int64_t m = 0; m < M; m++)
             for (int64_t g = 0; g < ng; g++) {
                 float t = 0.0f;
@@ -503,6 +632,10 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
         in.xb = xb.data();
     }
 #endif
+    if (wide_rows(ws[0])) {  // bf16 weights widened: the input in pairs order, once
+        pairs_prepare(x, M, K, xd);
+        in.xd = xd.data();
+    }
     if (threads < 1) threads = 1;
     if (N * M < 64 * threads) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)

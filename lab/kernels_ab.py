@@ -3,6 +3,7 @@ than most kernel changes between runs minutes apart).
 
     g++ -O3 -march=native -fopenmp -shared -fPIC -std=c++17 decode/cpu_kernels.cpp -o A.so     # each build
     python lab/kernels_ab.py layers TARGET_DIR bfloat16 A.so B.so 20,300,700   # the decoder layers' time by width
+    python lab/kernels_ab.py layers CHAIN_DIR bfloat16 A.so B.so 128 intermediate  # the same for a chain's level
     python lab/kernels_ab.py decode CHAIN_DIR A.so B.so [REPEATS [module-head]]  # whole generations, ar and default
     python lab/kernels_ab.py rows A.so B.so                                    # bf16 weight rows, ns per row
 
@@ -41,12 +42,15 @@ def load_builds(paths: list[str]) -> dict[str, ctypes.CDLL]:
     return builds
 
 
-def layers(target: str, dtype: str, a: str, b: str, contexts: str) -> None:
-    from polyspec.decode.generate import load_model
+def layers(target: str, dtype: str, a: str, b: str, contexts: str, level: str = "") -> None:
+    from polyspec.decode.generate import load_chain, load_model
 
     builds = load_builds([a, b])
-    model = load_model(Path(target), dtype=getattr(torch, dtype), device=torch.device("cpu"))
-    ck.pack_weights(model)
+    if level:  # TARGET is a chain folder: time that level (e.g. the int4 one), loaded as decoding loads it
+        model = load_chain(Path(target), device="cpu", dtype=dtype).models[level]
+    else:
+        model = load_model(Path(target), dtype=getattr(torch, dtype), device=torch.device("cpu"))
+        ck.pack_weights(model)
     model.setup_cache(1024)
     ids = torch.randint(100, 20000, (1000,), generator=torch.Generator().manual_seed(0))
     widths = tuple(range(1, 9))

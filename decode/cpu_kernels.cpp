@@ -13,8 +13,8 @@
 // depend on how many tokens share its forward. Built by
 // polyspec/decode/cpu_kernels.py with -O3 -march=native; plain C ABI, called through ctypes with torch tensors' data
 // pointers. Weights: fp32, or bf16 (uint16 bits): for a bf16 input the vdpbf16ps rows (AVX512-BF16; bf16 products
-// summed in fp32), else widened to fp32 in blocks of rows (rows_wide). Inputs, biases and outputs are fp32 at the ABI (the
-// caller widens a bf16 input and rounds the output).
+// summed in fp32), else widened to fp32 in blocks of rows (rows_wide). Inputs, biases and outputs are fp32 at the ABI
+// (the caller widens a bf16 input and rounds the output).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -251,8 +251,8 @@ static void block_rows_wide(const float* xd, const uint16_t* w, const float* bia
 }
 
 // Rows n_begin..n_end-1: blocks of 4 rows against passes of up to 5 inputs (20 accumulators), of 3 rows against up to
-// 8 from 6 inputs (24), single rows at the end. Against one row at a time on the Intel Xeon, bf16 weights streaming
-// from memory, two threads: the same time at 1 input, 0.7x at 5, 0.55x at 8 (docs/KERNELS.md).
+// 8 from 6 inputs (24), single rows at the end. Against one row at a time on the Cascade Lake VM, the bf16 target's
+// 30 layers took 0.98x the time at width 1, 0.80x at 5, 0.71x at 8 (docs/KERNELS.md).
 static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
                       int64_t n_begin, int64_t n_end, float* y) {
     int64_t n = n_begin;
@@ -290,7 +290,8 @@ struct RowsInput {  // x prepared once per call for the int4 and widened bf16 ro
 // block (w = q s_g, so one accumulator per (row, input) takes every group) and each input vector loaded once for R
 // rows; the zero points come off at the end (sum_g s_g z_g sum_{k in g} x_k, from the group sums). Row at a time,
 // with a total per group, this ran ~15 cycles per 32 codes and row on an Intel Xeon (Cascade Lake), where memory
-// would take ~4, so the int4 level took as long as the bf16 target it should undercut.
+// would take ~4, and the int4 level took as long as the bf16 target it should undercut; blocked, its 30 layers take
+// 0.76x the time at width 1 and 0.82-0.95x at 2-5 there (docs/KERNELS.md). Still compute-bound on that core.
 template <int R, int G>
 static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const float* sc, const uint8_t* zr, int64_t K,
                                  int64_t gs, float* out) {
@@ -572,14 +573,15 @@ static void block_rows_i4(const RowsInput& in, const WI4& w, const float* bias, 
     }
 }
 
-// Rows nb..ne-1: blocks of 4 rows against passes of up to 5 inputs, of 2 rows against up to 8 from 6 inputs.
+// Rows nb..ne-1: blocks of 4 rows against passes of up to 5 inputs, of 3 rows against up to 8 from 6 inputs (3 rows:
+// 0.93-0.99x the time of 2 at widths 6-8 on the Cascade Lake VM), single rows at the end.
 static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
     int64_t n = nb;
     if (M <= 5)
         for (; n + 4 <= ne; n += 4) block_rows_i4<4, 5>(in, w, bias, M, K, N, n, y);
     else
-        for (; n + 2 <= ne; n += 2) block_rows_i4<2, 8>(in, w, bias, M, K, N, n, y);
+        for (; n + 3 <= ne; n += 3) block_rows_i4<3, 8>(in, w, bias, M, K, N, n, y);
     for (; n < ne; n++) block_rows_i4<1, 8>(in, w, bias, M, K, N, n, y);
 }
 #endif

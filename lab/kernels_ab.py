@@ -4,14 +4,14 @@ than most kernel changes between runs minutes apart).
     g++ -O3 -march=native -fopenmp -shared -fPIC -std=c++17 decode/cpu_kernels.cpp -o A.so     # each build
     python lab/kernels_ab.py layers TARGET_DIR bfloat16 A.so B.so 20,300,700   # the decoder layers' time by width
     python lab/kernels_ab.py layers CHAIN_DIR bfloat16 A.so B.so 128 intermediate  # the same for a chain's level
-    python lab/kernels_ab.py decode CHAIN_DIR A.so B.so [REPEATS [module-head]]  # whole generations, ar and default
+    python lab/kernels_ab.py decode CHAIN_DIR A.so B.so [REPEATS [module-head [MODES]]]  # whole generations
     python lab/kernels_ab.py rows A.so B.so                                    # bf16 weight rows, ns per row
 
 ``layers``: the target's decoder layers at widths 1..8 after each context length, 30 repetitions each running every
 width with both builds, medians: the T(k)/T(1) a kernel change reports. ``rows``: one thread, bf16 weights of
 K = 576 (6,144 rows, in L3) and K = 1,536 against 1..8 input rows, ns per weight row (median of 200 calls).
-``decode``: ``ar`` and the chain's default on non-bench builtin prompts (the 3rd-5th of MT-bench, HumanEval and
-held-out ShareGPT), 96 new tokens, the builds alternated per generation; ``module-head``: build A runs the draft
+``decode``: MODES (default ``ar,default``: the chain's default) on non-bench builtin prompts (the 3rd-5th of MT-bench,
+HumanEval and held-out ShareGPT), 96 new tokens, the builds alternated per generation; ``module-head``: build A runs the draft
 head's step through the module path.
 """
 
@@ -72,7 +72,7 @@ def layers(target: str, dtype: str, a: str, b: str, contexts: str, level: str = 
                 print(f"ctx {ctx:4d} width {w}: A {ta:6.2f} ms  B {tb:6.2f} ms  B/A {tb / ta:.3f}", flush=True)
 
 
-def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "") -> None:
+def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "", modes: str = "ar,default") -> None:
     from polyspec.bench.prompts import load_prompts
     from polyspec.decode.generate import generate_text, load_chain
 
@@ -90,7 +90,7 @@ def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "")
     toks: dict[tuple[str, str], int] = collections.defaultdict(int)
     for rep in range(int(repeats)):
         for prompt in prompts:
-            for mode in ("ar", "default"):
+            for mode in modes.split(","):
                 for tag in ("A", "B") if rep % 2 == 0 else ("B", "A"):
                     ck._lib = builds[tag]
                     if head_a == "module-head" and one_call is not None:  # A: the head's step as ~25 torch ops
@@ -99,11 +99,12 @@ def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "")
                     r = generate_text(chain, prompt, mode=None if mode == "default" else mode, max_new_tokens=96)
                     secs[tag, mode] += time.perf_counter() - t0
                     toks[tag, mode] += len(r["token_ids"])
+    names = modes.split(",")
     for tag in "AB":
-        ar, de = (toks[tag, m] / secs[tag, m] for m in ("ar", "default"))
-        print(f"{tag}: ar {ar:.1f} tok/s, default {de:.1f} tok/s, default/ar {de / ar:.3f}")
-    print(f"B/A speed: ar {secs['A', 'ar'] / secs['B', 'ar']:.3f}x, "
-          f"default {secs['A', 'default'] / secs['B', 'default']:.3f}x")
+        speed = {m: toks[tag, m] / secs[tag, m] for m in names}
+        print(f"{tag}: " + ", ".join(f"{m} {v:.1f} tok/s" for m, v in speed.items())
+              + "".join(f", {m}/{names[0]} {speed[m] / speed[names[0]]:.3f}" for m in names[1:]))
+    print("B/A speed: " + ", ".join(f"{m} {secs['A', m] / secs['B', m]:.3f}x" for m in names))
 
 
 def rows(a: str, b: str) -> None:

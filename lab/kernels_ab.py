@@ -6,13 +6,14 @@ than most kernel changes between runs minutes apart).
     python lab/kernels_ab.py layers CHAIN_DIR bfloat16 A.so B.so 128 intermediate  # the same for a chain's level
     python lab/kernels_ab.py decode CHAIN_DIR A.so B.so [REPEATS [module-head [MODES]]]  # whole generations
     python lab/kernels_ab.py rows A.so B.so                                    # bf16 weight rows, ns per row
+    python lab/kernels_ab.py torch A.so                   # A's bf16 rows against torch's F.linear (oneDNN), widths 1-16
 
 ``layers``: the target's decoder layers at widths 1..8 after each context length, 30 repetitions each running every
 width with both builds, medians: the T(k)/T(1) a kernel change reports. ``rows``: one thread, bf16 weights of
 K = 576 (6,144 rows, in L3) and K = 1,536 against 1..8 input rows, ns per weight row (median of 200 calls).
-``decode``: MODES (default ``ar,default``: the chain's default) on non-bench builtin prompts (the 3rd-5th of MT-bench,
-HumanEval and held-out ShareGPT), 96 new tokens, the builds alternated per generation; ``module-head``: build A runs the draft
-head's step through the module path.
+``decode``: MODES (default ``ar,default``: the chain's default) on non-bench builtin prompts (the 3rd-5th of
+MT-bench, HumanEval and held-out ShareGPT), 96 new tokens, the builds alternated per generation; ``module-head``:
+build A runs the draft head's step through the module path.
 """
 
 import collections
@@ -128,6 +129,26 @@ def rows(a: str, b: str) -> None:
                   flush=True)
 
 
+def torch_rows(a: str) -> None:
+    """Build A's bf16 rows against torch's F.linear (oneDNN) on gate/up-shaped weights streaming from memory (40 x
+    3,072 x 576 bf16, 140 MB), widths 1-16, both in every repetition, best of 7."""
+    import torch.nn.functional as F
+
+    ck._lib = load_builds([a, a])["A"]
+    ws = [torch.randn(3072, 576).bfloat16() for _ in range(40)]
+    for m in (1, 2, 3, 4, 5, 6, 8, 12, 16):
+        x = torch.randn(m, 576).bfloat16()
+        best = {"rows": 1e9, "torch": 1e9}
+        for _ in range(7):
+            for name, fn in (("rows", ck.kernel_linear), ("torch", F.linear)):
+                t0 = time.perf_counter()
+                for w in ws:
+                    fn(x, w)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        print(f"width {m:2d}: rows {best['rows'] * 1e3:6.2f} ms  torch {best['torch'] * 1e3:6.2f} ms  "
+              f"torch/rows {best['torch'] / best['rows']:.2f}", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"layers": layers, "decode": decode, "rows": rows}[sys.argv[1]](*sys.argv[2:])
+    {"layers": layers, "decode": decode, "rows": rows, "torch": torch_rows}[sys.argv[1]](*sys.argv[2:])

@@ -62,6 +62,20 @@ static inline float lane_sum(v16f v) {  // fixed pairwise order: halves, quarter
     return a + b;
 }
 
+// lane_sum of four vectors at once, bitwise: the same halves, quarters and pairs, the four side by side (12 vector
+// operations where four lane_sums take ~36; a block's sums were ~15 % of its time at K = 576).
+static inline void lane_sums4(v16f a, v16f b, v16f c, v16f d, float* out) {
+    const v16f ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                    __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const v16f cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                    __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const v16f q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                   __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const v16f t = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const v16f u = t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = u[0], out[1] = u[4], out[2] = u[8], out[3] = u[12];
+}
+
 template <typename W>
 static inline v16f load_w(const W* p);
 template <>
@@ -226,9 +240,15 @@ static inline void block_dots_wide(const float* xd, const uint16_t* w, int64_t K
             const v16f wr = load_bf16(w + r * K + k32);
             for (int g = 0; g < G; g++) acc[r][g] += wr * load_f32(xd + g * K + k32);
         }
+    constexpr int NA = R * G;
+    const v16f* a = &acc[0][0];
+    float sums[NA];
+    int i = 0;
+    for (; i + 4 <= NA; i += 4) lane_sums4(a[i], a[i + 1], a[i + 2], a[i + 3], sums + i);
+    for (; i < NA; i++) sums[i] = lane_sum(a[i]);
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
-            float s = lane_sum(acc[r][g]);
+            float s = sums[r * G + g];
             for (int64_t k = k16; k < K; k++) s += bf16_to_f32(w[r * K + k]) * xd[g * K + k];
             out[r * 8 + g] = s;
         }
@@ -250,14 +270,14 @@ static void block_rows_wide(const float* xd, const uint16_t* w, const float* bia
     }
 }
 
-// Rows n_begin..n_end-1: blocks of 4 rows against passes of up to 5 inputs (20 accumulators), of 3 rows against up to
-// 8 from 6 inputs (24), single rows at the end. Against one row at a time on the Cascade Lake VM, the bf16 target's
-// 30 layers took 0.98x the time at width 1, 0.80x at 5, 0.71x at 8 (docs/KERNELS.md).
+// Rows n_begin..n_end-1: blocks of 4 rows against passes of up to 6 inputs (24 accumulators), of 3 rows against up to
+// 8 from 7 inputs (24), single rows at the end (4 rows at 6 inputs: 0.90x the time of 3). Against one row at a time
+// on the Cascade Lake VM the bf16 target's 30 layers take ~0.75x the time at widths 5-8 (docs/KERNELS.md).
 static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
                       int64_t n_begin, int64_t n_end, float* y) {
     int64_t n = n_begin;
-    if (M <= 5)
-        for (; n + 4 <= n_end; n += 4) block_rows_wide<4, 5>(xd, w, bias, M, K, N, n, y);
+    if (M <= 6)
+        for (; n + 4 <= n_end; n += 4) block_rows_wide<4, 6>(xd, w, bias, M, K, N, n, y);
     else
         for (; n + 3 <= n_end; n += 3) block_rows_wide<3, 8>(xd, w, bias, M, K, N, n, y);
     for (; n < n_end; n++) block_rows_wide<1, 8>(xd, w, bias, M, K, N, n, y);

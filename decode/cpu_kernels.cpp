@@ -130,7 +130,12 @@ static inline void prefetch_ahead(const void* p) {
 // widths 2-5 the loads, not the multiplies, fill the load ports (docs/KERNELS.md, "The CPU fast path").
 template <typename V>
 static inline void in_register(V& a, V& b) {
+#ifdef __AVX512F__
     asm("" : "+v"(a), "+v"(b));
+#else
+    (void)a;
+    (void)b;
+#endif
 }
 
 // One weight row against G input rows: two accumulators per input row (k = 0, 32, ... and k = 16, 48, ...), an odd
@@ -272,15 +277,24 @@ static void block_rows_wide(const float* xd, const uint16_t* w, const float* bia
 
 // Rows n_begin..n_end-1: blocks of 4 rows against passes of up to 6 inputs (24 accumulators), of 3 rows against up to
 // 8 from 7 inputs (24), single rows at the end (4 rows at 6 inputs: 0.90x the time of 3). Against one row at a time
-// on the Cascade Lake VM the bf16 target's 30 layers take ~0.75x the time at widths 5-8 (docs/KERNELS.md).
+// on the Cascade Lake VM the bf16 target's 30 layers take ~0.75x the time at widths 5-8 (docs/KERNELS.md). Without
+// AVX-512 a 16-lane vector takes two of the 16 ymm registers, so rows go one at a time against passes of up to 6
+// (with 256-bit vectors on that VM: 0.83x the blocks' time at 5 inputs, 0.78x at 8, which spill).
+#ifdef __AVX512F__
+static constexpr int WIDE_PASS = 8;
+#else
+static constexpr int WIDE_PASS = 6;
+#endif
 static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
                       int64_t n_begin, int64_t n_end, float* y) {
     int64_t n = n_begin;
+#ifdef __AVX512F__
     if (M <= 6)
         for (; n + 4 <= n_end; n += 4) block_rows_wide<4, 6>(xd, w, bias, M, K, N, n, y);
     else
         for (; n + 3 <= n_end; n += 3) block_rows_wide<3, 8>(xd, w, bias, M, K, N, n, y);
-    for (; n < n_end; n++) block_rows_wide<1, 8>(xd, w, bias, M, K, N, n, y);
+#endif
+    for (; n < n_end; n++) block_rows_wide<1, WIDE_PASS>(xd, w, bias, M, K, N, n, y);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -594,15 +608,20 @@ static void block_rows_i4(const RowsInput& in, const WI4& w, const float* bias, 
 }
 
 // Rows nb..ne-1: blocks of 4 rows against passes of up to 5 inputs, of 3 rows against up to 8 from 6 inputs (3 rows:
-// 0.93-0.99x the time of 2 at widths 6-8 on the Cascade Lake VM), single rows at the end.
+// 0.93-0.99x the time of 2 at widths 6-8 on the Cascade Lake VM), single rows at the end; without AVX-512 single
+// rows only.
 static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
     int64_t n = nb;
+#ifdef __AVX512F__
     if (M <= 5)
         for (; n + 4 <= ne; n += 4) block_rows_i4<4, 5>(in, w, bias, M, K, N, n, y);
     else
         for (; n + 3 <= ne; n += 3) block_rows_i4<3, 8>(in, w, bias, M, K, N, n, y);
     for (; n < ne; n++) block_rows_i4<1, 8>(in, w, bias, M, K, N, n, y);
+#else  // 16 ymm registers: one row (its accumulators, codes and scale) against up to 5 inputs
+    for (; n < ne; n++) block_rows_i4<1, 5>(in, w, bias, M, K, N, n, y);
+#endif
 }
 #endif
 

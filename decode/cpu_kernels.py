@@ -49,10 +49,14 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 def _flags() -> list[str]:
     """The compiler flags; POLYSPEC_PORTABLE_ROWS=1 builds the portable fp32 rows for int4 and bf16 weights even
-    where AVX512-BF16 is there (the tests compare both paths this way)."""
-    portable = os.environ.get("POLYSPEC_PORTABLE_ROWS", "") not in ("", "0")
+    where AVX512-BF16 is there (the tests compare both paths this way); POLYSPEC_PORTABLE_ROWS=avx2 builds them
+    without AVX-512 too, as an AVX2 CPU's -march=native does (256-bit vectors, 16 registers)."""
+    portable = os.environ.get("POLYSPEC_PORTABLE_ROWS", "").strip().lower()
     locality = f"-DPOLYSPEC_PREFETCH_LOCALITY={prefetch_locality()}"
-    return _FLAGS + [locality] + (["-DPOLYSPEC_PORTABLE_ROWS"] if portable else [])
+    extra = ["-DPOLYSPEC_PORTABLE_ROWS"] if portable not in ("", "0") else []
+    if portable == "avx2":
+        extra += ["-mno-avx512f", "-Wno-psabi"]
+    return _FLAGS + [locality] + extra
 
 
 def prefetch_locality() -> int:

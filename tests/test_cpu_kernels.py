@@ -113,11 +113,12 @@ def other_builds(tmp_path_factory):
     return tmp_path_factory.mktemp("other_builds")
 
 
-def _with_portable_build(cache, monkeypatch, fn):
-    """fn() run against the portable build (POLYSPEC_PORTABLE_ROWS: fp32 rows for int4 and bf16 weights) kept in
-    ``cache``, the loaded library restored afterwards; returns (fn's result, that build's dot_path())."""
+def _with_portable_build(cache, monkeypatch, fn, kind="1"):
+    """fn() run against the portable build (POLYSPEC_PORTABLE_ROWS=kind: fp32 rows for int4 and bf16 weights; "avx2":
+    and no AVX-512) kept in ``cache``, the loaded library restored afterwards; returns (fn's result, that build's
+    dot_path())."""
     saved = ck._lib, ck._tried, ck._failure
-    monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", "1")
+    monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", kind)
     monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(cache))
     ck._lib, ck._tried, ck._failure = None, False, None
     try:
@@ -144,6 +145,35 @@ def test_both_bf16_row_kernels_compute_the_bf16_matmul(k, other_builds, monkeypa
         assert y.dtype == torch.bfloat16 and ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
     # both sum exact products in fp32: they differ by at most one bf16 rounding step of the output
     assert ((native.double() - portable.double()).abs() <= 2 ** -7 * portable.double().abs() + 1e-3).all()
+
+
+def test_the_avx2_build_computes_what_the_avx512_one_does(other_builds, monkeypatch):
+    """Without AVX-512 (an AVX2 CPU's -march=native) the kernels build, with single rows where AVX-512 takes blocks:
+    every (row, input) pair runs the same lane arithmetic, so bf16 and int4 rows equal the AVX-512 portable build's
+    bitwise, and stay batch-invariant."""
+    if "avx512f" not in (ck._cpu_flags() or ""):
+        pytest.skip("compares against this CPU's AVX-512 build")
+    monkeypatch.delenv("POLYSPEC_INT4_REFERENCE", raising=False)
+    g = _gen(77)
+    w = torch.randn(301, 577, generator=g).bfloat16()
+    q, s, z = quantize_rtn(torch.randn(77, 640, generator=g), 128, sym=False)
+    layer = Int4Linear(q, s, z, 128, torch.randn(77, generator=g))
+    xs = [torch.randn(m, 577, generator=g).bfloat16() for m in (1, 3, 5, 6, 8, 9)]
+    x4 = torch.randn(8, 640, generator=g)
+
+    def run():
+        assert ck._load() is not None, ck.failure()
+        with torch.inference_mode():
+            full = [ck.kernel_linear(x, w) for x in xs]
+            alone = [ck.kernel_linear(x[-1:], w)[0] for x in xs]  # each width's last row on its own
+            return full, alone, ck.int4_linear(x4, layer), ck.int4_linear(x4[2:3], layer)[0]
+
+    (bf_a, _, i4_a, _), _ = _with_portable_build(other_builds, monkeypatch, run)
+    (bf_b, alone_b, i4_b, one_b), path = _with_portable_build(other_builds / "avx2", monkeypatch, run, kind="avx2")
+    assert path == "fp32"
+    assert all(torch.equal(a, b) for a, b in zip(bf_a, bf_b, strict=True))
+    assert all(torch.equal(y[-1], r) for y, r in zip(bf_b, alone_b, strict=True))
+    assert torch.equal(i4_a, i4_b) and torch.equal(one_b, i4_b[2])
 
 
 def test_the_prefetch_hint_follows_the_cpu_vendor_and_the_environment(monkeypatch):

@@ -103,6 +103,22 @@ static inline void by_pass(int64_t g, F&& f) {
     }
 }
 
+// One block of R weight rows (from row n) against all M input rows, in balanced passes of up to P: dots(G, m0, out)
+// fills out[r * 8 + g] for the pass's G inputs from input m0; the block is read from memory in the first pass and
+// from L1 in later ones. The blocked row kernels (dp, wide, int4) share it.
+template <int R, int P, typename Dots>
+static inline void block_passes(int64_t M, int64_t N, int64_t n, const float* bias, float* y, Dots&& dots) {
+    float out[R * 8];
+    const int64_t passes = (M + P - 1) / P;
+    for (int64_t q = 0, m0 = 0; q < passes; q++) {
+        const int64_t g = (M - m0) / (passes - q);
+        by_pass<P>(g, [&](auto G) { dots(G, m0, out); });
+        for (int r = 0; r < R; r++)
+            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
+        m0 += g;
+    }
+}
+
 // The weight rows stream from memory in address order (pack_weights lays a model's weights out in the order a step
 // reads them), and the hardware prefetcher alone leaves a verification of 2-5 rows waiting on memory: each 128-byte
 // step also asks for the lines PREFETCH_BYTES ahead. The hint is the build's POLYSPEC_PREFETCH_LOCALITY
@@ -259,20 +275,13 @@ static inline void block_dots_wide(const float* xd, const uint16_t* w, int64_t K
         }
 }
 
-// One block of R rows (from row n) against all M prepared input rows, in balanced passes of up to P: the block is
-// read from memory in the first pass and from L1 in later ones.
+// One block of R widened bf16 rows (from row n) against the M prepared input rows (block_passes).
 template <int R, int P>
 static void block_rows_wide(const float* xd, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
                             int64_t n, float* y) {
-    float out[R * 8];
-    const int64_t passes = (M + P - 1) / P;
-    for (int64_t q = 0, m0 = 0; q < passes; q++) {
-        const int64_t g = (M - m0) / (passes - q);
-        by_pass<P>(g, [&](auto G) { block_dots_wide<R, decltype(G)::value>(xd + m0 * K, w + n * K, K, out); });
-        for (int r = 0; r < R; r++)
-            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
-        m0 += g;
-    }
+    block_passes<R, P>(M, N, n, bias, y, [&](auto G, int64_t m0, float* out) {
+        block_dots_wide<R, decltype(G)::value>(xd + m0 * K, w + n * K, K, out);
+    });
 }
 
 // Rows n_begin..n_end-1: blocks of 4 rows against passes of up to 6 inputs (24 accumulators), of 3 rows against up to
@@ -511,20 +520,14 @@ static inline void block_dots_dp(const uint16_t* xb, int64_t xrow, const W* w, i
         }
 }
 
-// One block of R rows against all M input rows: balanced passes of up to 5 (R G accumulators, G input chunks and a
-// weight chunk fit the 32 registers), the block read from memory in the first pass and from L1 in later ones.
+// One block of R rows against all M input rows: passes of up to 5 (R G accumulators, G input chunks and a weight chunk
+// fit the 32 registers; block_passes).
 template <int R, typename W>
 static void block_rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t n, float* y) {
-    float out[R * 8];
-    const int64_t passes = (M + 4) / 5;
-    for (int64_t q = 0, m0 = 0; q < passes; q++) {
-        const int64_t g = (M - m0) / (passes - q);
-        by_pass<5>(g, [&](auto G) { block_dots_dp<R, decltype(G)::value>(xb + m0 * xrow, xrow, w + n * K, K, out); });
-        for (int r = 0; r < R; r++)
-            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
-        m0 += g;
-    }
+    block_passes<R, 5>(M, N, n, bias, y, [&](auto G, int64_t m0, float* out) {
+        block_dots_dp<R, decltype(G)::value>(xb + m0 * xrow, xrow, w + n * K, K, out);
+    });
 }
 
 // Rows n_begin..n_end-1 of a bf16 weight against the M prepared input rows in blocks of 4 rows (single rows at the
@@ -588,23 +591,15 @@ static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const
     }
 }
 #else
-// One block of R int4 rows (from row n) against all M input rows in balanced passes of up to P.
+// One block of R int4 rows (from row n) against all M input rows in passes of up to P (block_passes).
 template <int R, int P>
 static void block_rows_i4(const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K, int64_t N,
                           int64_t n, float* y) {
     const int64_t ng = (K + w.gs - 1) / w.gs;
-    float out[R * 8];
-    const int64_t passes = (M + P - 1) / P;
-    for (int64_t q = 0, m0 = 0; q < passes; q++) {
-        const int64_t g = (M - m0) / (passes - q);
+    block_passes<R, P>(M, N, n, bias, y, [&](auto G, int64_t m0, float* out) {
         const RowsInput part = {in.xd + m0 * K, in.xs + m0 * ng, nullptr, 0};
-        by_pass<P>(g, [&](auto G) {
-            block_dots_i4<R, decltype(G)::value>(part, w.q + n * (K / 2), w.s + n * ng, w.z + n * ng, K, w.gs, out);
-        });
-        for (int r = 0; r < R; r++)
-            for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
-        m0 += g;
-    }
+        block_dots_i4<R, decltype(G)::value>(part, w.q + n * (K / 2), w.s + n * ng, w.z + n * ng, K, w.gs, out);
+    });
 }
 
 // Rows nb..ne-1: blocks of 4 rows against passes of up to 5 inputs, of 3 rows against up to 8 from 6 inputs (3 rows:

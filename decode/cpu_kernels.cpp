@@ -205,64 +205,118 @@ static void rows(const float* x, const W* w, const float* bias, int64_t M, int64
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// The portable row kernels' vector (the widened bf16 rows and the int4 ones): RL lanes of fp32. 16 (512-bit) with
+// AVX-512; 8 (256-bit) without it (AVX2 CPUs, 16 registers) and in the half-width build (POLYSPEC_HALF_WIDTH: 256-bit
+// vectors with AVX-512VL's 32 registers, this core's multiply rate halved, as on a Zen 4-class core that issues
+// 512-bit operations in two halves; POLYSPEC_PORTABLE_ROWS=half). The lane count sets the summation order, so a
+// 16-lane build and an 8-lane one agree to rounding, and the two 8-lane builds bitwise.
+// ---------------------------------------------------------------------------------------------------------------
+#if defined(__AVX512F__) && !defined(POLYSPEC_HALF_WIDTH)
+static constexpr int RL = 16;
+typedef v16f vr;
+#else
+static constexpr int RL = 8;
+typedef v8f vr;
+#endif
+typedef uint32_t vru __attribute__((vector_size(RL * 4)));
+typedef uint16_t vrh __attribute__((vector_size(RL * 2)));
+typedef int32_t vri __attribute__((vector_size(RL * 4)));
+typedef uint8_t vrb __attribute__((vector_size(RL)));
+
+static inline vr loadr_f32(const float* p) {
+    vr v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline vr loadr_bf16(const uint16_t* p) {
+    vrh h;
+    memcpy(&h, p, sizeof(h));
+    const vru u = __builtin_convertvector(h, vru) << 16;
+    vr v;
+    memcpy(&v, &u, sizeof(v));
+    return v;
+}
+
+static inline float lane_sum(v8f v) {  // the 16-lane order from the halves on
+    v4f q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    float a = q[0] + q[2], b = q[1] + q[3];
+    return a + b;
+}
+
+static inline void lane_sums4(v8f a, v8f b, v8f c, v8f d, float* out) {  // bitwise lane_sum of each
+    const v8f ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8f cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8f q = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                  __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+    const v8f u = q + __builtin_shufflevector(q, q, 1, 0, 3, 2, 5, 4, 7, 6);
+    out[0] = u[0], out[1] = u[2], out[2] = u[4], out[3] = u[6];
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // bf16 weights widened to fp32 (CPUs without AVX512-BF16, and fp32 inputs against bf16 weights): blocks of R weight
 // rows against G input rows, so each loaded input vector feeds R multiplies and each widened weight vector G. One row
 // at a time (2G input loads and 2G multiplies per 32 weights, the inputs re-read from L1 or, at K = 1,536 and 6+
 // inputs, from L2, for every row) ran 8 verified rows at 2.7x a decode step's time on an Intel Xeon (Cascade Lake),
 // at a quarter of its multiply rate. The weights are widened in pairs: a 32-bit lane holding words 2i and 2i + 1
-// gives word 2i by a 16-bit shift and word 2i + 1 by masking, two operations per 32 weights where a zero-extend takes
-// four; so the input is taken in the same order, per 32 inputs the 16 even ones then the 16 odd ones (pairs_prepare).
-// Per (row, input) one accumulator: per 32-chunk the even products then the odd ones, a natural-order 16-wide step for
-// K % 32 >= 16, a fixed-order lane sum, the K % 16 tail: the same sequence for every R, G and M (batch-invariant).
+// gives word 2i by a 16-bit shift and word 2i + 1 by masking, two operations per 2 RL weights where a zero-extend takes
+// four; so the input is taken in the same order, per 2 RL inputs the RL even ones then the RL odd ones (pairs_prepare).
+// Per (row, input) one accumulator: per 2 RL-chunk the even products then the odd ones, a natural-order RL-wide step
+// for K % 2 RL >= RL, a fixed-order lane sum, the K % RL tail: the same sequence for every R, G and M
+// (batch-invariant).
 // ---------------------------------------------------------------------------------------------------------------
 
-// x [M, K] -> xd [M, K]: per 32 inputs the 16 even ones, then the 16 odd ones; a short tail (K % 32) stays as it is.
+// x [M, K] -> xd [M, K]: per 2 RL inputs the RL even ones, then the RL odd ones; a short tail (K % 2 RL) stays as it
+// is.
 static void pairs_prepare(const float* x, int64_t M, int64_t K, std::vector<float>& xd) {
     xd.resize(M * K);
-    const int64_t k32 = K - K % 32;
+    const int64_t kc = K - K % (2 * RL);
     for (int64_t m = 0; m < M; m++) {
         const float* xm = x + m * K;
         float* dm = xd.data() + m * K;
-        for (int64_t k = 0; k < k32; k += 32)
-            for (int i = 0; i < 16; i++) {
+        for (int64_t k = 0; k < kc; k += 2 * RL)
+            for (int i = 0; i < RL; i++) {
                 dm[k + i] = xm[k + 2 * i];
-                dm[k + 16 + i] = xm[k + 2 * i + 1];
+                dm[k + RL + i] = xm[k + 2 * i + 1];
             }
-        memcpy(dm + k32, xm + k32, (K - k32) * sizeof(float));
+        memcpy(dm + kc, xm + kc, (K - kc) * sizeof(float));
     }
 }
 
 template <int R, int G>
 static inline void block_dots_wide(const float* xd, const uint16_t* w, int64_t K, float* out) {
-    v16f acc[R][G];
+    vr acc[R][G];
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) acc[r][g] = (v16f){0};
-    const int64_t k32 = K - K % 32, k16 = K - K % 16;
-    const v16u high = (v16u){0} + 0xffff0000u;
-    for (int64_t k = 0; k < k32; k += 32) {
-        for (int r = 0; r < R; r++)  // one line of each row per step, PREFETCH_BYTES ahead
-            __builtin_prefetch((const char*)(w + r * K + k) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+        for (int g = 0; g < G; g++) acc[r][g] = (vr){0};
+    const int64_t kc = K - K % (2 * RL), kl = K - K % RL;
+    const vru high = (vru){0} + 0xffff0000u;
+    for (int64_t k = 0; k < kc; k += 2 * RL) {
+        if (k % 32 == 0)  // one line of each row per 32 weights, PREFETCH_BYTES ahead
+            for (int r = 0; r < R; r++)
+                __builtin_prefetch((const char*)(w + r * K + k) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
         for (int h = 0; h < 2; h++) {  // the even words, then the odd ones: R widened vectors live at a time
-            v16f wr[R];
+            vr wr[R];
             for (int r = 0; r < R; r++) {
-                v16u u;
+                vru u;
                 memcpy(&u, w + r * K + k, sizeof(u));
                 u = h == 0 ? u << 16 : u & high;
                 memcpy(&wr[r], &u, sizeof(u));
             }
             for (int g = 0; g < G; g++) {
-                const v16f xv = load_f32(xd + g * K + k + 16 * h);
+                const vr xv = loadr_f32(xd + g * K + k + RL * h);
                 for (int r = 0; r < R; r++) acc[r][g] += wr[r] * xv;
             }
         }
     }
-    if (k16 > k32)
+    if (kl > kc)
         for (int r = 0; r < R; r++) {
-            const v16f wr = load_bf16(w + r * K + k32);
-            for (int g = 0; g < G; g++) acc[r][g] += wr * load_f32(xd + g * K + k32);
+            const vr wr = loadr_bf16(w + r * K + kc);
+            for (int g = 0; g < G; g++) acc[r][g] += wr * loadr_f32(xd + g * K + kc);
         }
     constexpr int NA = R * G;
-    const v16f* a = &acc[0][0];
+    const vr* a = &acc[0][0];
     float sums[NA];
     int i = 0;
     for (; i + 4 <= NA; i += 4) lane_sums4(a[i], a[i + 1], a[i + 2], a[i + 3], sums + i);
@@ -270,7 +324,7 @@ static inline void block_dots_wide(const float* xd, const uint16_t* w, int64_t K
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             float s = sums[r * G + g];
-            for (int64_t k = k16; k < K; k++) s += bf16_to_f32(w[r * K + k]) * xd[g * K + k];
+            for (int64_t k = kl; k < K; k++) s += bf16_to_f32(w[r * K + k]) * xd[g * K + k];
             out[r * 8 + g] = s;
         }
 }
@@ -286,14 +340,9 @@ static void block_rows_wide(const float* xd, const uint16_t* w, const float* bia
 
 // Rows n_begin..n_end-1: blocks of 4 rows against passes of up to 6 inputs (24 accumulators), of 3 rows against up to
 // 8 from 7 inputs (24), single rows at the end (4 rows at 6 inputs: 0.90x the time of 3). Against one row at a time
-// on the Cascade Lake VM the bf16 target's 30 layers take ~0.75x the time at widths 5-8 (docs/KERNELS.md). Without
-// AVX-512 a 16-lane vector takes two of the 16 ymm registers, so rows go one at a time against passes of up to 6
-// (with 256-bit vectors on that VM: 0.83x the blocks' time at 5 inputs, 0.78x at 8, which spill).
-#ifdef __AVX512F__
-static constexpr int WIDE_PASS = 8;
-#else
-static constexpr int WIDE_PASS = 6;
-#endif
+// on the Cascade Lake VM the bf16 target's 30 layers take ~0.75x the time at widths 5-8 (docs/KERNELS.md). The
+// half-width build keeps these blocks (its 32 registers hold them); without AVX-512 (16 registers) rows go one at a
+// time against passes of up to 8.
 static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t N,
                       int64_t n_begin, int64_t n_end, float* y) {
     int64_t n = n_begin;
@@ -302,24 +351,28 @@ static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int
         for (; n + 4 <= n_end; n += 4) block_rows_wide<4, 6>(xd, w, bias, M, K, N, n, y);
     else
         for (; n + 3 <= n_end; n += 3) block_rows_wide<3, 8>(xd, w, bias, M, K, N, n, y);
+#else
+    if (M <= 2)
+        for (; n + 4 <= n_end; n += 4) block_rows_wide<4, 4>(xd, w, bias, M, K, N, n, y);
+    else if (M <= 5)
+        for (; n + 2 <= n_end; n += 2) block_rows_wide<2, 5>(xd, w, bias, M, K, N, n, y);
 #endif
-    for (; n < n_end; n++) block_rows_wide<1, WIDE_PASS>(xd, w, bias, M, K, N, n, y);
+    for (; n < n_end; n++) block_rows_wide<1, 8>(xd, w, bias, M, K, N, n, y);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Int4 weights, GPTQ-style groups (decode/int4.py's Int4Linear buffers): codes q[n, k] in 0..15, two per byte (even k
 // in the low nibble), fp32 scales s[n, g] and uint8 zeros z[n, g] per group of gs inputs; w = (q - z) * s.
 // y[m, n] = sum_g s_g * (sum_{k in g} q_k x_k - z_g * sum_{k in g} x_k): the codes are widened to fp32 in registers
-// and never dequantised to memory. The input is de-interleaved once per call (per 32 inputs: the 16 even ones, then
-// the 16 odd ones, matching the low and high nibbles of 16 bytes) and its group sums are precomputed. Needs K and gs
+// and never dequantised to memory. The input is de-interleaved once per call (per 2 RL inputs: the RL even ones, then
+// the RL odd ones, matching the low and high nibbles of RL bytes) and its group sums are precomputed. Needs K and gs
 // multiples of 32 (a short last group is fine). Per (m, n) the arithmetic is independent of M, as for the dense rows.
 // ---------------------------------------------------------------------------------------------------------------
 
-typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
-static inline v16f codes_to_f32(v16b c) {  // two vector conversions (u8 -> i32 -> f32), not 16 scalar ones
-    return __builtin_convertvector(__builtin_convertvector(c, v16i), v16f);
+static inline vr codes_to_f32(vrb c) {  // two vector conversions (u8 -> i32 -> f32), not RL scalar ones
+    return __builtin_convertvector(__builtin_convertvector(c, vri), vr);
 }
 
 struct RowsInput {  // x prepared once per call for the int4 and widened bf16 rows
@@ -339,26 +392,26 @@ template <int R, int G>
 static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const float* sc, const uint8_t* zr, int64_t K,
                                  int64_t gs, float* out) {
     const int64_t ng = (K + gs - 1) / gs, row = K / 2;
-    v16f acc[R][G];
+    vr acc[R][G];
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) acc[r][g] = (v16f){0};
+        for (int g = 0; g < G; g++) acc[r][g] = (vr){0};
     for (int64_t grp = 0; grp < ng; grp++) {
-        v16f s[R];
-        for (int r = 0; r < R; r++) s[r] = (v16f){0} + sc[r * ng + grp];
+        vr s[R];
+        for (int r = 0; r < R; r++) s[r] = (vr){0} + sc[r * ng + grp];
         const int64_t kend = (grp + 1) * gs < K ? (grp + 1) * gs : K;
-        for (int64_t k = grp * gs; k < kend; k += 32) {
-            if (k % 128 == 0)  // one line (128 codes) of each row per 4 steps, PREFETCH_BYTES ahead
+        for (int64_t k = grp * gs; k < kend; k += 2 * RL) {
+            if (k % 128 == 0)  // one line (128 codes) of each row per 128 codes, PREFETCH_BYTES ahead
                 for (int r = 0; r < R; r++)
                     __builtin_prefetch(q + r * row + k / 2 + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
             for (int h = 0; h < 2; h++) {  // the low nibbles (even k), then the high ones (odd k)
-                v16f wr[R];
+                vr wr[R];
                 for (int r = 0; r < R; r++) {
-                    v16b bytes;
+                    vrb bytes;
                     memcpy(&bytes, q + r * row + k / 2, sizeof(bytes));
                     wr[r] = codes_to_f32(h == 0 ? bytes & (uint8_t)0x0f : bytes >> 4) * s[r];
                 }
                 for (int g = 0; g < G; g++) {
-                    const v16f xv = load_f32(in.xd + g * K + k + 16 * h);
+                    const vr xv = loadr_f32(in.xd + g * K + k + RL * h);
                     for (int r = 0; r < R; r++) acc[r][g] += wr[r] * xv;
                 }
             }
@@ -603,8 +656,8 @@ static void block_rows_i4(const RowsInput& in, const WI4& w, const float* bias, 
 }
 
 // Rows nb..ne-1: blocks of 4 rows against passes of up to 5 inputs, of 3 rows against up to 8 from 6 inputs (3 rows:
-// 0.93-0.99x the time of 2 at widths 6-8 on the Cascade Lake VM), single rows at the end; without AVX-512 single
-// rows only.
+// 0.93-0.99x the time of 2 at widths 6-8 on the Cascade Lake VM), single rows at the end; without AVX-512 (16
+// registers) single rows against up to 8.
 static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
     int64_t n = nb;
@@ -614,8 +667,10 @@ static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const
     else
         for (; n + 3 <= ne; n += 3) block_rows_i4<3, 8>(in, w, bias, M, K, N, n, y);
     for (; n < ne; n++) block_rows_i4<1, 8>(in, w, bias, M, K, N, n, y);
-#else  // 16 ymm registers: one row (its accumulators, codes and scale) against up to 5 inputs
-    for (; n < ne; n++) block_rows_i4<1, 5>(in, w, bias, M, K, N, n, y);
+#else
+    if (M <= 5)
+        for (; n + 2 <= ne; n += 2) block_rows_i4<2, 5>(in, w, bias, M, K, N, n, y);
+    for (; n < ne; n++) block_rows_i4<1, 8>(in, w, bias, M, K, N, n, y);
 #endif
 }
 #endif
@@ -1099,7 +1154,7 @@ static int attention_checked(const float* q, const C* k, const C* v, int64_t S, 
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 11; }
+int polyspec_linear_abi(void) { return 12; }
 
 // Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs,
 // 0 = the portable fp32 ones.
@@ -1110,6 +1165,9 @@ int polyspec_dot_path(void) {
     return 0;
 #endif
 }
+
+// The portable row kernels' lanes per vector: 16, or 8 without AVX-512 and in the half-width build.
+int polyspec_row_lanes(void) { return RL; }
 
 // fp32 weights, input, biases (NULL: none) and output.
 void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, const float* w2, const float* b0,

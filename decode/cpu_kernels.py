@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from polyspec.errors import PolyspecError
 
-_ABI = 11
+_ABI = 12
 MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (faster from ~30 rows)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -49,13 +49,19 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 def _flags() -> list[str]:
     """The compiler flags; POLYSPEC_PORTABLE_ROWS=1 builds the portable fp32 rows for int4 and bf16 weights even
-    where AVX512-BF16 is there (the tests compare both paths this way); POLYSPEC_PORTABLE_ROWS=avx2 builds them
-    without AVX-512 too, as an AVX2 CPU's -march=native does (256-bit vectors, 16 registers)."""
+    where AVX512-BF16 is there (the tests compare both paths this way); =avx2 builds them without AVX-512 too, as an
+    AVX2 CPU's -march=native does (256-bit vectors, 16 registers); =half with 256-bit vectors and AVX-512's 32
+    registers, this core's multiply rate halved as on a Zen 4-class core (docs/KERNELS.md)."""
     portable = os.environ.get("POLYSPEC_PORTABLE_ROWS", "").strip().lower()
+    if portable not in ("", "0", "1", "avx2", "half"):
+        raise PolyspecError(f"POLYSPEC_PORTABLE_ROWS must be 1, avx2 or half (got {portable!r}); unset it for this "
+                            "CPU's own row kernels")
     locality = f"-DPOLYSPEC_PREFETCH_LOCALITY={prefetch_locality()}"
     extra = ["-DPOLYSPEC_PORTABLE_ROWS"] if portable not in ("", "0") else []
     if portable == "avx2":
         extra += ["-mno-avx512f", "-Wno-psabi"]
+    if portable == "half":
+        extra += ["-DPOLYSPEC_HALF_WIDTH"]
     return _FLAGS + [locality] + extra
 
 
@@ -184,6 +190,7 @@ def _load() -> ctypes.CDLL | None:
                                                + [ctypes.c_void_p, ctypes.c_int])
             lib.polyspec_linear_i4.restype = ctypes.c_int
             lib.polyspec_dot_path.argtypes, lib.polyspec_dot_path.restype = [], ctypes.c_int
+            lib.polyspec_row_lanes.argtypes, lib.polyspec_row_lanes.restype = [], ctypes.c_int
             lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                                                     + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                                     + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
@@ -220,11 +227,14 @@ def state() -> str:
 
 def dot_path() -> str | None:
     """Which row kernels the loaded library runs for int4 weights and for bf16 weights under bf16 inputs:
-    "avx512-bf16" (activations rounded to bf16, vdpbf16ps) or "fp32" (portable: fp32 activations, weights widened);
-    None when the library is not loaded."""
+    "avx512-bf16" (activations rounded to bf16, vdpbf16ps) or "fp32" (portable: fp32 activations, weights widened;
+    "fp32/8-lane" where its vectors are 256-bit: an AVX2 CPU or the half-width build); None when the library is not
+    loaded."""
     if not _enabled or _load() is None:
         return None
-    return "avx512-bf16" if _lib.polyspec_dot_path() == 1 else "fp32"
+    if _lib.polyspec_dot_path() == 1:
+        return "avx512-bf16"
+    return "fp32" if _lib.polyspec_row_lanes() == 16 else f"fp32/{_lib.polyspec_row_lanes()}-lane"
 
 
 def failure() -> str | None:

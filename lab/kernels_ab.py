@@ -27,7 +27,8 @@ import torch
 from polyspec.decode import cpu_kernels as ck
 
 ENTRY_POINTS = ("polyspec_layer_f32", "polyspec_layer_bf16", "polyspec_layer_i4", "polyspec_linear3_f32",
-                "polyspec_linear3_bf16w", "polyspec_linear_i4", "polyspec_dot_path", "polyspec_head_step_bf16")
+                "polyspec_linear3_bf16w", "polyspec_linear_i4", "polyspec_dot_path", "polyspec_row_lanes",
+                "polyspec_head_step_bf16")
 
 
 def load_builds(paths: list[str]) -> dict[str, ctypes.CDLL]:

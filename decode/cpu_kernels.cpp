@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <immintrin.h>
+
 #include <type_traits>
 #include <vector>
 #ifdef _OPENMP
@@ -221,7 +223,6 @@ typedef v8f vr;
 typedef uint32_t vru __attribute__((vector_size(RL * 4)));
 typedef uint16_t vrh __attribute__((vector_size(RL * 2)));
 typedef int32_t vri __attribute__((vector_size(RL * 4)));
-typedef uint8_t vrb __attribute__((vector_size(RL)));
 
 static inline vr loadr_f32(const float* p) {
     vr v;
@@ -363,31 +364,65 @@ static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int
 // ---------------------------------------------------------------------------------------------------------------
 // Int4 weights, GPTQ-style groups (decode/int4.py's Int4Linear buffers): codes q[n, k] in 0..15, two per byte (even k
 // in the low nibble), fp32 scales s[n, g] and uint8 zeros z[n, g] per group of gs inputs; w = (q - z) * s.
-// y[m, n] = sum_g s_g * (sum_{k in g} q_k x_k - z_g * sum_{k in g} x_k): the codes are widened to fp32 in registers
-// and never dequantised to memory. The input is de-interleaved once per call (per 2 RL inputs: the RL even ones, then
-// the RL odd ones, matching the low and high nibbles of RL bytes) and its group sums are precomputed. Needs K and gs
+// The codes become weights in registers, never dequantised to memory. The input is de-interleaved once per call (per
+// 2 RL inputs: the RL even ones, then the RL odd ones, matching the low and high nibbles of RL bytes). Needs K and gs
 // multiples of 32 (a short last group is fine). Per (m, n) the arithmetic is independent of M, as for the dense rows.
 // ---------------------------------------------------------------------------------------------------------------
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
-static inline vr codes_to_f32(vrb c) {  // two vector conversions (u8 -> i32 -> f32), not RL scalar ones
-    return __builtin_convertvector(__builtin_convertvector(c, vri), vr);
-}
 
 struct RowsInput {  // x prepared once per call for the int4 and widened bf16 rows
     const float* xd;     // [M, K] in pairs order (pairs_prepare): the portable int4 rows and the widened bf16 ones
-    const float* xs;     // [M, K / gs] group sums (int4)
+    const float* xs;     // [M, K / gs] group sums (the bf16 int4 rows)
     const uint16_t* xb;  // the bf16 path: per row, per 128-code chunk of each group, x's bf16 high then low parts
     int64_t xb_row;      // uint16 words per row of xb
 };
 
-// The portable int4 rows: a block of R weight rows against G input rows, each row's codes widened and scaled once per
-// block (w = q s_g, so one accumulator per (row, input) takes every group) and each input vector loaded once for R
-// rows; the zero points come off at the end (sum_g s_g z_g sum_{k in g} x_k, from the group sums). Row at a time,
-// with a total per group, this ran ~15 cycles per 32 codes and row on an Intel Xeon (Cascade Lake), where memory
-// would take ~4, and the int4 level took as long as the bf16 target it should undercut; blocked, its 30 layers take
-// 0.76x the time at width 1 and 0.82-0.95x at 2-5 there (docs/KERNELS.md). Still compute-bound on that core.
+// RL bytes of codes -> RL 32-bit lanes (vpmovzxbd: GCC's vector conversion of this shape goes scalar).
+static inline vri widen_codes(const uint8_t* p) {
+#if defined(__AVX512F__) && !defined(POLYSPEC_HALF_WIDTH)
+    return (vri)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#else
+    return (vri)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#endif
+}
+
+// A (row, group)'s 16 dequantised values, w_c = (c - z) s for codes c = 0..15, and their lookup by code: one vpermps
+// on a 16-lane table; vpermt2ps on two 8-lane halves (AVX-512VL); two vpermps and a blend on AVX2. The lookup reads
+// only the index's low 4 bits (3 for a vpermps half), so a byte's low nibble needs no mask and its high one a shift.
+#if defined(__AVX512F__) && !defined(POLYSPEC_HALF_WIDTH)
+struct Lut {
+    v16f t;
+};
+static inline Lut lut_make(float s, uint8_t z) {
+    const v16f c = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return {(c - (float)z) * s};
+}
+static inline vr lut(const Lut& l, vri i) { return __builtin_shuffle(l.t, i); }
+#else
+struct Lut {
+    v8f lo, hi;
+};
+static inline Lut lut_make(float s, uint8_t z) {
+    const v8f c = {0, 1, 2, 3, 4, 5, 6, 7};
+    return {(c - (float)z) * s, (c + (8.0f - (float)z)) * s};
+}
+#ifdef __AVX512F__
+static inline vr lut(const Lut& l, vri i) { return __builtin_shuffle(l.lo, l.hi, i); }
+#else
+static inline vr lut(const Lut& l, vri i) {
+    return (i & 8) != 0 ? __builtin_shuffle(l.hi, i) : __builtin_shuffle(l.lo, i);
+}
+#endif
+#endif
+
+// The portable int4 rows: a block of R weight rows against G input rows. Per (row, group) a 16-entry table of its
+// dequantised values (lut_make), so a code costs a widening and a lookup: no conversion to fp32, no multiply by the
+// scale, no zero-point correction (4 vector operations per 32 codes and row where converting, scaling and correcting
+// took 9). Each input vector is loaded once for the block's R rows. One accumulator per (row, input) takes every
+// group: per 2 RL codes the low nibbles' products (even k), then the high ones', then a fixed-order lane sum. The
+// weights are the dequantised matmul's, (q - z) s rounded once.
 template <int R, int G>
 static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const float* sc, const uint8_t* zr, int64_t K,
                                  int64_t gs, float* out) {
@@ -396,8 +431,8 @@ static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const fl
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) acc[r][g] = (vr){0};
     for (int64_t grp = 0; grp < ng; grp++) {
-        vr s[R];
-        for (int r = 0; r < R; r++) s[r] = (vr){0} + sc[r * ng + grp];
+        Lut t[R];
+        for (int r = 0; r < R; r++) t[r] = lut_make(sc[r * ng + grp], zr[r * ng + grp]);
         const int64_t kend = (grp + 1) * gs < K ? (grp + 1) * gs : K;
         for (int64_t k = grp * gs; k < kend; k += 2 * RL) {
             if (k % 128 == 0)  // one line (128 codes) of each row per 128 codes, PREFETCH_BYTES ahead
@@ -406,9 +441,8 @@ static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const fl
             for (int h = 0; h < 2; h++) {  // the low nibbles (even k), then the high ones (odd k)
                 vr wr[R];
                 for (int r = 0; r < R; r++) {
-                    vrb bytes;
-                    memcpy(&bytes, q + r * row + k / 2, sizeof(bytes));
-                    wr[r] = codes_to_f32(h == 0 ? bytes & (uint8_t)0x0f : bytes >> 4) * s[r];
+                    const vri i = widen_codes(q + r * row + k / 2);
+                    wr[r] = lut(t[r], h == 0 ? i : i >> 4);
                 }
                 for (int g = 0; g < G; g++) {
                     const vr xv = loadr_f32(in.xd + g * K + k + RL * h);
@@ -418,12 +452,7 @@ static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const fl
         }
     }
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) {
-            float corr = 0.0f;
-            for (int64_t grp = 0; grp < ng; grp++)
-                corr += sc[r * ng + grp] * (float)zr[r * ng + grp] * in.xs[g * ng + grp];
-            out[r * 8 + g] = lane_sum(acc[r][g]) - corr;
-        }
+        for (int g = 0; g < G; g++) out[r * 8 + g] = lane_sum(acc[r][g]);
 }
 
 // The int4 rows on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids; built with -march=native), with bf16 activations
@@ -439,7 +468,6 @@ static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const fl
 // independent of M (passes of up to 4 rows, each row on its own registers): batch-invariant like the rest.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(POLYSPEC_PORTABLE_ROWS)
 #define POLYSPEC_DPBF16 1
-#include <immintrin.h>
 
 static inline uint16_t bf16_bits_rne(float f) {  // finite inputs only (activations)
     uint32_t u;
@@ -650,7 +678,7 @@ static void block_rows_i4(const RowsInput& in, const WI4& w, const float* bias, 
                           int64_t n, float* y) {
     const int64_t ng = (K + w.gs - 1) / w.gs;
     block_passes<R, P>(M, N, n, bias, y, [&](auto G, int64_t m0, float* out) {
-        const RowsInput part = {in.xd + m0 * K, in.xs + m0 * ng, nullptr, 0};
+        const RowsInput part = {in.xd + m0 * K, nullptr, nullptr, 0};
         block_dots_i4<R, decltype(G)::value>(part, w.q + n * (K / 2), w.s + n * ng, w.z + n * ng, K, w.gs, out);
     });
 }
@@ -699,23 +727,16 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
     std::vector<uint16_t> xb;
     RowsInput in = {nullptr, nullptr, nullptr, 0};
     const int64_t gs = group_size_of(ws[0]);
-    if (gs > 0) {  // int4: de-interleave the input (or split it into bf16 parts) and sum its groups, once
-        const int64_t ng = (K + gs - 1) / gs;
-        xs.assign(M * ng, 0.0f);
+    if (gs > 0) {  // int4: the input in pairs order (portable) or split into bf16 parts with its group sums, once
 #ifdef POLYSPEC_DPBF16
+        xs.assign(M * ((K + gs - 1) / gs), 0.0f);
         in.xb_row = i4b_prepare(x, M, K, gs, xb, xs.data());
         in.xb = xb.data();
+        in.xs = xs.data();
 #else
         pairs_prepare(x, M, K, xd);
         in.xd = xd.data();
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < ng; g++) {
-                float t = 0.0f;
-                for (int64_t k = g * gs; k < (g + 1) * gs && k < K; k++) t += x[m * K + k];
-                xs[m * ng + g] = t;
-            }
 #endif
-        in.xs = xs.data();
     }
 #ifdef POLYSPEC_DPBF16
     if (dot_rows(ws[0])) {  // bf16 rows: the input rounded to bf16 once

@@ -182,6 +182,21 @@ def test_the_8_lane_builds_compute_what_the_16_lane_one_does(other_builds, monke
     assert torch.allclose(i4_a, i4_h, rtol=1e-5, atol=1e-5 * i4_a.abs().max().item())
 
 
+def test_the_portable_rows_setting_names_its_build_and_refuses_anything_else(monkeypatch):
+    """POLYSPEC_PORTABLE_ROWS picks the build's flags (each its own cached library); a value it does not know is one
+    clear error, not a silent native build."""
+    flags = {}
+    for kind in ("", "1", "avx2", "half"):
+        monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", kind)
+        flags[kind] = ck._flags()
+    assert "-DPOLYSPEC_PORTABLE_ROWS" not in flags[""] and "-DPOLYSPEC_PORTABLE_ROWS" in flags["1"]
+    assert "-mno-avx512f" in flags["avx2"] and "-DPOLYSPEC_HALF_WIDTH" in flags["half"]
+    assert "-DPOLYSPEC_HALF_WIDTH" not in flags["avx2"] and "-mno-avx512f" not in flags["half"]
+    monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", "ymm")
+    with pytest.raises(PolyspecError, match="POLYSPEC_PORTABLE_ROWS must be 1, avx2 or half"):
+        ck._flags()
+
+
 def test_the_prefetch_hint_follows_the_cpu_vendor_and_the_environment(monkeypatch):
     """Non-temporal prefetches on AMD (measured best there), prefetcht2 elsewhere (prefetchnta made an Intel Xeon's
     layers 2.6x slower); POLYSPEC_PREFETCH_LOCALITY overrides, a bad value is one clear error; the hint is in the

@@ -113,7 +113,7 @@ static inline void block_passes(int64_t M, int64_t N, int64_t n, const float* bi
     float out[R * 8];
     const int64_t passes = (M + P - 1) / P;
     for (int64_t q = 0, m0 = 0; q < passes; q++) {
-        const int64_t g = (M - m0) / (passes - q);
+        const int64_t g = passes == 1 ? M : (M - m0) / (passes - q);  // one pass: no 64-bit division (~60 cycles)
         by_pass<P>(g, [&](auto G) { dots(G, m0, out); });
         for (int r = 0; r < R; r++)
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n + r] = out[r * 8 + i] + (bias ? bias[n + r] : 0.0f);
@@ -451,8 +451,14 @@ static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const fl
             }
         }
     }
+    constexpr int NA = R * G;
+    const vr* a = &acc[0][0];
+    float sums[NA];
+    int i = 0;
+    for (; i + 4 <= NA; i += 4) lane_sums4(a[i], a[i + 1], a[i + 2], a[i + 3], sums + i);
+    for (; i < NA; i++) sums[i] = lane_sum(a[i]);
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) out[r * 8 + g] = lane_sum(acc[r][g]);
+        for (int g = 0; g < G; g++) out[r * 8 + g] = sums[r * G + g];
 }
 
 // The int4 rows on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids; built with -march=native), with bf16 activations

@@ -30,18 +30,38 @@
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
 
-static inline v16f load_f32(const float* p) {
-    v16f v;
+template <typename V>
+struct Words;  // a vector of fp32 lanes' 16-bit and 32-bit unsigned counterparts
+template <>
+struct Words<v16f> {
+    typedef v16h h;
+    typedef v16u u;
+};
+template <>
+struct Words<v8f> {
+    typedef v8h h;
+    typedef v8u u;
+};
+
+// Loads of a vector V of fp32 lanes (v16f by default; the portable rows' vr): fp32 values, or bf16 bits widened.
+template <typename V = v16f>
+static inline V load_f32(const float* p) {
+    V v;
     memcpy(&v, p, sizeof(v));
     return v;
 }
 
-static inline v16f load_bf16(const uint16_t* p) {
-    v16h h;
+template <typename V = v16f>
+static inline V load_bf16(const uint16_t* p) {
+    typename Words<V>::h h;
     memcpy(&h, p, sizeof(h));
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f v;
+    const typename Words<V>::u u = __builtin_convertvector(h, typename Words<V>::u) << 16;
+    V v;
     memcpy(&v, &u, sizeof(v));
     return v;
 }
@@ -52,9 +72,6 @@ static inline float bf16_to_f32(uint16_t h) {
     memcpy(&f, &u, sizeof(f));
     return f;
 }
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
 
 static inline float lane_sum(v16f v) {  // fixed pairwise order: halves, quarters, ...
     v8f h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -220,24 +237,8 @@ typedef v16f vr;
 static constexpr int RL = 8;
 typedef v8f vr;
 #endif
-typedef uint32_t vru __attribute__((vector_size(RL * 4)));
-typedef uint16_t vrh __attribute__((vector_size(RL * 2)));
+typedef Words<vr>::u vru;
 typedef int32_t vri __attribute__((vector_size(RL * 4)));
-
-static inline vr loadr_f32(const float* p) {
-    vr v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-static inline vr loadr_bf16(const uint16_t* p) {
-    vrh h;
-    memcpy(&h, p, sizeof(h));
-    const vru u = __builtin_convertvector(h, vru) << 16;
-    vr v;
-    memcpy(&v, &u, sizeof(v));
-    return v;
-}
 
 static inline float lane_sum(v8f v) {  // the 16-lane order from the halves on
     v4f q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
@@ -278,9 +279,10 @@ static float* scratch(int slot, int64_t n) {
     return bufs[slot].data();
 }
 
-// x [M, K] -> xd [M, K]: per 2 RL inputs the RL even ones, then the RL odd ones; a short tail (K % 2 RL) stays as it
-// is.
-static void pairs_prepare(const float* x, int64_t M, int64_t K, float* xd) {
+// x [M, K] -> [M, K] in this thread's scratch: per 2 RL inputs the RL even ones, then the RL odd ones; a short tail
+// (K % 2 RL) stays as it is.
+static const float* pairs_prepare(const float* x, int64_t M, int64_t K) {
+    float* xd = scratch(6, M * K);
     const int64_t kc = K - K % (2 * RL);
     for (int64_t m = 0; m < M; m++) {
         const float* xm = x + m * K;
@@ -292,6 +294,7 @@ static void pairs_prepare(const float* x, int64_t M, int64_t K, float* xd) {
             }
         memcpy(dm + kc, xm + kc, (K - kc) * sizeof(float));
     }
+    return xd;
 }
 
 template <int R, int G>
@@ -314,15 +317,15 @@ static inline void block_dots_wide(const float* xd, const uint16_t* w, int64_t K
                 memcpy(&wr[r], &u, sizeof(u));
             }
             for (int g = 0; g < G; g++) {
-                const vr xv = loadr_f32(xd + g * K + k + RL * h);
+                const vr xv = load_f32<vr>(xd + g * K + k + RL * h);
                 for (int r = 0; r < R; r++) acc[r][g] += wr[r] * xv;
             }
         }
     }
     if (kl > kc)
         for (int r = 0; r < R; r++) {
-            const vr wr = loadr_bf16(w + r * K + kc);
-            for (int g = 0; g < G; g++) acc[r][g] += wr * loadr_f32(xd + g * K + kc);
+            const vr wr = load_bf16<vr>(w + r * K + kc);
+            for (int g = 0; g < G; g++) acc[r][g] += wr * load_f32<vr>(xd + g * K + kc);
         }
     constexpr int NA = R * G;
     const vr* a = &acc[0][0];
@@ -453,7 +456,7 @@ static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const fl
                     wr[r] = lut(t[r], h == 0 ? i : i >> 4);
                 }
                 for (int g = 0; g < G; g++) {
-                    const vr xv = loadr_f32(in.xd + g * K + k + RL * h);
+                    const vr xv = load_f32<vr>(in.xd + g * K + k + RL * h);
                     for (int r = 0; r < R; r++) acc[r][g] += wr[r] * xv;
                 }
             }
@@ -748,8 +751,7 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
         in.xb = xb.data();
         in.xs = xs.data();
 #else
-        in.xd = scratch(6, M * K);
-        pairs_prepare(x, M, K, (float*)in.xd);
+        in.xd = pairs_prepare(x, M, K);
 #endif
     }
 #ifdef POLYSPEC_DPBF16
@@ -759,8 +761,7 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
     }
 #endif
     if (wide_rows(ws[0])) {  // bf16 weights widened: the input in pairs order, once
-        in.xd = scratch(6, M * K);
-        pairs_prepare(x, M, K, (float*)in.xd);
+        in.xd = pairs_prepare(x, M, K);
     }
     if (threads < 1) threads = 1;
     if (N * M < 64 * threads) threads = 1;

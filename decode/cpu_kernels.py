@@ -234,7 +234,8 @@ def dot_path() -> str | None:
         return None
     if _lib.polyspec_dot_path() == 1:
         return "avx512-bf16"
-    return "fp32" if _lib.polyspec_row_lanes() == 16 else f"fp32/{_lib.polyspec_row_lanes()}-lane"
+    lanes = _lib.polyspec_row_lanes()
+    return "fp32" if lanes == 16 else f"fp32/{lanes}-lane"
 
 
 def failure() -> str | None:

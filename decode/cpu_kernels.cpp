@@ -373,6 +373,112 @@ static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// bf16 weights in 16-row blocks (pack_weights makes this copy of a packed model's bf16 weights, polyspec_pack_nk16):
+// [ceil(N / 16)][ceil(K / 2)][16] 32-bit words, lane i of (block b, pair p) = w[16b + i][2p] | w[16b + i][2p + 1] << 16
+// (0 past N or K). A vector then holds 16 rows at one k, so an output is a multiply-add per k into one lane: no lane
+// sums, and each loaded (and widened) weight vector feeds every input of the pass, each input value broadcast once
+// per pair for all the block's rows. The row kernels above (rows_wide) read the weights row by row and end every
+// (row, input) in a lane sum; at 8 inputs on the Cascade Lake VM they ran at ~0.55 ns per 16-lane multiply-add
+// against ~0.25 peak, and 8 verified rows cost ~1.9x a decode step (docs/KERNELS.md, "The 16-row blocks").
+// Per (row, input) one fp32 accumulator takes k = 0, 1, 2, ... in order, the bias added last: the same sequence for
+// every pass size, M, vector width and build (batch-invariant, and bitwise the same in the 16- and 8-lane builds).
+// ---------------------------------------------------------------------------------------------------------------
+
+#ifdef __AVX512F__
+static constexpr int NK_PASS = 8;  // inputs per pass: 8 (16-lane: 2 blocks x 8 = 16 accumulators; 8-lane: 1 x 2 x 8)
+#else
+static constexpr int NK_PASS = 4;  // 16 registers: 1 block (2 vectors) x 4 inputs = 8 accumulators
+#endif
+static constexpr int NK_BLOCKS = RL == 16 ? 2 : 1;  // 16-row blocks per call
+
+static inline vr splat(float f) {
+#if defined(__AVX512F__) && !defined(POLYSPEC_HALF_WIDTH)
+    return (vr)_mm512_set1_ps(f);
+#else
+    return (vr)_mm256_set1_ps(f);
+#endif
+}
+
+// x [M, K] -> per pass of G (up to NK_PASS) inputs from m0, per pair p: x[m0 + g][2p], x[m0 + g][2p + 1] for g < G
+// (0 past K), so a pass reads one ascending stream of 2G values per pair. In this thread's scratch.
+static const float* nk16_prepare(const float* x, int64_t M, int64_t K) {
+    const int64_t P = (K + 1) / 2;
+    float* xi = scratch(7, M * 2 * P);
+    for (int64_t m0 = 0; m0 < M; m0 += NK_PASS) {
+        const int64_t G = M - m0 < NK_PASS ? M - m0 : NK_PASS;
+        float* d = xi + m0 * 2 * P;
+        for (int64_t g = 0; g < G; g++) {
+            const float* xr = x + (m0 + g) * K;
+            for (int64_t p = 0; p < P; p++) {
+                d[p * 2 * G + 2 * g] = xr[2 * p];
+                d[p * 2 * G + 2 * g + 1] = 2 * p + 1 < K ? xr[2 * p + 1] : 0.0f;
+            }
+        }
+    }
+    return xi;
+}
+
+// B consecutive 16-row blocks (from wb) against G prepared inputs (xp): out[g * 16 B + row] without the bias.
+template <int B, int G>
+static inline void nk16_dots(const float* xp, const uint32_t* wb, int64_t P, float* out) {
+    constexpr int V = B * 16 / RL;  // weight vectors per pair
+    vr acc[V][G];
+    for (int j = 0; j < V; j++)
+        for (int g = 0; g < G; g++) acc[j][g] = (vr){0};
+    const vru high = (vru){0} + 0xffff0000u;
+    for (int64_t p = 0; p < P; p++) {
+        for (int b = 0; b < B; b++)  // each block's line PREFETCH_BYTES ahead (a pair is one 64-byte line of a block)
+            __builtin_prefetch((const char*)(wb + (b * P + p) * 16) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+        vr we[V], wo[V];
+        for (int j = 0; j < V; j++) {
+            vru u;
+            memcpy(&u, wb + ((j * RL / 16) * P + p) * 16 + (j * RL) % 16, sizeof(u));
+            const vru e = u << 16, o = u & high;
+            memcpy(&we[j], &e, sizeof(e));
+            memcpy(&wo[j], &o, sizeof(o));
+        }
+        const float* xq = xp + p * 2 * G;
+        for (int g = 0; g < G; g++) {
+            const vr xe = splat(xq[2 * g]);
+            for (int j = 0; j < V; j++) acc[j][g] += we[j] * xe;
+        }
+        for (int g = 0; g < G; g++) {
+            const vr xo = splat(xq[2 * g + 1]);
+            for (int j = 0; j < V; j++) acc[j][g] += wo[j] * xo;
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < V; j++) memcpy(out + g * 16 * B + j * RL, &acc[j][g], sizeof(vr));
+}
+
+// Rows nb..ne-1 of the blocked weight against the M prepared inputs: per NK_BLOCKS blocks, every pass (the blocks
+// are read from memory in the first pass, from L1/L2 in later ones); rows outside nb..ne-1 or past N are computed
+// and dropped (a thread's slice of concatenated weights may start mid-block).
+static void rows_nk16(const float* xi, const uint32_t* wb, const float* bias, int64_t M, int64_t K, int64_t N,
+                      int64_t nb, int64_t ne, float* y) {
+    const int64_t P = (K + 1) / 2, bend = (ne + 15) / 16;
+    float out[NK_PASS * 16 * NK_BLOCKS];
+    for (int64_t b = nb / 16; b < bend; b += NK_BLOCKS) {
+        const int nbk = bend - b < NK_BLOCKS ? (int)(bend - b) : NK_BLOCKS;
+        for (int64_t m0 = 0; m0 < M; m0 += NK_PASS) {
+            const int64_t g = M - m0 < NK_PASS ? M - m0 : NK_PASS;
+            const float* xp = xi + m0 * 2 * P;
+            by_pass<NK_PASS>(g, [&](auto G) {
+                constexpr int GV = decltype(G)::value;
+                if (nbk == NK_BLOCKS)
+                    nk16_dots<NK_BLOCKS, GV>(xp, wb + b * P * 16, P, out);
+                else
+                    nk16_dots<1, GV>(xp, wb + b * P * 16, P, out);
+            });
+            const int64_t lo = b * 16 > nb ? b * 16 : nb, hi = (b + nbk) * 16 < ne ? (b + nbk) * 16 : ne;
+            for (int64_t i = 0; i < g; i++)
+                for (int64_t n = lo; n < hi; n++)
+                    y[(m0 + i) * N + n] = out[i * 16 * nbk + (n - b * 16)] + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Int4 weights, GPTQ-style groups (decode/int4.py's Int4Linear buffers): codes q[n, k] in 0..15, two per byte (even k
 // in the low nibble), fp32 scales s[n, g] and uint8 zeros z[n, g] per group of gs inputs; w = (q - z) * s.
 // The codes become weights in registers, never dequantised to memory. The input is de-interleaved once per call (per
@@ -388,6 +494,7 @@ struct RowsInput {  // x prepared once per call for the int4 and widened bf16 ro
     const float* xs;     // [M, K / gs] group sums (the bf16 int4 rows)
     const uint16_t* xb;  // the bf16 path: per row, per 128-code chunk of each group, x's bf16 high then low parts
     int64_t xb_row;      // uint16 words per row of xb
+    const float* xi;     // per pass, per pair of inputs, the pass's rows side by side (nk16_prepare)
 };
 
 // RL bytes of codes -> RL 32-bit lanes (vpmovzxbd: GCC's vector conversion of this shape goes scalar).
@@ -646,7 +753,8 @@ struct WF32 {
 };
 struct WBF16 {
     const uint16_t* w;
-    bool dot;  // inputs rounded to bf16, vdpbf16ps rows (where built); false: weights widened, fp32 inputs
+    bool dot;             // inputs rounded to bf16, vdpbf16ps rows (where built); false: weights widened, fp32 inputs
+    const uint32_t* blk;  // the 16-row blocks of w (pack_nk16) or NULL: the widened rows take them where present
 };
 struct WI4 {
     const uint8_t* q;   // [N, K / 2]
@@ -664,6 +772,7 @@ static inline void rows_w(const float* x, const RowsInput& in, const WBF16& w, c
 #ifdef POLYSPEC_DPBF16
     if (w.dot) return rows_dp<uint16_t>(in.xb, in.xb_row, w.w, bias, M, K, N, nb, ne, y);
 #endif
+    if (w.blk) return rows_nk16(in.xi, w.blk, bias, M, K, N, nb, ne, y);
     rows_wide(in.xd, w.w, bias, M, K, N, nb, ne, y);
 }
 #ifdef POLYSPEC_DPBF16
@@ -681,7 +790,7 @@ static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const
             const int64_t g = M - m0 >= 4 ? 4 : M - m0;
             by_pass<4>(g, [&](auto G) {
                 constexpr int GV = decltype(G)::value;
-                row_dots_i4b<GV>({nullptr, in.xs + m0 * ng, in.xb + m0 * in.xb_row, in.xb_row}, q, sc, zr, K, w.gs,
+                row_dots_i4b<GV>({nullptr, in.xs + m0 * ng, in.xb + m0 * in.xb_row, in.xb_row, nullptr}, q, sc, zr, K, w.gs,
                                  out);
             });
             for (int64_t i = 0; i < g; i++) y[(m0 + i) * N + n] = out[i] + b;
@@ -695,7 +804,7 @@ static void block_rows_i4(const RowsInput& in, const WI4& w, const float* bias, 
                           int64_t n, float* y) {
     const int64_t ng = (K + w.gs - 1) / w.gs;
     block_passes<R, P>(M, N, n, bias, y, [&](auto G, int64_t m0, float* out) {
-        const RowsInput part = {in.xd + m0 * K, nullptr, nullptr, 0};
+        const RowsInput part = {in.xd + m0 * K, nullptr, nullptr, 0, nullptr};
         block_dots_i4<R, decltype(G)::value>(part, w.q + n * (K / 2), w.s + n * ng, w.z + n * ng, K, w.gs, out);
     });
 }
@@ -730,6 +839,12 @@ static inline bool wide_rows(const WBF16& w) { return !w.dot; }
 #else
 static inline bool wide_rows(const WBF16&) { return true; }
 #endif
+template <typename WT>
+static inline bool any_blocked(const WT*) { return false; }
+template <typename WT>
+static inline bool all_blocked(const WT*) { return false; }
+static inline bool any_blocked(const WBF16* ws) { return ws[0].blk || ws[1].blk || ws[2].blk; }
+static inline bool all_blocked(const WBF16* ws) { return ws[0].blk && ws[1].blk && ws[2].blk; }
 static inline int64_t group_size_of(const WF32&) { return 0; }
 static inline int64_t group_size_of(const WBF16&) { return 0; }
 static inline int64_t group_size_of(const WI4& w) { return w.gs; }
@@ -742,7 +857,7 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
     const int64_t N = ns[0] + ns[1] + ns[2];
     std::vector<float> xs;
     std::vector<uint16_t> xb;
-    RowsInput in = {nullptr, nullptr, nullptr, 0};
+    RowsInput in = {nullptr, nullptr, nullptr, 0, nullptr};
     const int64_t gs = group_size_of(ws[0]);
     if (gs > 0) {  // int4: the input in pairs order (portable) or split into bf16 parts with its group sums, once
 #ifdef POLYSPEC_DPBF16
@@ -760,8 +875,9 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
         in.xb = xb.data();
     }
 #endif
-    if (wide_rows(ws[0])) {  // bf16 weights widened: the input in pairs order, once
-        in.xd = pairs_prepare(x, M, K);
+    if (wide_rows(ws[0])) {  // bf16 weights widened: the input in pairs order or in passes (16-row blocks), once
+        if (any_blocked(ws)) in.xi = nk16_prepare(x, M, K);
+        if (!all_blocked(ws)) in.xd = pairs_prepare(x, M, K);
     }
     if (threads < 1) threads = 1;
     if (N * M < 64 * threads) threads = 1;
@@ -1169,10 +1285,11 @@ static LayerWeights<WT> dense_weights(const void* const* ptrs) {
     return w;
 }
 
-// A bf16 model's layer weights: its activations are bf16 at every matmul, so every projection takes the dot rows.
+// A bf16 model's layer weights: its activations are bf16 at every matmul, so every projection takes the dot rows;
+// ptrs[16 + i]: projection i's 16-row blocks or NULL.
 static LayerWeights<WBF16> bf16_layer_weights(const void* const* ptrs) {
     LayerWeights<WBF16> w = dense_weights<WBF16, uint16_t>(ptrs);
-    for (int i = 0; i < 7; i++) w.w[i].dot = true;
+    for (int i = 0; i < 7; i++) w.w[i] = {w.w[i].w, true, (const uint32_t*)ptrs[16 + i]};
     return w;
 }
 
@@ -1191,7 +1308,7 @@ static int attention_checked(const float* q, const C* k, const C* v, int64_t S, 
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 12; }
+int polyspec_linear_abi(void) { return 13; }
 
 // Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs,
 // 0 = the portable fp32 ones.
@@ -1219,13 +1336,28 @@ void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, cons
 // bf16 weights (their uint16 bits); fp32 input, biases and output: the caller widens the tiny [M, K] input and
 // rounds y. dot = 1: the input is bf16 (a bf16 model), so the vdpbf16ps rows take it where built (rounding it to
 // bf16 is exact); dot = 0: an fp32 input against widened weights (a 16-bit lm_head in an fp32 model).
+// blk0..blk2: each weight's 16-row blocks (polyspec_pack_nk16) or NULL.
 void polyspec_linear3_bf16w(const float* x, const uint16_t* w0, const uint16_t* w1, const uint16_t* w2,
                             const float* b0, const float* b1, const float* b2, int64_t n0, int64_t n1, int64_t n2,
-                            int64_t M, int64_t K, float* y, int threads, int dot) {
-    const WBF16 ws[3] = {{w0, dot != 0}, {w1, dot != 0}, {w2, dot != 0}};
+                            int64_t M, int64_t K, float* y, int threads, int dot, const uint32_t* blk0,
+                            const uint32_t* blk1, const uint32_t* blk2) {
+    const WBF16 ws[3] = {{w0, dot != 0, blk0}, {w1, dot != 0, blk1}, {w2, dot != 0, blk2}};
     const float* bs[3] = {b0, b1, b2};
     const int64_t ns[3] = {n0, n1, n2};
     run3(x, ws, bs, ns, M, K, y, threads);
+}
+
+// w [N, K] bf16 -> its 16-row blocks, out [ceil(N / 16)][ceil(K / 2)][16] 32-bit words (the layout rows_nk16 reads).
+void polyspec_pack_nk16(const uint16_t* w, int64_t N, int64_t K, uint32_t* out) {
+    const int64_t P = (K + 1) / 2;
+    for (int64_t b = 0; b < (N + 15) / 16; b++)
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t n = b * 16 + i;
+            for (int64_t p = 0; p < P; p++) {
+                const uint32_t lo = n < N ? w[n * K + 2 * p] : 0, hi = n < N && 2 * p + 1 < K ? w[n * K + 2 * p + 1] : 0;
+                out[(b * P + p) * 16 + i] = lo | hi << 16;
+            }
+        }
 }
 
 // One int4 weight (Int4Linear buffers); fp32 input, bias and output. Returns 1 when K or gs is not a multiple of 32.
@@ -1292,7 +1424,7 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
                             int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_,
                             uint16_t* kcache, uint16_t* vcache, int64_t S, int64_t start, const uint8_t* tree_mask,
                             const uint16_t* lm_w, int64_t V, int64_t out_rows, uint16_t* hidden, float* logits,
-                            int threads) {
+                            int threads, const uint32_t* fc_blk, const uint32_t* lm_blk) {
     if (out_rows < 0 || out_rows > T) return 3;
     std::vector<float> x2(T * 2 * H), x(T * H);
     for (int64_t t = 0; t < T; t++)
@@ -1300,7 +1432,7 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
             x2[t * 2 * H + i] = bf16_to_f32(embed[ids[t] * H + i]);
             x2[t * 2 * H + H + i] = bf16_to_f32(feat[t * H + i]);
         }
-    run1(x2.data(), WBF16{fc_w, true}, fc_b, H, T, 2 * H, x.data(), threads);
+    run1(x2.data(), WBF16{fc_w, true, fc_blk}, fc_b, H, T, 2 * H, x.data(), threads);
     round_to_bf16(x.data(), T * H);
     std::vector<uint8_t> mask;
     if (T > 1 && !tree_mask) {  // all of the cache, then causal within the block (model.block_mask)
@@ -1316,7 +1448,7 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
         x[i] = bf16_to_f32(hidden[i]);
     }
     if (out_rows > 0) {
-        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, true}, nullptr, V, out_rows, H, logits, threads);
+        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, true, lm_blk}, nullptr, V, out_rows, H, logits, threads);
         round_to_bf16(logits, out_rows * V);
     }
     return 0;

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from polyspec.errors import PolyspecError
 
-_ABI = 12
+_ABI = 13
 MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (faster from ~30 rows)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -174,7 +174,7 @@ def _load() -> ctypes.CDLL | None:
                 raise RuntimeError("the cached library has another ABI version")
             argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int]
             lib.polyspec_linear3_f32.argtypes, lib.polyspec_linear3_f32.restype = argtypes, None
-            lib.polyspec_linear3_bf16w.argtypes = argtypes + [ctypes.c_int]
+            lib.polyspec_linear3_bf16w.argtypes = argtypes + [ctypes.c_int] + [ctypes.c_void_p] * 3
             lib.polyspec_linear3_bf16w.restype = None
             lib.polyspec_layer_f32.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
                                                + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
@@ -190,12 +190,15 @@ def _load() -> ctypes.CDLL | None:
                                                + [ctypes.c_void_p, ctypes.c_int])
             lib.polyspec_linear_i4.restype = ctypes.c_int
             lib.polyspec_dot_path.argtypes, lib.polyspec_dot_path.restype = [], ctypes.c_int
+            lib.polyspec_pack_nk16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+            lib.polyspec_pack_nk16.restype = None
             lib.polyspec_row_lanes.argtypes, lib.polyspec_row_lanes.restype = [], ctypes.c_int
             lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                                                     + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                                     + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
                                                     + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
-                                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+                                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+                                                    + [ctypes.c_void_p] * 2)
             lib.polyspec_head_step_bf16.restype = ctypes.c_int
             for name in ("polyspec_attention_bf16", "polyspec_attention_f32"):
                 getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_void_p,
@@ -276,10 +279,10 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     xf = x.contiguous() if fp32 else x.float().contiguous()
     if any(w.dtype != weight.dtype for w, _ in pairs):
         raise ValueError("kernel_linear: the weights of one call must share a dtype")
-    ws, bs, ns = [0, 0, 0], [None, None, None], [0, 0, 0]
+    ws, bs, ns, blks = [0, 0, 0], [None, None, None], [0, 0, 0], [None, None, None]
     keep = []  # converted biases must outlive the call
     for i, (w, b) in enumerate(pairs):
-        ws[i], ns[i] = w.data_ptr(), w.shape[0]
+        ws[i], ns[i], blks[i] = w.data_ptr(), w.shape[0], blocks_ptr(w)
         if b is not None:
             b = b.float().contiguous()
             keep.append(b)
@@ -289,7 +292,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.dtype == torch.float32:
         _lib.polyspec_linear3_f32(*args)
     else:  # a bf16 input (rounding it back to bf16 is exact) may take the vdpbf16ps rows
-        _lib.polyspec_linear3_bf16w(*args, int(not fp32))
+        _lib.polyspec_linear3_bf16w(*args, int(not fp32), *blks)
     return y if fp32 else y.to(x.dtype)
 
 
@@ -376,7 +379,7 @@ def int4_linear(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor | None:
 # Whole decoder layers, one call each (fp32, bf16 or int4 projections)
 # ---------------------------------------------------------------------------------------------------------------
 
-_PTRS = ctypes.c_void_p * 16
+_PTRS = ctypes.c_void_p * 23  # 7 weights, 7 biases, 2 norms, 7 weights' 16-row blocks (bf16; NULL: none)
 _PTRS_I4 = ctypes.c_void_p * 30
 
 
@@ -427,7 +430,8 @@ class LayerPlan:
     runs (``.to()``, ``.float()``, ...). In-place updates of the weights keep it valid (not of a bf16 layer's norms
     and biases, which are copies); rebinding a parameter's ``.data`` does not (call :func:`drop_plans` then)."""
 
-    __slots__ = ("kind", "ptrs", "group_size", "eps", "heads", "kv_heads", "head_dim", "intermediate", "tensors")
+    __slots__ = ("kind", "ptrs", "group_size", "eps", "heads", "kv_heads", "head_dim", "intermediate", "tensors",
+                 "versions")
 
     def __init__(self, layer: torch.nn.Module, kind: str = "f32", group_size: int = 0):
         att, mlp = layer.self_attn, layer.mlp
@@ -442,9 +446,12 @@ class LayerPlan:
         else:
             weights = tuple(lin.weight.detach() for lin in lins)
             table = _PTRS
-        self.tensors = (*weights, *norms, *(b for b in biases if b is not None))
+        blocks = tuple(blocks_of(lin.weight) if kind == "bf16" else None for lin in lins)
+        self.versions = tuple((lin.weight, version(lin.weight)) for lin, b in zip(lins, blocks) if b is not None)
+        self.tensors = (*weights, *norms, *(b for b in (*biases, *blocks) if b is not None))
+        extra = (*(None if b is None else b.data_ptr() for b in blocks),) if kind != "i4" else ()
         self.ptrs = table(*(t.data_ptr() for t in weights), *(None if b is None else b.data_ptr() for b in biases),
-                          *(w.data_ptr() for w in norms))
+                          *(w.data_ptr() for w in norms), *extra)
         self.eps = float(layer.input_layernorm.eps)
         self.heads, self.kv_heads, self.head_dim = att.num_heads, att.num_kv_heads, att.head_dim
         self.intermediate = mlp.gate_proj.out_features
@@ -500,6 +507,8 @@ def layer_plan(layer: torch.nn.Module) -> LayerPlan | None:
     (a feature LAYER_SUPPORT does not declare, other dtypes, mixed projection kinds, int4 shapes the kernel does not
     take, ...)."""
     plan = layer.__dict__.get("_cpu_plan")
+    if plan and any(version(w) != v for w, v in plan.versions):  # a weight changed in place: its blocks are stale
+        plan = None
     if plan is None:
         kind = _plan_kind(layer)
         plan = False if kind is None else LayerPlan(layer, *kind)
@@ -600,7 +609,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 class HeadStep:
     """The bf16 tensors of an EAGLE head's decode step that :func:`head_step` reads (decode/head.py builds it):
     the target's embedding [V, H], fc [H, 2H] and its bias as fp32, the layer's plan, the lm rows [Vd, H], and the
-    RoPE table [2, S, D] (cos, sin per position, fp32 of the bf16 values the module path computes)."""
+    RoPE table [2, S, D] (cos, sin per position, fp32 of the bf16 values the module path computes); fc's and the lm
+    rows' 16-row blocks where they have them (:func:`blocks_of`: the module path then reads them too)."""
 
     embed: torch.Tensor
     fc_weight: torch.Tensor
@@ -608,6 +618,8 @@ class HeadStep:
     plan: LayerPlan
     lm_weight: torch.Tensor
     rope: torch.Tensor
+    fc_blocks: torch.Tensor | None = None
+    lm_blocks: torch.Tensor | None = None
 
 
 def head_step(step: HeadStep, ids: torch.Tensor, features: torch.Tensor, cache, start: int,
@@ -632,7 +644,8 @@ def head_step(step: HeadStep, ids: torch.Tensor, features: torch.Tensor, cache, 
         step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,
         cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start,
         None if mask is None else mask.data_ptr(), step.lm_weight.data_ptr(), step.lm_weight.shape[0], out_rows,
-        hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
+        *(None if b is None else b.data_ptr() for b in (step.fc_blocks, step.lm_blocks)))
     if rc != 0:
         raise ValueError(f"head_step: the kernel refused the shapes (code {rc})")
     return hidden, logits
@@ -652,12 +665,105 @@ def _in_arena(t: torch.Tensor) -> bool:
     return (st.data_ptr(), st.nbytes()) in _arenas
 
 
+# bf16 weights' 16-row blocks (cpu_kernels.cpp, rows_nk16): a second copy of each packed bf16 matmul weight in the
+# layout the widened rows read fastest, [ceil(N / 16), ceil(K / 2), 16] 32-bit words. Made by pack_weights where the
+# build's bf16 rows are the widened ones (no AVX512-BF16), recorded on the weight's Parameter.
+
+_BLOCKS = "_polyspec_nk16"  # attribute on a weight: [blocks tensor, data_ptr, _version] at the time of packing
+
+
+def _blocks_wanted() -> bool:
+    """Blocks pay where the build widens bf16 weights (no AVX512-BF16); POLYSPEC_ROW_BLOCKS=0 saves their memory (a
+    second copy of the bf16 weights) at the widened rows' speed."""
+    env = os.environ.get("POLYSPEC_ROW_BLOCKS", "1").strip().lower()
+    if env not in ("0", "1"):
+        raise PolyspecError(f"POLYSPEC_ROW_BLOCKS must be 0 or 1 (got {env!r}); unset it for the default (1)")
+    return env == "1" and _enabled and _load() is not None and _lib.polyspec_dot_path() == 0
+
+
+def _block_words(w: torch.Tensor) -> int:
+    n, k = w.shape
+    return (n + 15) // 16 * 16 * ((k + 1) // 2)
+
+
+def _pack_blocks(w: torch.Tensor, out: torch.Tensor) -> None:
+    _lib.polyspec_pack_nk16(w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr())
+
+
+def version(t: torch.Tensor) -> int | None:
+    """t's in-place version counter; None for an inference tensor, which has none."""
+    return None if t.is_inference() else t._version
+
+
+def blocks_of(w: torch.Tensor) -> torch.Tensor | None:
+    """The 16-row blocks of bf16 weight ``w`` (a Parameter pack_weights gave them), repacked first when ``w`` was
+    changed in place since; None when it has none or its data moved (``.to()``, a new ``.data``)."""
+    rec = getattr(w, _BLOCKS, None)
+    if rec is None or w.data_ptr() != rec[1] or w.dtype != torch.bfloat16 or not w.is_contiguous():
+        return None
+    if version(w) != rec[2]:
+        _pack_blocks(w, rec[0])
+        rec[2] = version(w)
+    return rec[0]
+
+
+def blocks_ptr(w: torch.Tensor) -> int | None:
+    b = blocks_of(w)
+    return None if b is None else b.data_ptr()
+
+
+def _matmul_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The bf16 weights of ``model``'s plain Linear layers (the lm_head too, tied or not), decoder layers first, each
+    once; not embeddings that no Linear reads."""
+    seen: set[int] = set()
+    out = []
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if type(mod).forward is _linear_forward and isinstance(w, torch.Tensor) and w.dim() == 2 \
+                and w.dtype == torch.bfloat16 and w.is_cpu and id(w) not in seen:
+            seen.add(id(w))
+            out.append(w)
+    return out
+
+
+def make_blocks(weights: list[torch.Tensor]) -> int:
+    """Give each contiguous 2-D bf16 CPU weight without them its 16-row blocks, in one huge-page block of memory in
+    this order (a step reads them in that order); returns the bytes (0 where blocks do not pay: _blocks_wanted)."""
+    weights = [w for w in weights if blocks_of(w) is None and w.dim() == 2 and w.dtype == torch.bfloat16
+               and w.is_cpu and w.is_contiguous()]
+    if not weights or not _blocks_wanted():
+        return 0
+    words = [(_block_words(w) + 15) // 16 * 16 for w in weights]  # 64-byte aligned
+    arena = _anonymous_block(4 * sum(words)).view(torch.int32)
+    off = 0
+    for w, n in zip(weights, words, strict=True):
+        out = arena[off:off + _block_words(w)]
+        _pack_blocks(w, out)
+        setattr(w, _BLOCKS, [out, w.data_ptr(), version(w)])
+        off += n
+    return 4 * off
+
+
+def _anonymous_block(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over fresh anonymous memory of at least ``nbytes`` (huge pages where the kernel grants them)."""
+    size = max(1, (nbytes + (2 << 20) - 1) // (2 << 20)) * (2 << 20)
+    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            block.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return torch.frombuffer(block, dtype=torch.uint8)  # keeps the block alive as long as any view of it
+
+
 def pack_weights(model: torch.nn.Module) -> int:
     """Move ``model``'s CPU parameters and buffers into one anonymous memory block (huge pages where the kernel
     grants them), the decoder layers first in module order, then the rest (embedding / lm_head, norms), so a decode
     step reads one ascending stream of memory. Tensors already in an arena (a head sharing its target's lm_head) stay
     where they are. Values, shapes, dtypes, parameter identity and sharing are unchanged (each ``.data`` becomes a
-    view of the block). Returns the bytes moved; 0 when the fast path is off or nothing is on the CPU.
+    view of the block). Returns the bytes moved; 0 when the fast path is off or nothing is on the CPU. Where the
+    build widens bf16 weights, each bf16 Linear weight also gets its 16-row blocks (:func:`make_blocks`: the same
+    bytes again, POLYSPEC_ROW_BLOCKS=0 to go without).
 
     For models loaded to decode (``load_chain``): a packed tensor's storage is the whole block, so save weights
     from the original files, not from a packed model.
@@ -680,14 +786,7 @@ def pack_weights(model: torch.nn.Module) -> int:
     for t in items:
         offsets.append(total)
         total += (t.numel() * t.element_size() + 63) // 64 * 64
-    size = (total + (2 << 20) - 1) // (2 << 20) * (2 << 20)
-    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            block.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    arena = torch.frombuffer(block, dtype=torch.uint8)  # keeps the block alive as long as any view of it
+    arena = _anonymous_block(total)
     for t, off in zip(items, offsets, strict=True):
         view = arena[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         view.copy_(t.detach())
@@ -696,4 +795,5 @@ def pack_weights(model: torch.nn.Module) -> int:
     drop_plans(model)
     for mod in model.modules():  # projections fused into one weight (model.fuse_projections) are separate again
         mod.__dict__.pop("_fused", None)
+    make_blocks(_matmul_weights(model))
     return total

@@ -272,12 +272,12 @@ class EagleHead(CachedDecoder):
         lm = self._draft_lm_weight() if self.draft_ids is not None else \
             self.lm_head.weight if isinstance(self.lm_head, Linear) and self.lm_head.bias is None else None
         k, fc, emb = cache.k[0], self.fc, self.embed_tokens.weight
+        plan = cpu_kernels.layer_plan(self.layer)  # rebuilt when a weight changed in place (its blocks are stale)
         key = (fc.weight.data_ptr(), None if lm is None else lm.data_ptr(), emb.data_ptr(), k.data_ptr(), k.shape,
-               id(self.layer.__dict__.get("_cpu_plan")))
+               id(plan), cpu_kernels.version(fc.weight), None if lm is None else cpu_kernels.version(lm))
         cached = self.__dict__.get("_kernel_step_cache")
         if cached is not None and cached[0] == key:
             return cached[1]
-        plan = cpu_kernels.layer_plan(self.layer)
         tensors = (fc.weight, lm, emb, k)
         ok = (plan is not None and plan.kind == "bf16" and fc.bias is not None and type(fc) is Linear
               and cache.batch_size == 1
@@ -286,7 +286,8 @@ class EagleHead(CachedDecoder):
         if ok:
             cos, sin = rope_cos_sin(self.inv_freq, torch.arange(k.shape[2]), torch.bfloat16)
             step = cpu_kernels.HeadStep(emb.detach(), fc.weight.detach(), fc.bias.detach().float().contiguous(),
-                                        plan, lm.detach(), torch.stack((cos, sin)).float().contiguous())
+                                        plan, lm.detach(), torch.stack((cos, sin)).float().contiguous(),
+                                        cpu_kernels.blocks_of(fc.weight), cpu_kernels.blocks_of(lm))
         self.__dict__["_kernel_step_cache"] = (key, step)
         return step
 

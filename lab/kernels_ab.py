@@ -7,6 +7,7 @@ than most kernel changes between runs minutes apart).
     python lab/kernels_ab.py decode CHAIN_DIR A.so B.so [REPEATS [module-head [MODES]]]  # whole generations
     python lab/kernels_ab.py rows A.so B.so                                    # bf16 weight rows, ns per row
     python lab/kernels_ab.py torch A.so                   # A's bf16 rows against torch's F.linear (oneDNN), widths 1-16
+    python lab/kernels_ab.py blocks CHAIN_DIR [LEVEL]     # one build, a level's forwards with and without 16-row blocks
 
 ``layers``: the target's decoder layers at widths 1..8 after each context length, 30 repetitions each running every
 width with both builds, medians: the T(k)/T(1) a kernel change reports. ``rows``: one thread, bf16 weights of
@@ -109,6 +110,46 @@ def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "",
     print("B/A speed: " + ", ".join(f"{m} {secs['A', m] / secs['B', m]:.3f}x" for m in names))
 
 
+def strip_blocks(model: torch.nn.Module) -> None:
+    """Take the 16-row blocks away from a packed model (its bf16 weights go back to the widened rows)."""
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(w, torch.Tensor) and hasattr(w, ck._BLOCKS):
+            delattr(w, ck._BLOCKS)
+    ck.drop_plans(model)
+    for mod in model.modules():
+        mod.__dict__.pop("_kernel_step_cache", None)
+
+
+def blocks(chain_dir: str, level: str = "", prefix: str = "128") -> None:
+    """One chain loaded twice, B without the 16-row blocks: one forward of LEVEL (default the target) at widths 1-8
+    after PREFIX cached tokens, both copies and every width in each of 30 repetitions, medians."""
+    from polyspec.decode.generate import load_chain
+
+    chains = {tag: load_chain(Path(chain_dir), device="cpu") for tag in "AB"}
+    name = level or chains["A"].order[0]
+    models = {tag: c.models[name] for tag, c in chains.items()}
+    strip_blocks(models["B"])
+    ctx, widths = int(prefix), tuple(range(1, 9))
+    ids = torch.randint(100, 20000, (ctx + 9,), generator=torch.Generator().manual_seed(0))
+    times: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    with torch.inference_mode():
+        for m in models.values():
+            m.setup_cache(ctx + 16)
+            m(ids[:ctx])
+        for rep in range(30):
+            for w in widths:
+                for tag in ("A", "B") if rep % 2 else ("B", "A"):
+                    t0 = time.perf_counter()
+                    models[tag](ids[ctx:ctx + w])
+                    times[tag, w].append(time.perf_counter() - t0)
+                    models[tag].truncate(ctx)
+    med = {k: sorted(v)[15] * 1e3 for k, v in times.items()}
+    for tag, what in (("A", "with blocks"), ("B", "without")):
+        print(f"{name} {what}: " + "  ".join(f"{w}: {med[tag, w]:.2f} ms ({med[tag, w] / med[tag, 1]:.2f})"
+                                              for w in widths))
+
+
 def rows(a: str, b: str) -> None:
     builds = load_builds([a, b])
     torch.set_num_threads(1)
@@ -152,4 +193,5 @@ def torch_rows(a: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"layers": layers, "decode": decode, "rows": rows, "torch": torch_rows}[sys.argv[1]](*sys.argv[2:])
+    {"layers": layers, "decode": decode, "rows": rows, "torch": torch_rows, "blocks": blocks}[sys.argv[1]](
+        *sys.argv[2:])

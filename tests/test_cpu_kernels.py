@@ -151,7 +151,8 @@ def test_the_8_lane_builds_compute_what_the_16_lane_one_does(other_builds, monke
     """The portable rows with 256-bit vectors: without AVX-512 (an AVX2 CPU's -march=native: 16 registers, single
     rows) and the half-width build (AVX-512's 32 registers, the 16-lane build's blocks). Every (row, input) pair runs
     the same 8-lane arithmetic in both, so they agree bitwise and stay batch-invariant; against the 16-lane build only
-    the summation order differs (to fp32 rounding, then one bf16 rounding of the output)."""
+    the summation order differs (to fp32 rounding, then one bf16 rounding of the output). Weights in 16-row blocks
+    give bitwise one result in all three builds."""
     if "avx512f" not in (ck._cpu_flags() or ""):
         pytest.skip("compares against this CPU's AVX-512 builds")
     monkeypatch.delenv("POLYSPEC_INT4_REFERENCE", raising=False)
@@ -161,18 +162,24 @@ def test_the_8_lane_builds_compute_what_the_16_lane_one_does(other_builds, monke
     layer = Int4Linear(q, s, z, 128, torch.randn(77, generator=g))
     xs = [torch.randn(m, 577, generator=g).bfloat16() for m in (1, 3, 5, 6, 8, 9)]
     x4 = torch.randn(8, 640, generator=g)
+    blocked = _blocked(w.clone())
 
     def run():
         assert ck._load() is not None, ck.failure()
         with torch.inference_mode():
             full = [ck.kernel_linear(x, w) for x in xs]
             alone = [ck.kernel_linear(x[-1:], w)[0] for x in xs]  # each width's last row on its own
-            return full, alone, ck.int4_linear(x4, layer), ck.int4_linear(x4[2:3], layer)[0]
+            blocks = [ck.kernel_linear(x, blocked) for x in xs]
+            return full, alone, ck.int4_linear(x4, layer), ck.int4_linear(x4[2:3], layer)[0], blocks
 
-    (bf_a, _, i4_a, _), path_a = _with_portable_build(other_builds, monkeypatch, run)
-    (bf_h, alone_h, i4_h, one_h), path_h = _with_portable_build(other_builds / "half", monkeypatch, run, kind="half")
-    (bf_b, alone_b, i4_b, one_b), path_b = _with_portable_build(other_builds / "avx2", monkeypatch, run, kind="avx2")
+    (bf_a, _, i4_a, _, bl_a), path_a = _with_portable_build(other_builds, monkeypatch, run)
+    (bf_h, alone_h, i4_h, one_h, bl_h), path_h = _with_portable_build(other_builds / "half", monkeypatch, run,
+                                                                      kind="half")
+    (bf_b, alone_b, i4_b, one_b, bl_b), path_b = _with_portable_build(other_builds / "avx2", monkeypatch, run,
+                                                                      kind="avx2")
     assert (path_a, path_h, path_b) == ("fp32", "fp32/8-lane", "fp32/8-lane")
+    # the 16-row blocks sum in input order in every build: bitwise one result
+    assert all(torch.equal(a, h) and torch.equal(a, b) for a, h, b in zip(bl_a, bl_h, bl_b, strict=True))
     assert all(torch.equal(h, b) for h, b in zip(bf_h, bf_b, strict=True)) and torch.equal(i4_h, i4_b)
     for ys, alone, i4, one in ((bf_h, alone_h, i4_h, one_h), (bf_b, alone_b, i4_b, one_b)):
         assert all(torch.equal(y[-1], r) for y, r in zip(ys, alone, strict=True)) and torch.equal(one, i4[2])
@@ -180,6 +187,79 @@ def test_the_8_lane_builds_compute_what_the_16_lane_one_does(other_builds, monke
     for a, h in zip(bf_a, bf_h, strict=True):
         assert ((a.double() - h.double()).abs() <= 2 ** -7 * a.double().abs() + 1e-3).all()
     assert torch.allclose(i4_a, i4_h, rtol=1e-5, atol=1e-5 * i4_a.abs().max().item())
+
+
+def _blocked(w: torch.Tensor) -> torch.Tensor:
+    """w with its 16-row blocks (as pack_weights gives a packed model's bf16 weights)."""
+    assert ck.make_blocks([w]) > 0 and ck.blocks_of(w) is not None
+    return w
+
+
+def _in_input_order(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Each output as the 16-row blocks compute it: one fp32 multiply-add per input k = 0, 1, ... (the product of a
+    bf16 weight and an fp32 input is exact in fp64, so fp64's sum rounded to fp32 is the fused step), bias last."""
+    xd, wd = x.double(), w.double()
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for k in range(w.shape[1]):
+        acc = (acc.double() + xd[:, k:k + 1] * wd[:, k]).float()
+    return acc if b is None else acc + b
+
+
+def test_16_row_blocks_sum_in_input_order_at_every_width_and_slice():
+    """A bf16 weight's 16-row blocks: every output is its sum over k in input order (one fused multiply-add each),
+    whatever the width (passes of 8 and the rest), the thread count, or where a thread's slice of three weights side
+    by side starts (row counts that are not multiples of 16, an odd K); with fp32 inputs too."""
+    g = _gen(81)
+    ws = [_blocked(torch.randn(n, 37, generator=g).bfloat16()) for n in (100, 19, 50)]
+    bs = [torch.randn(n, generator=g).bfloat16() for n in (100, 19, 50)]
+    x = torch.randn(20, 37, generator=g).bfloat16()
+    want = torch.cat([_in_input_order(x.float(), w, b.float()) for w, b in zip(ws, bs, strict=True)], -1)
+    with torch.inference_mode():
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            try:
+                for m in (1, 3, 8, 9, 20):
+                    got = ck.kernel_linear(x[:m], ws[0], bs[0], (ws[1], bs[1]), (ws[2], bs[2]))
+                    assert torch.equal(got, want[:m].bfloat16()), (threads, m)
+            finally:
+                torch.set_num_threads(2)
+        xf = torch.randn(5, 37, generator=g)  # fp32 inputs against bf16 weights (a 16-bit lm_head in an fp32 model)
+        assert torch.equal(ck.kernel_linear(xf, ws[0]), _in_input_order(xf, ws[0], None))
+
+
+def test_16_row_blocks_follow_in_place_changes_and_can_be_switched_off(tmp_path, monkeypatch):
+    """pack_weights gives a bf16 model's Linear weights (the tied lm_head too) their blocks and its layer plans read
+    them; a weight changed in place is repacked before its next use, so a packed model keeps computing what an
+    unpacked copy of it does; POLYSPEC_ROW_BLOCKS=0 packs without blocks, and any other value is one clear error."""
+    d = make_tiny_llama(tmp_path / "m", tokenizer=None, seed=6)
+    model = Transformer.from_pretrained(d, dtype=torch.bfloat16).eval()
+    model.lm_head.weight = model.embed_tokens.weight
+    ck.pack_weights(model)
+    lins = [m for m in model.modules() if type(m).__name__ == "Linear"]
+    assert lins and all(ck.blocks_of(m.weight) is not None for m in lins)
+    ids = torch.randint(0, 512, (6,), generator=_gen(11))
+    with torch.inference_mode():
+        model.setup_cache(16)
+        model(ids[:3])
+        plan = ck.layer_plan(model.layers[1])
+        assert plan.ptrs[16] == ck.blocks_ptr(model.layers[1].self_attn.q_proj.weight)
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(-2)
+        model.lm_head.weight[:5].zero_()
+    twin = Transformer.from_pretrained(d, dtype=torch.bfloat16).eval()
+    twin.load_state_dict(model.state_dict())
+    ck.pack_weights(twin)
+    with torch.inference_mode():
+        for m in (model, twin):
+            m.setup_cache(16)
+        assert torch.equal(model(ids)[0], twin(ids)[0])
+    bare = Transformer.from_pretrained(d, dtype=torch.bfloat16).eval()
+    monkeypatch.setenv("POLYSPEC_ROW_BLOCKS", "0")
+    ck.pack_weights(bare)
+    assert all(ck.blocks_of(m.weight) is None for m in bare.modules() if type(m).__name__ == "Linear")
+    monkeypatch.setenv("POLYSPEC_ROW_BLOCKS", "yes")
+    with pytest.raises(PolyspecError, match="POLYSPEC_ROW_BLOCKS must be 0 or 1"):
+        ck.pack_weights(Transformer.from_pretrained(d, dtype=torch.bfloat16))
 
 
 def test_the_portable_rows_setting_names_its_build_and_refuses_anything_else(monkeypatch):

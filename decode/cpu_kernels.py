@@ -447,7 +447,8 @@ class LayerPlan:
             weights = tuple(lin.weight.detach() for lin in lins)
             table = _PTRS
         blocks = tuple(blocks_of(lin.weight) if kind == "bf16" else None for lin in lins)
-        self.versions = tuple((lin.weight, version(lin.weight)) for lin, b in zip(lins, blocks) if b is not None)
+        self.versions = tuple((lin.weight, version(lin.weight))
+                              for lin, b in zip(lins, blocks, strict=True) if b is not None)
         self.tensors = (*weights, *norms, *(b for b in (*biases, *blocks) if b is not None))
         extra = (*(None if b is None else b.data_ptr() for b in blocks),) if kind != "i4" else ()
         self.ptrs = table(*(t.data_ptr() for t in weights), *(None if b is None else b.data_ptr() for b in biases),

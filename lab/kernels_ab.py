@@ -8,6 +8,7 @@ than most kernel changes between runs minutes apart).
     python lab/kernels_ab.py rows A.so B.so                                    # bf16 weight rows, ns per row
     python lab/kernels_ab.py torch A.so                   # A's bf16 rows against torch's F.linear (oneDNN), widths 1-16
     python lab/kernels_ab.py blocks CHAIN_DIR [LEVEL]     # one build, a level's forwards with and without 16-row blocks
+    python lab/kernels_ab.py blocks-decode CHAIN_DIR [REPEATS [MODES]]  # whole generations, with and without them
 
 ``layers``: the target's decoder layers at widths 1..8 after each context length, 30 repetitions each running every
 width with both builds, medians: the T(k)/T(1) a kernel change reports. ``rows``: one thread, bf16 weights of
@@ -75,20 +76,35 @@ def layers(target: str, dtype: str, a: str, b: str, contexts: str, level: str = 
                 print(f"ctx {ctx:4d} width {w}: A {ta:6.2f} ms  B {tb:6.2f} ms  B/A {tb / ta:.3f}", flush=True)
 
 
-def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "", modes: str = "ar,default") -> None:
+def held_out_prompts() -> list[str]:
+    """The 3rd-5th builtin prompts of MT-bench, HumanEval and ShareGPT (the bench's --limit 2 prompts stay out)."""
     from polyspec.bench.prompts import load_prompts
+
+    seen: collections.Counter = collections.Counter()
+    prompts = []
+    for q in load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"], limit=5):
+        seen[q.category] += 1
+        if seen[q.category] > 2:
+            prompts.append(q.turns[0])
+    return prompts
+
+
+def report(secs: dict, toks: dict, names: list[str]) -> None:
+    for tag in "AB":
+        speed = {m: toks[tag, m] / secs[tag, m] for m in names}
+        print(f"{tag}: " + ", ".join(f"{m} {v:.1f} tok/s" for m, v in speed.items())
+              + "".join(f", {m}/{names[0]} {speed[m] / speed[names[0]]:.3f}" for m in names[1:]))
+    print("B/A speed: " + ", ".join(f"{m} {secs['A', m] / secs['B', m]:.3f}x" for m in names))
+
+
+def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "", modes: str = "ar,default") -> None:
     from polyspec.decode.generate import generate_text, load_chain
 
     builds = load_builds([a, b])
     chain = load_chain(Path(chain_dir), device="cpu")
     head = chain.models[chain.order[-1]]
     one_call = getattr(head, "_kernel_step", None)
-    seen: collections.Counter = collections.Counter()
-    prompts = []
-    for q in load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"], limit=5):
-        seen[q.category] += 1
-        if seen[q.category] > 2:  # the bench's --limit 2 prompts stay out
-            prompts.append(q.turns[0])
+    prompts = held_out_prompts()
     secs: dict[tuple[str, str], float] = collections.defaultdict(float)
     toks: dict[tuple[str, str], int] = collections.defaultdict(int)
     for rep in range(int(repeats)):
@@ -102,12 +118,7 @@ def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "",
                     r = generate_text(chain, prompt, mode=None if mode == "default" else mode, max_new_tokens=96)
                     secs[tag, mode] += time.perf_counter() - t0
                     toks[tag, mode] += len(r["token_ids"])
-    names = modes.split(",")
-    for tag in "AB":
-        speed = {m: toks[tag, m] / secs[tag, m] for m in names}
-        print(f"{tag}: " + ", ".join(f"{m} {v:.1f} tok/s" for m, v in speed.items())
-              + "".join(f", {m}/{names[0]} {speed[m] / speed[names[0]]:.3f}" for m in names[1:]))
-    print("B/A speed: " + ", ".join(f"{m} {secs['A', m] / secs['B', m]:.3f}x" for m in names))
+    report(secs, toks, modes.split(","))
 
 
 def strip_blocks(model: torch.nn.Module) -> None:
@@ -148,6 +159,32 @@ def blocks(chain_dir: str, level: str = "", prefix: str = "128") -> None:
     for tag, what in (("A", "with blocks"), ("B", "without")):
         print(f"{name} {what}: " + "  ".join(f"{w}: {med[tag, w]:.2f} ms ({med[tag, w] / med[tag, 1]:.2f})"
                                               for w in widths))
+
+
+def blocks_decode(chain_dir: str, repeats: str = "1", modes: str = "ar,dual") -> None:
+    """Whole generations (as ``decode``) of one chain loaded twice, B without the 16-row blocks on any level."""
+    from polyspec.decode.generate import generate_text, load_chain
+
+    chains = {tag: load_chain(Path(chain_dir), device="cpu") for tag in "AB"}
+    for m in chains["B"].models.values():
+        strip_blocks(m)
+    secs: dict[tuple[str, str], float] = collections.defaultdict(float)
+    toks: dict[tuple[str, str], int] = collections.defaultdict(int)
+    outputs: dict[tuple[str, str, int], list[int]] = {}
+    for rep in range(int(repeats)):
+        for i, prompt in enumerate(held_out_prompts()):
+            for mode in modes.split(","):
+                for tag in ("A", "B") if rep % 2 == 0 else ("B", "A"):
+                    t0 = time.perf_counter()
+                    r = generate_text(chains[tag], prompt, mode=mode, max_new_tokens=96)
+                    secs[tag, mode] += time.perf_counter() - t0
+                    toks[tag, mode] += len(r["token_ids"])
+                    outputs[tag, mode, i] = r["token_ids"]
+    names = modes.split(",")
+    report(secs, toks, names)
+    for tag in "AB":
+        same = all(ids == outputs[t, names[0], i] for (t, _, i), ids in outputs.items() if t == tag)
+        print(f"{tag}: greedy outputs of every mode equal {names[0]}'s: {same}")
 
 
 def rows(a: str, b: str) -> None:
@@ -193,5 +230,6 @@ def torch_rows(a: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"layers": layers, "decode": decode, "rows": rows, "torch": torch_rows, "blocks": blocks}[sys.argv[1]](
+    {"layers": layers, "decode": decode, "rows": rows, "torch": torch_rows, "blocks": blocks,
+     "blocks-decode": blocks_decode}[sys.argv[1]](
         *sys.argv[2:])

@@ -379,7 +379,8 @@ static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int
 // sums, and each loaded (and widened) weight vector feeds every input of the pass, each input value broadcast once
 // per pair for all the block's rows. The row kernels above (rows_wide) read the weights row by row and end every
 // (row, input) in a lane sum; at 8 inputs on the Cascade Lake VM they ran at ~0.55 ns per 16-lane multiply-add
-// against ~0.25 peak, and 8 verified rows cost ~1.9x a decode step (docs/KERNELS.md, "The 16-row blocks").
+// against ~0.25 peak, and 8 verified rows cost ~1.9x a decode step (docs/KERNELS.md, "Verifying rows without
+// AVX512-BF16").
 // Per (row, input) one fp32 accumulator takes k = 0, 1, 2, ... in order, the bias added last: the same sequence for
 // every pass size, M, vector width and build (batch-invariant, and bitwise the same in the 16- and 8-lane builds).
 // ---------------------------------------------------------------------------------------------------------------

@@ -219,13 +219,15 @@ def available() -> bool:
 
 
 def state() -> str:
-    """One line for reports and stamps: "on (LIBRARY, its row kernels and prefetch hint)", "off
+    """One line for reports and stamps: "on (LIBRARY, its row kernels, prefetch hint, 16-row blocks)", "off
     (POLYSPEC_CPU_KERNELS)" or "unavailable (WHY)"."""
     if not _enabled:
         return "off (POLYSPEC_CPU_KERNELS or set_enabled)"
     if _load() is None:
         return f"unavailable ({_failure})"
-    return f"on ({library_path().name}, int4 and bf16 rows: {dot_path()}, prefetch locality {prefetch_locality()})"
+    blocks = "on" if _blocks_wanted() else "off"
+    return (f"on ({library_path().name}, int4 and bf16 rows: {dot_path()}, prefetch locality {prefetch_locality()}, "
+            f"16-row blocks {blocks})")
 
 
 def dot_path() -> str | None:

@@ -339,7 +339,7 @@ def _calibration_data(d: Any) -> dict[str, Any]:
 def _settings(p: Any, draft: DraftSpec, device: str, dtype: str | None, data: Any,
               threads: int | None) -> tuple[ProfileSettings, dict[str, Any]]:
     """The profile settings of the profile section ``p`` (and the draft, device, dtype and data they run with), and
-    everything that keys the stored profile."""
+    everything that keys the stored profile (on the CPU the kernels' build too)."""
     tree = draft.model_copy(update={"source": "model"}) if draft.tree is not None else None
     grid_prompts = p.grid_prompts or max(1, p.prompts // 4)
     s = ProfileSettings(max_new_tokens=p.max_new_tokens, kv_length=p.kv_length, warmup=WARMUP, repeats=p.repeats,
@@ -348,8 +348,18 @@ def _settings(p: Any, draft: DraftSpec, device: str, dtype: str | None, data: An
     keyed = {"profile": p.model_dump(mode="json", exclude={"search"}), "device": device, "dtype": dtype,
              "grid_prompts": grid_prompts, "warmup": WARMUP, "confirm_duals": CONFIRM_DUALS,
              "tree": tree.text() if tree is not None else None, "vocab": draft.vocab,
-             "data": data.model_dump(mode="json"), "threads": threads, "calibration": CALIBRATION_FORMAT}
+             "data": data.model_dump(mode="json"), "threads": threads, "calibration": CALIBRATION_FORMAT,
+             "cpu_kernels": _kernel_build(device)}
     return s, keyed
+
+
+def _kernel_build(device: str) -> str | None:
+    """The CPU kernels' build and settings (they set the CPU's timings: a profile of another build is not reused)."""
+    if not device.startswith("cpu"):
+        return None
+    from polyspec.decode import cpu_kernels
+
+    return cpu_kernels.state()
 
 
 def profile_stage(p: Any, *, levels: list[Path], workdir: Path, device: str, dtype: str | None, draft: DraftSpec,

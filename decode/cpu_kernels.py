@@ -729,12 +729,13 @@ def _matmul_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def make_blocks(weights: list[torch.Tensor]) -> int:
+def make_blocks(weights: list[torch.Tensor], force: bool = False) -> int:
     """Give each contiguous 2-D bf16 CPU weight without them its 16-row blocks, in one huge-page block of memory in
-    this order (a step reads them in that order); returns the bytes (0 where blocks do not pay: _blocks_wanted)."""
+    this order (a step reads them in that order); returns the bytes. 0 where blocks do not pay (_blocks_wanted) unless
+    ``force`` (the library loaded: fp32 inputs against bf16 weights take them on every build)."""
     weights = [w for w in weights if blocks_of(w) is None and w.dim() == 2 and w.dtype == torch.bfloat16
                and w.is_cpu and w.is_contiguous()]
-    if not weights or not _blocks_wanted():
+    if not weights or not (_blocks_wanted() or (force and _enabled and _load() is not None)):
         return 0
     words = [(_block_words(w) + 15) // 16 * 16 for w in weights]  # 64-byte aligned
     arena = _anonymous_block(4 * sum(words)).view(torch.int32)

@@ -191,7 +191,7 @@ def test_the_8_lane_builds_compute_what_the_16_lane_one_does(other_builds, monke
 
 def _blocked(w: torch.Tensor) -> torch.Tensor:
     """w with its 16-row blocks (as pack_weights gives a packed model's bf16 weights)."""
-    assert ck.make_blocks([w]) > 0 and ck.blocks_of(w) is not None
+    assert ck.make_blocks([w], force=True) > 0 and ck.blocks_of(w) is not None
     return w
 
 
@@ -215,7 +215,7 @@ def test_16_row_blocks_sum_in_input_order_at_every_width_and_slice():
     x = torch.randn(20, 37, generator=g).bfloat16()
     want = torch.cat([_in_input_order(x.float(), w, b.float()) for w, b in zip(ws, bs, strict=True)], -1)
     with torch.inference_mode():
-        for threads in (1, 2):
+        for threads in (1, 2) if ck.dot_path() != "avx512-bf16" else ():  # there bf16 inputs take vdpbf16ps rows
             torch.set_num_threads(threads)
             try:
                 for m in (1, 3, 8, 9, 20):
@@ -231,6 +231,8 @@ def test_16_row_blocks_follow_in_place_changes_and_can_be_switched_off(tmp_path,
     """pack_weights gives a bf16 model's Linear weights (the tied lm_head too) their blocks and its layer plans read
     them; a weight changed in place is repacked before its next use, so a packed model keeps computing what an
     unpacked copy of it does; POLYSPEC_ROW_BLOCKS=0 packs without blocks, and any other value is one clear error."""
+    if ck.dot_path() == "avx512-bf16":
+        pytest.skip("a bf16 model's weights take the vdpbf16ps rows here: pack_weights makes no blocks")
     d = make_tiny_llama(tmp_path / "m", tokenizer=None, seed=6)
     model = Transformer.from_pretrained(d, dtype=torch.bfloat16).eval()
     model.lm_head.weight = model.embed_tokens.weight

@@ -388,7 +388,7 @@ static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int
 #ifdef __AVX512F__
 static constexpr int NK_PASS = 8;  // inputs per pass: 8 (16-lane: 2 blocks x 8 = 16 accumulators; 8-lane: 1 x 2 x 8)
 #else
-static constexpr int NK_PASS = 4;  // 16 registers: 1 block (2 vectors) x 4 inputs = 8 accumulators
+static constexpr int NK_PASS = 5;  // 16 registers: 1 block (2 vectors) x 5 inputs = 10 accumulators, 4 widened, 1 input
 #endif
 static constexpr int NK_BLOCKS = RL == 16 ? 2 : 1;  // 16-row blocks per call
 
@@ -400,13 +400,24 @@ static inline vr splat(float f) {
 #endif
 }
 
-// x [M, K] -> per pass of G (up to NK_PASS) inputs from m0, per pair p: x[m0 + g][2p], x[m0 + g][2p + 1] for g < G
+// M inputs in balanced passes of up to NK_PASS (sizes differ by one at most: 5 inputs on AVX2 as 2 + 3, not 4 + 1,
+// whose lone input chained its multiply-adds on the block's two accumulators): f(m0, G) for each.
+template <typename F>
+static inline void nk16_passes(int64_t M, F&& f) {
+    const int64_t passes = (M + NK_PASS - 1) / NK_PASS;
+    for (int64_t q = 0, m0 = 0; q < passes; q++) {
+        const int64_t g = passes == 1 ? M : (M - m0) / (passes - q);  // one pass: no 64-bit division
+        f(m0, g);
+        m0 += g;
+    }
+}
+
+// x [M, K] -> per pass of G inputs from m0 (nk16_passes), per pair p: x[m0 + g][2p], x[m0 + g][2p + 1] for g < G
 // (0 past K), so a pass reads one ascending stream of 2G values per pair. In this thread's scratch.
 static const float* nk16_prepare(const float* x, int64_t M, int64_t K) {
     const int64_t P = (K + 1) / 2;
     float* xi = scratch(7, M * 2 * P);
-    for (int64_t m0 = 0; m0 < M; m0 += NK_PASS) {
-        const int64_t G = M - m0 < NK_PASS ? M - m0 : NK_PASS;
+    nk16_passes(M, [&](int64_t m0, int64_t G) {
         float* d = xi + m0 * 2 * P;
         for (int64_t g = 0; g < G; g++) {
             const float* xr = x + (m0 + g) * K;
@@ -415,7 +426,7 @@ static const float* nk16_prepare(const float* x, int64_t M, int64_t K) {
                 d[p * 2 * G + 2 * g + 1] = 2 * p + 1 < K ? xr[2 * p + 1] : 0.0f;
             }
         }
-    }
+    });
     return xi;
 }
 
@@ -461,8 +472,7 @@ static void rows_nk16(const float* xi, const uint32_t* wb, const float* bias, in
     float out[NK_PASS * 16 * NK_BLOCKS];
     for (int64_t b = nb / 16; b < bend; b += NK_BLOCKS) {
         const int nbk = bend - b < NK_BLOCKS ? (int)(bend - b) : NK_BLOCKS;
-        for (int64_t m0 = 0; m0 < M; m0 += NK_PASS) {
-            const int64_t g = M - m0 < NK_PASS ? M - m0 : NK_PASS;
+        nk16_passes(M, [&](int64_t m0, int64_t g) {
             const float* xp = xi + m0 * 2 * P;
             by_pass<NK_PASS>(g, [&](auto G) {
                 constexpr int GV = decltype(G)::value;
@@ -475,7 +485,7 @@ static void rows_nk16(const float* xi, const uint32_t* wb, const float* bias, in
             for (int64_t i = 0; i < g; i++)
                 for (int64_t n = lo; n < hi; n++)
                     y[(m0 + i) * N + n] = out[i * 16 * nbk + (n - b * 16)] + (bias ? bias[n] : 0.0f);
-        }
+        });
     }
 }
 

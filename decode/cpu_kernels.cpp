@@ -297,6 +297,15 @@ static const float* pairs_prepare(const float* x, int64_t M, int64_t K) {
     return xd;
 }
 
+// The lane sums of a block's R x G accumulators, four at a time (lane_sums4), into sums[r * G + g].
+template <int R, int G>
+static inline void block_lane_sums(const vr (&acc)[R][G], float* sums) {
+    const vr* a = &acc[0][0];
+    int i = 0;
+    for (; i + 4 <= R * G; i += 4) lane_sums4(a[i], a[i + 1], a[i + 2], a[i + 3], sums + i);
+    for (; i < R * G; i++) sums[i] = lane_sum(a[i]);
+}
+
 template <int R, int G>
 static inline void block_dots_wide(const float* xd, const uint16_t* w, int64_t K, float* out) {
     vr acc[R][G];
@@ -327,12 +336,8 @@ static inline void block_dots_wide(const float* xd, const uint16_t* w, int64_t K
             const vr wr = load_bf16<vr>(w + r * K + kc);
             for (int g = 0; g < G; g++) acc[r][g] += wr * load_f32<vr>(xd + g * K + kc);
         }
-    constexpr int NA = R * G;
-    const vr* a = &acc[0][0];
-    float sums[NA];
-    int i = 0;
-    for (; i + 4 <= NA; i += 4) lane_sums4(a[i], a[i + 1], a[i + 2], a[i + 3], sums + i);
-    for (; i < NA; i++) sums[i] = lane_sum(a[i]);
+    float sums[R * G];
+    block_lane_sums(acc, sums);
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             float s = sums[r * G + g];
@@ -584,12 +589,8 @@ static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const fl
             }
         }
     }
-    constexpr int NA = R * G;
-    const vr* a = &acc[0][0];
-    float sums[NA];
-    int i = 0;
-    for (; i + 4 <= NA; i += 4) lane_sums4(a[i], a[i + 1], a[i + 2], a[i + 3], sums + i);
-    for (; i < NA; i++) sums[i] = lane_sum(a[i]);
+    float sums[R * G];
+    block_lane_sums(acc, sums);
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) out[r * 8 + g] = sums[r * G + g];
 }

@@ -11,7 +11,8 @@ weights in one block in the order a step reads them. docs/KERNELS.md describes t
 The kernels are batch-invariant: a row's output is bitwise the same whether it is computed alone or with any number
 of others, so a verification over k + 1 positions (or a draft tree's nodes) gives each position exactly the logits a
 decode step gives it, in fp32 and bf16. Which forwards they take (:func:`rows_limit`): up to MAX_ROWS rows always,
-and up to VERIFY_ROWS for a verification, whose rows must match a decode step's; a wider prompt goes to torch's GEMM.
+and up to VERIFY_ROWS for a verification, whose rows must match a decode step's; a wider prompt goes to torch's GEMM,
+except over bf16 weights in 16-row blocks, which take any causal block in forwards of VERIFY_ROWS (:func:`blocked_layers`).
 
 Build: the first call compiles ``cpu_kernels.cpp`` with the system C++ compiler (``g++ -O3 -march=native -fopenmp``,
 about 2 s) into ``$POLYSPEC_KERNEL_CACHE`` (default ``~/.cache/polyspec/kernels``), keyed by the source, the compiler
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from polyspec.errors import PolyspecError
 
 _ABI = 13
-MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (faster from ~30 rows)
+MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (rows_limit)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -415,13 +416,25 @@ LAYER_SUPPORT = LayerSupport(
 )
 
 
-def rows_limit(start: int, tree: bool) -> int:
+def rows_limit(start: int, tree: bool, blocked: bool = False) -> int:
     """The most rows a forward of a block at cache position ``start`` (under a draft tree's mask or not) takes the
     kernels for. A verification's rows must get bitwise a decode step's logits (greedy speculation equals ``ar``
     only then), so it stays on them up to VERIFY_ROWS: a draft tree of 32 nodes plus a lookup path is 41 rows. A
     prompt (a causal block at an empty cache) is the same work in every mode, so above MAX_ROWS it keeps torch's
-    GEMM, the faster one from ~30 rows (docs/KERNELS.md, "Batch invariance")."""
-    return VERIFY_ROWS if start > 0 or tree else MAX_ROWS
+    GEMM, the faster one from ~30 rows with fp32 weights (docs/KERNELS.md, "Batch invariance"), unless the layers
+    are ``blocked`` (:func:`blocked_layers`)."""
+    return VERIFY_ROWS if start > 0 or tree or blocked else MAX_ROWS
+
+
+def blocked_layers(layers: list[torch.nn.Module]) -> bool:
+    """Whether every layer runs on the kernels with bf16 weights in 16-row blocks. Those take a prompt too, in
+    forwards of VERIFY_ROWS (model.CachedDecoder._run_layers): without AVX512-BF16 torch's bf16 GEMM widens the
+    weights at ~40 GFLOP/s, and a 288-token prompt ran 2.6x faster on the blocks (docs/KERNELS.md, "Batch invariance")."""
+    for layer in layers:
+        plan = layer_plan(layer)
+        if plan is None or not plan.blocked:
+            return False
+    return bool(layers)
 
 
 class LayerPlan:
@@ -433,7 +446,7 @@ class LayerPlan:
     and biases, which are copies); rebinding a parameter's ``.data`` does not (call :func:`drop_plans` then)."""
 
     __slots__ = ("kind", "ptrs", "group_size", "eps", "heads", "kv_heads", "head_dim", "intermediate", "tensors",
-                 "versions")
+                 "versions", "blocked")
 
     def __init__(self, layer: torch.nn.Module, kind: str = "f32", group_size: int = 0):
         att, mlp = layer.self_attn, layer.mlp
@@ -451,6 +464,7 @@ class LayerPlan:
         blocks = tuple(blocks_of(lin.weight) if kind == "bf16" else None for lin in lins)
         self.versions = tuple((lin.weight, version(lin.weight))
                               for lin, b in zip(lins, blocks, strict=True) if b is not None)
+        self.blocked = all(b is not None for b in blocks)
         self.tensors = (*weights, *norms, *(b for b in (*biases, *blocks) if b is not None))
         extra = (*(None if b is None else b.data_ptr() for b in blocks),) if kind != "i4" else ()
         self.ptrs = table(*(t.data_ptr() for t in weights), *(None if b is None else b.data_ptr() for b in biases),

@@ -678,10 +678,14 @@ class CachedDecoder(nn.Module):
         cache = self._cache
         start = cache.length if cache is not None else 0
         self._check_block(b, t, start, tree_mask)
+        plain = tree_mask is None and position_offsets is None and cache is not None and b == 1
+        blocked = plain and t > cpu_kernels.MAX_ROWS and cpu_kernels.blocked_layers(layers)
+        rows = cpu_kernels.rows_limit(start, tree_mask is not None, blocked)
+        if blocked and t > rows:
+            return self._run_chunks(x, layers, rows)
         positions = self._positions(t, start, position_offsets, x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
         mask = block_mask(start, t, tree_mask, x.device)
-        rows = cpu_kernels.rows_limit(start, tree_mask is not None)
         plans = [cpu_kernels.layer_plan(layer) for layer in layers] \
             if cpu_kernels.block_supported(x, cos, cache, mask, rows) else []
         if plans and all(p is not None for p in plans):  # the common case: every layer in one kernel call each
@@ -696,6 +700,12 @@ class CachedDecoder(nn.Module):
         if cache is not None:
             cache.length = start + t
         return x
+
+    def _run_chunks(self, x: torch.Tensor, layers: list[nn.Module], rows: int) -> torch.Tensor:
+        """A causal block wider than one kernel call takes, as consecutive blocks of ``rows``: each attends to the
+        cache the ones before it wrote, so the result is the whole block's (up to rounding, the same in every mode)."""
+        return torch.cat([self._run_layers(x[:, s:s + rows], layers, None, None)
+                          for s in range(0, x.shape[1], rows)], dim=1)
 
     # -- EAGLE-3 auxiliary features (begin) ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ than most kernel changes between runs minutes apart).
     python lab/kernels_ab.py torch A.so                   # A's bf16 rows against torch's F.linear (oneDNN), widths 1-16
     python lab/kernels_ab.py blocks CHAIN_DIR [LEVEL]     # one build, a level's forwards with and without 16-row blocks
     python lab/kernels_ab.py blocks-decode CHAIN_DIR [REPEATS [MODES]]  # whole generations, with and without them
+    python lab/kernels_ab.py prompts CHAIN_DIR [REPEATS [MODES]]  # prompts on the blocks in 64-row forwards, or torch
 
 ``layers``: the target's decoder layers at widths 1..8 after each context length, 30 repetitions each running every
 width with both builds, medians: the T(k)/T(1) a kernel change reports. ``rows``: one thread, bf16 weights of
@@ -187,6 +188,48 @@ def blocks_decode(chain_dir: str, repeats: str = "1", modes: str = "ar,dual") ->
         print(f"{tag}: greedy outputs of every mode equal {names[0]}'s: {same}")
 
 
+def prompts(chain_dir: str, repeats: str = "1", modes: str = "ar,dual") -> None:
+    """A: prompts over blocked weights in forwards of VERIFY_ROWS (cpu_kernels.blocked_layers), B: torch's GEMM takes
+    them whole. The target's prefill of 32-512 tokens (7 repetitions, both in each, medians), then whole generations
+    of MODES on the bench's builtin prompts (--limit 2: 6 first turns, 96 new tokens), alternated per generation."""
+    from polyspec.bench.prompts import load_prompts
+    from polyspec.decode.generate import generate_text, load_chain
+
+    chain = load_chain(Path(chain_dir), device="cpu")
+    target = chain.models[chain.order[0]]
+    on = ck.blocked_layers
+    switch = {"A": on, "B": lambda layers: False}
+    times: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    ids = torch.randint(100, 20000, (512,), generator=torch.Generator().manual_seed(0))
+    target.setup_cache(520)
+    with torch.inference_mode():
+        for rep in range(7):
+            for n in (32, 64, 128, 288, 512):
+                for tag in ("A", "B") if rep % 2 else ("B", "A"):
+                    ck.blocked_layers = switch[tag]
+                    target.truncate(0)
+                    t0 = time.perf_counter()
+                    target(ids[:n], last_only=True)
+                    times[tag, n].append(time.perf_counter() - t0)
+    for n in (32, 64, 128, 288, 512):
+        a, b = (sorted(times[t, n])[3] * 1e3 for t in "AB")
+        print(f"prefill {n:3d} tokens: A {a:7.1f} ms ({a / n:.2f} per token)  B {b:7.1f} ms  B/A {b / a:.2f}")
+    questions = load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"], limit=2)
+    secs: dict[tuple[str, str], float] = collections.defaultdict(float)
+    toks: dict[tuple[str, str], int] = collections.defaultdict(int)
+    for rep in range(int(repeats)):
+        for q in questions:
+            for mode in modes.split(","):
+                for tag in ("A", "B") if rep % 2 == 0 else ("B", "A"):
+                    ck.blocked_layers = switch[tag]
+                    t0 = time.perf_counter()
+                    r = generate_text(chain, q.turns[0], mode=None if mode == "default" else mode, max_new_tokens=96)
+                    secs[tag, mode] += time.perf_counter() - t0
+                    toks[tag, mode] += len(r["token_ids"])
+    ck.blocked_layers = on
+    report(secs, toks, modes.split(","))
+
+
 def rows(a: str, b: str) -> None:
     builds = load_builds([a, b])
     torch.set_num_threads(1)
@@ -231,5 +274,5 @@ def torch_rows(a: str) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     {"layers": layers, "decode": decode, "rows": rows, "torch": torch_rows, "blocks": blocks,
-     "blocks-decode": blocks_decode}[sys.argv[1]](
+     "blocks-decode": blocks_decode, "prompts": prompts}[sys.argv[1]](
         *sys.argv[2:])

@@ -650,6 +650,41 @@ def test_which_forwards_take_the_kernels_by_width(models, monkeypatch):
         ck.VERIFY_ROWS
 
 
+def test_a_prompt_over_blocked_weights_takes_the_kernels_in_verification_blocks(tmp_path, monkeypatch):
+    """Over bf16 weights in 16-row blocks a prompt wider than MAX_ROWS runs on the kernels too, in forwards of
+    VERIFY_ROWS (cpu_kernels.blocked_layers): its hidden states and cache are bitwise those of the prompt fed in such blocks
+    by hand and close to torch's whole-block forward (the same model without blocks); the decode step after it takes
+    the kernels as before. A wide block under a tree mask, and a prompt over weights without blocks, do not split."""
+    d = make_tiny_llama(tmp_path / "m", tokenizer=None, seed=8)
+    model = Transformer.from_pretrained(d, dtype=torch.bfloat16).eval()
+    bare = copy.deepcopy(model)
+    assert ck.make_blocks([m.weight for m in model.modules() if type(m).__name__ == "Linear"], force=True) > 0
+    assert ck.blocked_layers(list(model.layers)) and not ck.blocked_layers(list(bare.layers))
+    widths: list[int] = []
+    run = ck.run_layers
+    monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: widths.append(x.shape[1]) or run(plans, x, *a, **k))
+    ids = torch.randint(0, 512, (2 * ck.VERIFY_ROWS + 23,), generator=_gen(12))
+    with torch.inference_mode():
+        model.setup_cache(192)
+        whole = model(ids)[1]  # the final-norm'd hidden states: the layers' work (an lm_head's rows may go either way)
+        cache = torch.stack(model._cache.k + model._cache.v).clone()
+        step = model(ids[:1])[1]
+        assert widths == [ck.VERIFY_ROWS, ck.VERIFY_ROWS, 23, 1]
+        model.setup_cache(192)
+        by_hand = torch.cat([model(ids[s:s + ck.VERIFY_ROWS])[1] for s in range(0, len(ids), ck.VERIFY_ROWS)])
+        assert torch.equal(whole, by_hand) and torch.equal(cache, torch.stack(model._cache.k + model._cache.v))
+        assert torch.equal(step, model(ids[:1])[1])
+        widths.clear()
+        bare.setup_cache(192)
+        torch.testing.assert_close(whole, bare(ids)[1], atol=0.1, rtol=0.05)
+        assert widths == []  # no blocks: torch's GEMM takes the prompt whole
+        model.setup_cache(192)
+        tree = torch.ones(40, 40, dtype=torch.bool).tril()
+        model(ids[:40], tree_mask=tree)
+        assert widths == [40]  # under a mask it is a verification: one call of the kernels, never split
+    assert ck.rows_limit(0, False, blocked=True) == ck.VERIFY_ROWS
+
+
 def test_bf16_greedy_tree_wider_than_a_prompt_block_equals_ar(models, monkeypatch):
     """A draft tree of more than MAX_ROWS nodes (the bench's 32-token trees, plus a lookup path) is verified on the
     kernels too (cpu_kernels.rows_limit), so each node gets a decode step's logits and the output is ar's, in bf16;

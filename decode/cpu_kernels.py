@@ -12,7 +12,8 @@ The kernels are batch-invariant: a row's output is bitwise the same whether it i
 of others, so a verification over k + 1 positions (or a draft tree's nodes) gives each position exactly the logits a
 decode step gives it, in fp32 and bf16. Which forwards they take (:func:`rows_limit`): up to MAX_ROWS rows always,
 and up to VERIFY_ROWS for a verification, whose rows must match a decode step's; a wider prompt goes to torch's GEMM,
-except over bf16 weights in 16-row blocks, which take any causal block in forwards of VERIFY_ROWS (:func:`blocked_layers`).
+except over bf16 weights in 16-row blocks, which take any causal block in forwards of VERIFY_ROWS
+(:func:`blocked_layers`).
 
 Build: the first call compiles ``cpu_kernels.cpp`` with the system C++ compiler (``g++ -O3 -march=native -fopenmp``,
 about 2 s) into ``$POLYSPEC_KERNEL_CACHE`` (default ``~/.cache/polyspec/kernels``), keyed by the source, the compiler
@@ -429,7 +430,8 @@ def rows_limit(start: int, tree: bool, blocked: bool = False) -> int:
 def blocked_layers(layers: list[torch.nn.Module]) -> bool:
     """Whether every layer runs on the kernels with bf16 weights in 16-row blocks. Those take a prompt too, in
     forwards of VERIFY_ROWS (model.CachedDecoder._run_layers): without AVX512-BF16 torch's bf16 GEMM widens the
-    weights at ~40 GFLOP/s, and a 288-token prompt ran 2.6x faster on the blocks (docs/KERNELS.md, "Batch invariance")."""
+    weights at ~40 GFLOP/s, and a 288-token prompt ran 2.6x faster on the blocks (docs/KERNELS.md, "Batch
+    invariance")."""
     for layer in layers:
         plan = layer_plan(layer)
         if plan is None or not plan.blocked:

@@ -652,9 +652,10 @@ def test_which_forwards_take_the_kernels_by_width(models, monkeypatch):
 
 def test_a_prompt_over_blocked_weights_takes_the_kernels_in_verification_blocks(tmp_path, monkeypatch):
     """Over bf16 weights in 16-row blocks a prompt wider than MAX_ROWS runs on the kernels too, in forwards of
-    VERIFY_ROWS (cpu_kernels.blocked_layers): its hidden states and cache are bitwise those of the prompt fed in such blocks
-    by hand and close to torch's whole-block forward (the same model without blocks); the decode step after it takes
-    the kernels as before. A wide block under a tree mask, and a prompt over weights without blocks, do not split."""
+    VERIFY_ROWS (cpu_kernels.blocked_layers): its hidden states and cache are bitwise those of the prompt fed in such
+    blocks by hand and close to torch's whole-block forward (the same model without blocks); the decode step after it
+    takes the kernels as before. A wide block under a tree mask, and a prompt over weights without blocks, do not
+    split."""
     d = make_tiny_llama(tmp_path / "m", tokenizer=None, seed=8)
     model = Transformer.from_pretrained(d, dtype=torch.bfloat16).eval()
     bare = copy.deepcopy(model)

@@ -683,6 +683,12 @@ def test_a_prompt_over_blocked_weights_takes_the_kernels_in_verification_blocks(
         tree = torch.ones(40, 40, dtype=torch.bool).tril()
         model(ids[:40], tree_mask=tree)
         assert widths == [40]  # under a mask it is a verification: one call of the kernels, never split
+        widths.clear()
+        for m in (model, bare):  # an EAGLE-3 head's features: each segment of layers splits the same way
+            m.setup_cache(192)
+        aux = [0, len(model.layers) - 1]
+        torch.testing.assert_close(model(ids, aux_layers=aux)[1], bare(ids, aux_layers=aux)[1], atol=0.1, rtol=0.05)
+        assert widths.count(ck.VERIFY_ROWS) == 4  # two segments (layer 0, then the rest), each 64 + 64 + 23 rows
     assert ck.rows_limit(0, False, blocked=True) == ck.VERIFY_ROWS
 
 

@@ -99,6 +99,25 @@ def report(secs: dict, toks: dict, names: list[str]) -> None:
     print("B/A speed: " + ", ".join(f"{m} {secs['A', m] / secs['B', m]:.3f}x" for m in names))
 
 
+def alternate(prompts: list[str], modes: str, repeats: str, generate) -> dict:
+    """Whole generations of every prompt in every mode, A and B in turns (the order flipped each repeat);
+    ``generate(tag, prompt, mode)`` -> token ids. Prints the speeds; returns {(tag, mode, prompt index): token ids}."""
+    secs: dict[tuple[str, str], float] = collections.defaultdict(float)
+    toks: dict[tuple[str, str], int] = collections.defaultdict(int)
+    outputs: dict[tuple[str, str, int], list[int]] = {}
+    for rep in range(int(repeats)):
+        for i, prompt in enumerate(prompts):
+            for mode in modes.split(","):
+                for tag in ("A", "B") if rep % 2 == 0 else ("B", "A"):
+                    t0 = time.perf_counter()
+                    ids = generate(tag, prompt, mode)
+                    secs[tag, mode] += time.perf_counter() - t0
+                    toks[tag, mode] += len(ids)
+                    outputs[tag, mode, i] = ids
+    report(secs, toks, modes.split(","))
+    return outputs
+
+
 def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "", modes: str = "ar,default") -> None:
     from polyspec.decode.generate import generate_text, load_chain
 
@@ -106,21 +125,14 @@ def decode(chain_dir: str, a: str, b: str, repeats: str = "2", head_a: str = "",
     chain = load_chain(Path(chain_dir), device="cpu")
     head = chain.models[chain.order[-1]]
     one_call = getattr(head, "_kernel_step", None)
-    prompts = held_out_prompts()
-    secs: dict[tuple[str, str], float] = collections.defaultdict(float)
-    toks: dict[tuple[str, str], int] = collections.defaultdict(int)
-    for rep in range(int(repeats)):
-        for prompt in prompts:
-            for mode in modes.split(","):
-                for tag in ("A", "B") if rep % 2 == 0 else ("B", "A"):
-                    ck._lib = builds[tag]
-                    if head_a == "module-head" and one_call is not None:  # A: the head's step as ~25 torch ops
-                        head._kernel_step = one_call if tag == "B" else (lambda *a, **k: None)
-                    t0 = time.perf_counter()
-                    r = generate_text(chain, prompt, mode=None if mode == "default" else mode, max_new_tokens=96)
-                    secs[tag, mode] += time.perf_counter() - t0
-                    toks[tag, mode] += len(r["token_ids"])
-    report(secs, toks, modes.split(","))
+
+    def generate(tag: str, prompt: str, mode: str) -> list[int]:
+        ck._lib = builds[tag]
+        if head_a == "module-head" and one_call is not None:  # A: the head's step as ~25 torch ops
+            head._kernel_step = one_call if tag == "B" else (lambda *a, **k: None)
+        return generate_text(chain, prompt, mode=None if mode == "default" else mode, max_new_tokens=96)["token_ids"]
+
+    alternate(held_out_prompts(), modes, repeats, generate)
 
 
 def strip_blocks(model: torch.nn.Module) -> None:
@@ -170,20 +182,9 @@ def blocks_decode(chain_dir: str, repeats: str = "1", modes: str = "ar,dual") ->
     chains = {tag: load_chain(Path(chain_dir), device="cpu") for tag in "AB"}
     for m in chains["B"].models.values():
         strip_blocks(m)
-    secs: dict[tuple[str, str], float] = collections.defaultdict(float)
-    toks: dict[tuple[str, str], int] = collections.defaultdict(int)
-    outputs: dict[tuple[str, str, int], list[int]] = {}
-    for rep in range(int(repeats)):
-        for i, prompt in enumerate(held_out_prompts()):
-            for mode in modes.split(","):
-                for tag in ("A", "B") if rep % 2 == 0 else ("B", "A"):
-                    t0 = time.perf_counter()
-                    r = generate_text(chains[tag], prompt, mode=mode, max_new_tokens=96)
-                    secs[tag, mode] += time.perf_counter() - t0
-                    toks[tag, mode] += len(r["token_ids"])
-                    outputs[tag, mode, i] = r["token_ids"]
+    outputs = alternate(held_out_prompts(), modes, repeats, lambda tag, prompt, mode: generate_text(
+        chains[tag], prompt, mode=mode, max_new_tokens=96)["token_ids"])
     names = modes.split(",")
-    report(secs, toks, names)
     for tag in "AB":
         same = all(ids == outputs[t, names[0], i] for (t, _, i), ids in outputs.items() if t == tag)
         print(f"{tag}: greedy outputs of every mode equal {names[0]}'s: {same}")
@@ -216,19 +217,13 @@ def prompts(chain_dir: str, repeats: str = "1", modes: str = "ar,dual") -> None:
         a, b = (sorted(times[t, n])[3] * 1e3 for t in "AB")
         print(f"prefill {n:3d} tokens: A {a:7.1f} ms ({a / n:.2f} per token)  B {b:7.1f} ms  B/A {b / a:.2f}")
     questions = load_prompts("builtin", categories=["mt_bench", "humaneval", "sharegpt"], limit=2)
-    secs: dict[tuple[str, str], float] = collections.defaultdict(float)
-    toks: dict[tuple[str, str], int] = collections.defaultdict(int)
-    for rep in range(int(repeats)):
-        for q in questions:
-            for mode in modes.split(","):
-                for tag in ("A", "B") if rep % 2 == 0 else ("B", "A"):
-                    ck.blocked_layers = switch[tag]
-                    t0 = time.perf_counter()
-                    r = generate_text(chain, q.turns[0], mode=None if mode == "default" else mode, max_new_tokens=96)
-                    secs[tag, mode] += time.perf_counter() - t0
-                    toks[tag, mode] += len(r["token_ids"])
+
+    def generate(tag: str, prompt: str, mode: str) -> list[int]:
+        ck.blocked_layers = switch[tag]
+        return generate_text(chain, prompt, mode=None if mode == "default" else mode, max_new_tokens=96)["token_ids"]
+
+    alternate([q.turns[0] for q in questions], modes, repeats, generate)
     ck.blocked_layers = on
-    report(secs, toks, modes.split(","))
 
 
 def i4_vocab(chain_dir: str, rows: str = "8192") -> None:

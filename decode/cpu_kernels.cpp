@@ -274,7 +274,7 @@ static inline void lane_sums4(v8f a, v8f b, v8f c, v8f d, float* out) {  // bitw
 // all it reads. Fresh zero-filled vectors had cost a layer call ~200 KB of memset at 8 rows (2 % of the step, on the
 // calling thread while the others wait).
 static float* scratch(int slot, int64_t n) {
-    static thread_local std::vector<float> bufs[8];
+    static thread_local std::vector<float> bufs[9];
     if ((int64_t)bufs[slot].size() < n) bufs[slot].resize(n);
     return bufs[slot].data();
 }
@@ -511,6 +511,9 @@ struct RowsInput {  // x prepared once per call for the int4 and widened bf16 ro
     const uint16_t* xb;  // the bf16 path: per row, per 128-code chunk of each group, x's bf16 high then low parts
     int64_t xb_row;      // uint16 words per row of xb
     const float* xi;     // per pass, per pair of inputs, the pass's rows side by side (nk16_prepare)
+    const int8_t* xq;    // [M, K] int8 (i4v_prepare: the blocked int4 rows)
+    const float* xa;     // [M, ng] per row and group the int8 scale a
+    const float* xas;    // [M, ng] a sum(xq)
 };
 
 // RL bytes of codes -> RL 32-bit lanes (vpmovzxbd: GCC's vector conversion of this shape goes scalar).
@@ -763,6 +766,134 @@ static void rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* b
 }
 #endif
 
+// ---------------------------------------------------------------------------------------------------------------
+// Int4 weights in 16-row blocks against int8 inputs (AVX512-VNNI's vpdpbusd; W4A8), the rows of an int4 level where
+// pack_weights made the blocks (polyspec_pack_i4v). An int4 level only proposes and verifies for the level above it,
+// which checks every token it passes up (the target last), so its own arithmetic may round more than W4A16: the chain
+// stays exact. Widening the codes to fp32 left the int4 level as slow as the bf16 target past 2 rows (its multiplies,
+// not its bytes, were the limit); here one instruction multiplies RL rows' 4 codes by 4 int8 inputs, exactly, in
+// int32, so a 16-row block of 128 codes per row costs per input 32 / RL * 2 vpdpbusd and 4 float operations per group.
+// Layout per weight, ceil(N / 16) blocks one after the other, each words [K / 8][16] (lane i of word w: row 16b + i's
+// codes 8w + j in the low nibble and 8w + 4 + j in the high one of byte j), then s [ng][16] fp32 scales and zs
+// [ng][16] = z s (zero past N): a block's scales follow its codes in the stream. The input, per row and group: a = max |x| / 127, xq = x / a rounded half to even
+// (|xq| <= 127), as = a sum(xq). Then y = sum over groups of s (a acc) - zs as, acc the group's exact integer dot
+// product sum q xq; per (row, input) the same sequence for every pass size and M (batch-invariant).
+// ---------------------------------------------------------------------------------------------------------------
+static inline int64_t i4v_groups(int64_t K, int64_t gs) { return (K + gs - 1) / gs; }
+static inline int64_t i4v_block_words(int64_t K, int64_t gs) { return 16 * (K / 8 + 2 * i4v_groups(K, gs)); }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define POLYSPEC_I4VNNI 1
+#include <immintrin.h>
+
+#if !defined(POLYSPEC_HALF_WIDTH)
+static inline vri dpbusd(vri acc, vri codes, int32_t x4) {
+    return (vri)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)codes, _mm512_set1_epi32(x4));
+}
+static inline vr fmadd(vr a, vr b, vr c) {  // a b + c, one rounding, in every pass size's code alike
+    return (vr)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+#else
+static inline vri dpbusd(vri acc, vri codes, int32_t x4) {
+    return (vri)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)codes, _mm256_set1_epi32(x4));
+}
+static inline vr fmadd(vr a, vr b, vr c) { return (vr)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#endif
+
+// x [M, K] -> xq [M, K] int8 (this thread's scratch), xa [M, ng] and xas [M, ng] (RowsInput).
+static void i4v_prepare(const float* x, int64_t M, int64_t K, int64_t gs, RowsInput& in) {
+    const int64_t ng = i4v_groups(K, gs);
+    float* f = scratch(8, M * ng * 2 + (M * K + 3) / 4);
+    in.xa = f, in.xas = f + M * ng, in.xq = (const int8_t*)(f + 2 * M * ng);
+    int8_t* q = (int8_t*)(f + 2 * M * ng);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t k0 = g * gs, k1 = k0 + gs < K ? k0 + gs : K;
+            float amax = 0.0f;
+            for (int64_t k = k0; k < k1; k++) amax = fabsf(x[m * K + k]) > amax ? fabsf(x[m * K + k]) : amax;
+            const float a = amax / 127.0f;
+            int32_t sum = 0;
+            for (int64_t k = k0; k < k1; k++) {
+                const float r = a > 0.0f ? nearbyintf(x[m * K + k] / a) : 0.0f;
+                const int32_t v = (int32_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+                q[m * K + k] = (int8_t)v;
+                sum += v;
+            }
+            f[m * ng + g] = a;
+            f[M * ng + m * ng + g] = a * (float)sum;
+        }
+}
+
+// One 16-row block (words wb, scales sb, zs zb) against G prepared inputs: out[g * 16 + row], no bias.
+template <int G>
+static inline void i4v_dots(const RowsInput& in, const uint32_t* wb, const float* sb, const float* zb, int64_t K,
+                            int64_t gs, float* out) {
+    constexpr int V = 16 / RL;
+    const int64_t ng = i4v_groups(K, gs), W = K / 8;
+    const vri low = (vri){0} + 0x0f0f0f0f;
+    vr o[V][G];
+    for (int j = 0; j < V; j++)
+        for (int g = 0; g < G; g++) o[j][g] = (vr){0};
+    for (int64_t grp = 0; grp < ng; grp++) {
+        vri acc[V][G];
+        for (int j = 0; j < V; j++)
+            for (int g = 0; g < G; g++) acc[j][g] = (vri){0};
+        const int64_t w1 = (grp + 1) * gs / 8 < W ? (grp + 1) * gs / 8 : W;
+        for (int64_t w = grp * gs / 8; w < w1; w++) {
+            __builtin_prefetch((const char*)(wb + w * 16) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+            vri lo[V], hi[V];
+            for (int j = 0; j < V; j++) {
+                vri v;
+                memcpy(&v, wb + w * 16 + j * RL, sizeof(v));
+                lo[j] = v & low;
+                hi[j] = (v >> 4) & low;
+            }
+            for (int g = 0; g < G; g++) {
+                int32_t xl, xh;
+                memcpy(&xl, in.xq + g * K + 8 * w, 4);
+                memcpy(&xh, in.xq + g * K + 8 * w + 4, 4);
+                for (int j = 0; j < V; j++) acc[j][g] = dpbusd(dpbusd(acc[j][g], lo[j], xl), hi[j], xh);
+            }
+        }
+        for (int j = 0; j < V; j++) {
+            vr s, zs;
+            memcpy(&s, sb + grp * 16 + j * RL, sizeof(s));
+            memcpy(&zs, zb + grp * 16 + j * RL, sizeof(zs));
+            for (int g = 0; g < G; g++) {
+                const vr t = __builtin_convertvector(acc[j][g], vr) * in.xa[g * ng + grp];
+                o[j][g] = fmadd(-zs, (vr){0} + in.xas[g * ng + grp], fmadd(s, t, o[j][g]));
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < V; j++) memcpy(out + g * 16 + j * RL, &o[j][g], sizeof(vr));
+}
+
+// Rows nb..ne-1 of a blocked int4 weight against the M prepared inputs, in balanced passes of up to 8 (nk16_passes'
+// sizes); rows outside nb..ne-1 or past N are computed and dropped (a thread's slice may start mid-block).
+static void rows_i4v(const RowsInput& in, const uint32_t* blk, const float* bias, int64_t M, int64_t K, int64_t gs,
+                     int64_t N, int64_t nb, int64_t ne, float* y) {
+    const int64_t ng = i4v_groups(K, gs), bw = i4v_block_words(K, gs), bend = (ne + 15) / 16;
+    float out[8 * 16];
+    for (int64_t b = nb / 16; b < bend; b++) {
+        const int64_t lo = b * 16 > nb ? b * 16 : nb, hi = (b + 1) * 16 < ne ? (b + 1) * 16 : ne;
+        for (int64_t q = 0, passes = (M + 7) / 8, m0 = 0; q < passes; q++) {
+            const int64_t g = passes == 1 ? M : (M - m0) / (passes - q);
+            RowsInput part = in;
+            part.xq += m0 * K, part.xa += m0 * ng, part.xas += m0 * ng;
+            by_pass<8>(g, [&](auto G) {
+                const uint32_t* wb = blk + b * bw;
+                const float* sb = (const float*)(wb + 16 * (K / 8));
+                i4v_dots<decltype(G)::value>(part, wb, sb, sb + 16 * ng, K, gs, out);
+            });
+            for (int64_t i = 0; i < g; i++)
+                for (int64_t n = lo; n < hi; n++) y[(m0 + i) * N + n] = out[i * 16 + (n - b * 16)] + (bias ? bias[n] : 0.0f);
+            m0 += g;
+        }
+    }
+}
+#endif
+
 // Weight descriptors for run3: a dense fp32 or bf16 matrix [N, K], or an int4 one.
 struct WF32 {
     const float* w;
@@ -777,6 +908,7 @@ struct WI4 {
     const float* s;     // [N, ceil(K / gs)]
     const uint8_t* z;   // [N, ceil(K / gs)]
     int64_t gs;
+    const uint32_t* blk;  // the 16-row blocks for int8 inputs (polyspec_pack_i4v) or NULL
 };
 
 static inline void rows_w(const float* x, const RowsInput&, const WF32& w, const float* bias, int64_t M, int64_t K,
@@ -795,6 +927,9 @@ static inline void rows_w(const float* x, const RowsInput& in, const WBF16& w, c
 // One pass of G (up to 4) input rows from row m0 over an int4 weight row on the bf16 path.
 static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
+#ifdef POLYSPEC_I4VNNI
+    if (w.blk) return rows_i4v(in, w.blk, bias, M, K, w.gs, N, nb, ne, y);
+#endif
     const int64_t ng = (K + w.gs - 1) / w.gs;
     float out[8];
     for (int64_t n = nb; n < ne; n++) {
@@ -837,6 +972,9 @@ static void block_rows_i4(const RowsInput& in, const WI4& w, const float* bias, 
 // registers) single rows against up to 8.
 static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
+#ifdef POLYSPEC_I4VNNI
+    if (w.blk) return rows_i4v(in, w.blk, bias, M, K, w.gs, N, nb, ne, y);
+#endif
     int64_t n = nb;
 #ifdef __AVX512F__
     if (M <= 5)
@@ -868,6 +1006,10 @@ template <typename WT>
 static inline bool all_blocked(const WT*) { return false; }
 static inline bool any_blocked(const WBF16* ws) { return ws[0].blk || ws[1].blk || ws[2].blk; }
 static inline bool all_blocked(const WBF16* ws) { return ws[0].blk && ws[1].blk && ws[2].blk; }
+#ifdef POLYSPEC_I4VNNI  // (elsewhere no int4 weight has blocks: the generic false above)
+static inline bool any_blocked(const WI4* ws) { return ws[0].blk || ws[1].blk || ws[2].blk; }
+static inline bool all_blocked(const WI4* ws) { return ws[0].blk && ws[1].blk && ws[2].blk; }
+#endif
 static inline int64_t group_size_of(const WF32&) { return 0; }
 static inline int64_t group_size_of(const WBF16&) { return 0; }
 static inline int64_t group_size_of(const WI4& w) { return w.gs; }
@@ -882,7 +1024,11 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
     std::vector<uint16_t> xb;
     RowsInput in = {nullptr, nullptr, nullptr, 0, nullptr};
     const int64_t gs = group_size_of(ws[0]);
-    if (gs > 0) {  // int4: the input in pairs order (portable) or split into bf16 parts with its group sums, once
+#ifdef POLYSPEC_I4VNNI
+    if (gs > 0 && any_blocked(ws)) i4v_prepare(x, M, K, gs, in);  // int8 inputs for the blocked int4 rows
+#endif
+    if (gs > 0 && !all_blocked(ws)) {  // int4: the input in pairs order (portable) or split into bf16 parts with its
+                                       // group sums, once
 #ifdef POLYSPEC_DPBF16
         xs.assign(M * ((K + gs - 1) / gs), 0.0f);
         in.xb_row = i4b_prepare(x, M, K, gs, xb, xs.data());
@@ -1331,7 +1477,7 @@ static int attention_checked(const float* q, const C* k, const C* v, int64_t S, 
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 13; }
+int polyspec_linear_abi(void) { return 14; }
 
 // Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs,
 // 0 = the portable fp32 ones.
@@ -1345,6 +1491,15 @@ int polyspec_dot_path(void) {
 
 // The portable row kernels' lanes per vector: 16, or 8 without AVX-512 and in the half-width build.
 int polyspec_row_lanes(void) { return RL; }
+
+// 1 where int4 weights take 16-row blocks against int8 inputs (AVX512-VNNI, polyspec_pack_i4v), else 0.
+int polyspec_i4_vnni(void) {
+#ifdef POLYSPEC_I4VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 // fp32 weights, input, biases (NULL: none) and output.
 void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, const float* w2, const float* b0,
@@ -1383,11 +1538,39 @@ void polyspec_pack_nk16(const uint16_t* w, int64_t N, int64_t K, uint32_t* out) 
         }
 }
 
-// One int4 weight (Int4Linear buffers); fp32 input, bias and output. Returns 1 when K or gs is not a multiple of 32.
+// Int4Linear buffers q [N, K / 2], s and z [N, ceil(K / gs)] -> the blocks rows_i4v reads, out: ceil(N / 16)
+// i4v_block_words(K, gs) 32-bit words. Needs K and gs multiples of 8.
+void polyspec_pack_i4v(const uint8_t* q, const float* s, const uint8_t* z, int64_t N, int64_t K, int64_t gs,
+                       uint32_t* out) {
+    const int64_t ng = i4v_groups(K, gs), W = K / 8;
+    for (int64_t n = 0; n < (N + 15) / 16 * 16; n++) {
+        const int64_t b = n / 16, i = n % 16;
+        uint32_t* blk = out + b * i4v_block_words(K, gs);
+        float* sc = (float*)(blk + 16 * W);
+        float* zs = sc + 16 * ng;
+        for (int64_t w = 0; w < W; w++) {
+            uint32_t word = 0;
+            for (int j = 0; j < 4 && n < N; j++) {
+                const int64_t k = 8 * w + j;  // codes k and k + 4: q's nibbles (even k low, odd k high)
+                const uint32_t lo = (q[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 15;
+                const uint32_t hi = (q[n * (K / 2) + (k + 4) / 2] >> (4 * ((k + 4) % 2))) & 15;
+                word |= (lo | hi << 4) << (8 * j);
+            }
+            blk[w * 16 + i] = word;
+        }
+        for (int64_t g = 0; g < ng; g++) {
+            sc[g * 16 + i] = n < N ? s[n * ng + g] : 0.0f;
+            zs[g * 16 + i] = n < N ? (float)z[n * ng + g] * s[n * ng + g] : 0.0f;
+        }
+    }
+}
+
+// One int4 weight (Int4Linear buffers; blk: its polyspec_pack_i4v blocks or NULL); fp32 input, bias and output.
+// Returns 1 when K or gs is not a multiple of 32.
 int polyspec_linear_i4(const float* x, const uint8_t* q, const float* s, const uint8_t* z, const float* bias,
-                       int64_t N, int64_t M, int64_t K, int64_t gs, float* y, int threads) {
+                       int64_t N, int64_t M, int64_t K, int64_t gs, float* y, int threads, const uint32_t* blk) {
     if (gs <= 0 || gs % 32 != 0 || K % 32 != 0) return 1;
-    run1(x, WI4{q, s, z, gs}, bias, N, M, K, y, threads);
+    run1(x, WI4{q, s, z, gs, blk}, bias, N, M, K, y, threads);
     return 0;
 }
 
@@ -1408,14 +1591,16 @@ int polyspec_layer_bf16(float* x, const void* const* ptrs, float eps, int64_t T,
                  threads);
 }
 
-// A decoder layer with int4 projections of group size gs: ptrs = (codes, scales, zeros) x 7, 7 biases, 2 norms.
+// A decoder layer with int4 projections of group size gs: ptrs = (codes, scales, zeros) x 7, 7 biases, 2 norms, 7
+// weights' polyspec_pack_i4v blocks (NULL: none).
 int polyspec_layer_i4(float* x, const void* const* ptrs, int64_t gs, float eps, int64_t T, int64_t H, int64_t nh,
                       int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_, float* kcache,
                       float* vcache, int64_t S, int64_t start, const uint8_t* mask, int threads) {
     if (gs <= 0 || gs % 32 != 0 || H % 32 != 0 || (nh * D) % 32 != 0 || I % 32 != 0) return 2;
     LayerWeights<WI4> w;
     for (int i = 0; i < 7; i++)
-        w.w[i] = {(const uint8_t*)ptrs[3 * i], (const float*)ptrs[3 * i + 1], (const uint8_t*)ptrs[3 * i + 2], gs};
+        w.w[i] = {(const uint8_t*)ptrs[3 * i], (const float*)ptrs[3 * i + 1], (const uint8_t*)ptrs[3 * i + 2], gs,
+                  (const uint32_t*)ptrs[30 + i]};
     for (int i = 0; i < 7; i++) w.b[i] = (const float*)ptrs[21 + i];
     w.in_norm = (const float*)ptrs[28];
     w.post_norm = (const float*)ptrs[29];

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from polyspec.errors import PolyspecError
 
-_ABI = 13
+_ABI = 14
 MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (rows_limit)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -189,12 +189,15 @@ def _load() -> ctypes.CDLL | None:
                                               + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
             lib.polyspec_layer_i4.restype = ctypes.c_int
             lib.polyspec_linear_i4.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
-                                               + [ctypes.c_void_p, ctypes.c_int])
+                                               + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])
             lib.polyspec_linear_i4.restype = ctypes.c_int
             lib.polyspec_dot_path.argtypes, lib.polyspec_dot_path.restype = [], ctypes.c_int
             lib.polyspec_pack_nk16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
             lib.polyspec_pack_nk16.restype = None
             lib.polyspec_row_lanes.argtypes, lib.polyspec_row_lanes.restype = [], ctypes.c_int
+            lib.polyspec_i4_vnni.argtypes, lib.polyspec_i4_vnni.restype = [], ctypes.c_int
+            lib.polyspec_pack_i4v.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+            lib.polyspec_pack_i4v.restype = None
             lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                                                     + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                                     + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
@@ -228,8 +231,9 @@ def state() -> str:
     if _load() is None:
         return f"unavailable ({_failure})"
     blocks = "on" if _blocks_wanted() else "off"
+    i4 = "on" if _i4_blocks_wanted() else "off"
     return (f"on ({library_path().name}, int4 and bf16 rows: {dot_path()}, prefetch locality {prefetch_locality()}, "
-            f"16-row blocks {blocks})")
+            f"16-row blocks {blocks}, int4 x int8 blocks {i4})")
 
 
 def dot_path() -> str | None:
@@ -373,9 +377,11 @@ def int4_linear(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor | None:
         return None
     xf = x.contiguous()
     y = torch.empty((*x.shape[:-1], mod.out_features), dtype=torch.float32)
+    blk = i4_blocks_of(mod)
     rc = _lib.polyspec_linear_i4(xf.data_ptr(), mod.qdata.data_ptr(), mod.scales.data_ptr(), mod.zeros.data_ptr(),
                                  None if mod.bias is None else mod.bias.data_ptr(), mod.out_features,
-                                 xf.numel() // k, k, mod.group_size, y.data_ptr(), torch.get_num_threads())
+                                 xf.numel() // k, k, mod.group_size, y.data_ptr(), torch.get_num_threads(),
+                                 None if blk is None else blk.data_ptr())
     return y if rc == 0 else None
 
 
@@ -384,7 +390,7 @@ def int4_linear(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 _PTRS = ctypes.c_void_p * 23  # 7 weights, 7 biases, 2 norms, 7 weights' 16-row blocks (bf16; NULL: none)
-_PTRS_I4 = ctypes.c_void_p * 30
+_PTRS_I4 = ctypes.c_void_p * 37  # (codes, scales, zeros) x 7, 7 biases, 2 norms, 7 weights' int8-input blocks
 
 
 @dataclass(frozen=True)
@@ -459,18 +465,18 @@ class LayerPlan:
         self.kind, self.group_size = kind, group_size  # group_size: int4 only
         if kind == "i4":
             weights = tuple(t for lin in lins for t in (lin.qdata, lin.scales, lin.zeros))
-            table = _PTRS_I4
+            blocks = tuple(i4_blocks_of(lin) for lin in lins)
+            watched = [(t, b) for lin, b in zip(lins, blocks, strict=True) for t in (lin.qdata, lin.scales, lin.zeros)]
         else:
             weights = tuple(lin.weight.detach() for lin in lins)
-            table = _PTRS
-        blocks = tuple(blocks_of(lin.weight) if kind == "bf16" else None for lin in lins)
-        self.versions = tuple((lin.weight, version(lin.weight))
-                              for lin, b in zip(lins, blocks, strict=True) if b is not None)
-        self.blocked = all(b is not None for b in blocks)
+            blocks = tuple(blocks_of(lin.weight) if kind == "bf16" else None for lin in lins)
+            watched = [(lin.weight, b) for lin, b in zip(lins, blocks, strict=True)]
+        self.versions = tuple((t, version(t)) for t, b in watched if b is not None)
+        self.blocked = kind == "bf16" and all(b is not None for b in blocks)  # bf16 16-row blocks (blocked_layers)
         self.tensors = (*weights, *norms, *(b for b in (*biases, *blocks) if b is not None))
-        extra = (*(None if b is None else b.data_ptr() for b in blocks),) if kind != "i4" else ()
+        table = _PTRS_I4 if kind == "i4" else _PTRS
         self.ptrs = table(*(t.data_ptr() for t in weights), *(None if b is None else b.data_ptr() for b in biases),
-                          *(w.data_ptr() for w in norms), *extra)
+                          *(w.data_ptr() for w in norms), *(None if b is None else b.data_ptr() for b in blocks))
         self.eps = float(layer.input_layernorm.eps)
         self.heads, self.kv_heads, self.head_dim = att.num_heads, att.num_kv_heads, att.head_dim
         self.intermediate = mlp.gate_proj.out_features
@@ -764,6 +770,66 @@ def make_blocks(weights: list[torch.Tensor], force: bool = False) -> int:
     return 4 * off
 
 
+# Int4 weights' 16-row blocks against int8 inputs (cpu_kernels.cpp, rows_i4v: W4A8 on AVX512-VNNI's vpdpbusd), a
+# second copy of each Int4Linear's codes with its scales and z s, made by pack_weights where the build has VNNI and
+# recorded on the module. An int4 level is never the target, so its rounding the inputs to int8 leaves a chain exact.
+
+_I4_BLOCKS = "_polyspec_i4v"  # in an Int4Linear's __dict__: [blocks, qdata's data_ptr, the 3 buffers' versions]
+
+
+def _i4_blocks_wanted() -> bool:
+    """Where the build has AVX512-VNNI; POLYSPEC_INT4_A8=0 keeps the int4 rows on fp32 inputs (W4A16) instead."""
+    env = os.environ.get("POLYSPEC_INT4_A8", "1").strip().lower()
+    if env not in ("0", "1"):
+        raise PolyspecError(f"POLYSPEC_INT4_A8 must be 0 or 1 (got {env!r}); unset it for the default (1)")
+    return env == "1" and _enabled and _load() is not None and _lib.polyspec_i4_vnni() == 1
+
+
+def _i4_block_words(mod: torch.nn.Module) -> int:
+    n, k, gs = mod.out_features, mod.in_features, mod.group_size
+    return (n + 15) // 16 * 16 * (k // 8 + 2 * ((k + gs - 1) // gs))  # per block: codes, then s and z s
+
+
+def _i4_versions(mod: torch.nn.Module) -> tuple:
+    return tuple(version(t) for t in (mod.qdata, mod.scales, mod.zeros))
+
+
+def _pack_i4(mod: torch.nn.Module, out: torch.Tensor) -> None:
+    _lib.polyspec_pack_i4v(mod.qdata.data_ptr(), mod.scales.data_ptr(), mod.zeros.data_ptr(), mod.out_features,
+                           mod.in_features, mod.group_size, out.data_ptr())
+
+
+def i4_blocks_of(mod: torch.nn.Module) -> torch.Tensor | None:
+    """The int8-input blocks of Int4Linear ``mod`` (made by :func:`make_i4_blocks`), repacked first when its buffers
+    were changed in place since; None when it has none or its codes moved."""
+    rec = mod.__dict__.get(_I4_BLOCKS)
+    if rec is None or mod.qdata.data_ptr() != rec[1]:
+        return None
+    if _i4_versions(mod) != rec[2]:
+        _pack_i4(mod, rec[0])
+        rec[2] = _i4_versions(mod)
+    return rec[0]
+
+
+def make_i4_blocks(mods: list[torch.nn.Module], force: bool = False) -> int:
+    """Give each kernel-ready Int4Linear without them its int8-input blocks, in one huge-page block of memory in this
+    order; returns the bytes. 0 where they are not wanted (_i4_blocks_wanted) unless ``force`` (a VNNI build)."""
+    mods = [m for m in mods if i4_blocks_of(m) is None and int4_layer_ok(m)]
+    if not mods or not _enabled or _load() is None or _lib.polyspec_i4_vnni() != 1:
+        return 0
+    if not (force or _i4_blocks_wanted()):
+        return 0
+    words = [(_i4_block_words(m) + 15) // 16 * 16 for m in mods]  # 64-byte aligned
+    arena = _anonymous_block(4 * sum(words)).view(torch.int32)
+    off = 0
+    for m, n in zip(mods, words, strict=True):
+        out = arena[off:off + _i4_block_words(m)]
+        _pack_i4(m, out)
+        m.__dict__[_I4_BLOCKS] = [out, m.qdata.data_ptr(), _i4_versions(m)]
+        off += n
+    return 4 * off
+
+
 def _anonymous_block(nbytes: int) -> torch.Tensor:
     """A uint8 tensor over fresh anonymous memory of at least ``nbytes`` (huge pages where the kernel grants them)."""
     size = max(1, (nbytes + (2 << 20) - 1) // (2 << 20)) * (2 << 20)
@@ -783,7 +849,8 @@ def pack_weights(model: torch.nn.Module) -> int:
     where they are. Values, shapes, dtypes, parameter identity and sharing are unchanged (each ``.data`` becomes a
     view of the block). Returns the bytes moved; 0 when the fast path is off or nothing is on the CPU. Where the
     build widens bf16 weights, each bf16 Linear weight also gets its 16-row blocks (:func:`make_blocks`: the same
-    bytes again, POLYSPEC_ROW_BLOCKS=0 to go without).
+    bytes again, POLYSPEC_ROW_BLOCKS=0 to go without); where it has AVX512-VNNI, each Int4Linear its int8-input
+    blocks (:func:`make_i4_blocks`, POLYSPEC_INT4_A8=0 to go without).
 
     For models loaded to decode (``load_chain``): a packed tensor's storage is the whole block, so save weights
     from the original files, not from a packed model.
@@ -816,4 +883,7 @@ def pack_weights(model: torch.nn.Module) -> int:
     for mod in model.modules():  # projections fused into one weight (model.fuse_projections) are separate again
         mod.__dict__.pop("_fused", None)
     make_blocks(_matmul_weights(model))
+    from polyspec.decode.int4 import Int4Linear
+
+    make_i4_blocks([m for m in model.modules() if isinstance(m, Int4Linear)])
     return total

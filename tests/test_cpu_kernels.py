@@ -398,6 +398,107 @@ def test_int4_linear_declines_what_it_cannot_do(monkeypatch):
         assert ck.int4_linear(x2, ok) is None
 
 
+def _w4a8_reference(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+    """The int4 blocks' maths (cpu_kernels.cpp, rows_i4v) in fp64: per input row and group a = max |x| / 127 and xq =
+    x / a rounded half to even (both in fp32, as the kernel takes them), the group's exact sum of q xq scaled by a s,
+    less z s a sum(xq); plus the bias."""
+    n, k, gs = layer.out_features, layer.in_features, layer.group_size
+    q = torch.stack([layer.qdata & 15, layer.qdata >> 4], -1).reshape(n, -1)[:, :k].double()
+    y = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    for g in range((k + gs - 1) // gs):
+        xg = x[:, g * gs:(g + 1) * gs]
+        a = xg.abs().amax(1, keepdim=True) / 127.0
+        xq = torch.where(a > 0, torch.round(xg / torch.where(a > 0, a, 1.0)), 0.0).clamp(-127, 127).double()
+        s, zs = layer.scales[:, g].double(), layer.zeros[:, g].double() * layer.scales[:, g].double()
+        y += (xq @ q[:, g * gs:(g + 1) * gs].t()) * a.double() * s - zs * (a.double() * xq.sum(1, keepdim=True))
+    return y + (0 if layer.bias is None else layer.bias.double())
+
+
+def _i4_blocks_built() -> bool:
+    return ck.available() and ck._lib.polyspec_i4_vnni() == 1
+
+
+@pytest.mark.parametrize("n,k,gs", [(77, 576, 128), (40, 320, 128), (33, 96, 32), (16, 256, 64)])
+def test_int4_blocks_compute_w4a8_bitwise_alike_at_every_width(n, k, gs, monkeypatch):
+    """Int4 weights in 16-row blocks against int8 inputs (AVX512-VNNI): each output is the W4A8 reference's to fp32
+    rounding (rows past N dropped, a short last group, passes of up to 8 rows), close to the W4A16 matmul, and bitwise
+    the same whatever the width and thread count."""
+    if not _i4_blocks_built():
+        pytest.skip("this build has no AVX512-VNNI int4 blocks")
+    monkeypatch.delenv("POLYSPEC_INT4_REFERENCE", raising=False)
+    g = _gen(n + k + gs)
+    q, s, z = quantize_rtn(torch.randn(n, k, generator=g), gs, sym=False)
+    layer = Int4Linear(q, s, z, gs, torch.randn(n, generator=g))
+    assert ck.make_i4_blocks([layer]) > 0 and ck.i4_blocks_of(layer) is not None
+    w16 = dequantize(q, s, z, gs).double()
+    for m in (1, 2, 5, 8, 11, 16):
+        x = torch.randn(m, k, generator=g)
+        x[0, :7] *= 40  # an outlier: its group's scale is coarse, the others' are not
+        with torch.inference_mode():
+            y = ck.int4_linear(x, layer)
+            ref = _w4a8_reference(x, layer)
+            assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6, m
+            w4a16 = x.double() @ w16.t() + layer.bias.double()
+            assert ((y.double() - w4a16).abs().max() / w4a16.abs().max()).item() < 3e-2, m
+            assert torch.equal(layer(x), y)  # Int4Linear.forward takes the blocks
+            for i in range(m):
+                assert torch.equal(ck.int4_linear(x[i:i + 1], layer)[0], y[i])
+            torch.set_num_threads(1)
+            try:
+                assert torch.equal(ck.int4_linear(x, layer), y)
+            finally:
+                torch.set_num_threads(2)
+
+
+def test_int4_blocks_follow_in_place_changes_and_can_be_switched_off(monkeypatch):
+    """Buffers changed in place are repacked before the next use; POLYSPEC_INT4_A8=0 makes no blocks (the W4A16
+    rows), and any other value is one clear error."""
+    if not _i4_blocks_built():
+        pytest.skip("this build has no AVX512-VNNI int4 blocks")
+    q, s, z = quantize_rtn(torch.randn(48, 256, generator=_gen(40)), 128, sym=False)
+    layer = Int4Linear(q, s, z, 128)
+    ck.make_i4_blocks([layer])
+    x = torch.randn(3, 256, generator=_gen(41))
+    with torch.inference_mode():
+        before = ck.int4_linear(x, layer)
+    with torch.no_grad():
+        layer.scales.mul_(-2)
+        layer.zeros[:5] = 3
+    with torch.inference_mode():
+        after = ck.int4_linear(x, layer)
+    ref = _w4a8_reference(x, layer)
+    assert not torch.equal(before, after) and ((after.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    monkeypatch.setenv("POLYSPEC_INT4_A8", "0")
+    bare = Int4Linear(q, s, z, 128)
+    assert ck.make_i4_blocks([bare]) == 0 and ck.i4_blocks_of(bare) is None and "int4 x int8 blocks off" in ck.state()
+    with torch.inference_mode():
+        w16 = x.double() @ dequantize(q, s, z, 128).double().t()
+        assert ((ck.int4_linear(x, bare).double() - w16).abs().max() / w16.abs().max()).item() < 1e-5
+    monkeypatch.setenv("POLYSPEC_INT4_A8", "yes")
+    with pytest.raises(PolyspecError, match="POLYSPEC_INT4_A8 must be 0 or 1"):
+        ck.make_i4_blocks([Int4Linear(q, s, z, 128)])
+
+
+def test_the_half_width_build_computes_the_int4_blocks_bitwise(other_builds, monkeypatch):
+    """The int4 blocks on 8-lane vectors (the half-width build): exact integer sums and the same float sequence per
+    lane, so bitwise the 16-lane build's outputs."""
+    if not _i4_blocks_built() or ck._lib.polyspec_row_lanes() != 16:
+        pytest.skip("needs the 16-lane build with AVX512-VNNI to compare against")
+    q, s, z = quantize_rtn(torch.randn(70, 576, generator=_gen(42)), 128, sym=False)
+    layer = Int4Linear(q, s, z, 128, torch.randn(70, generator=_gen(43)))
+    x = torch.randn(7, 576, generator=_gen(44))
+
+    def run():
+        layer.__dict__.pop(ck._I4_BLOCKS, None)
+        assert ck.make_i4_blocks([layer]) > 0
+        with torch.inference_mode():
+            return ck.int4_linear(x, layer)
+
+    full = run()
+    half, path = _with_portable_build(other_builds / "half", monkeypatch, run, kind="half")
+    assert path == "fp32/8-lane" and torch.equal(full, half)
+
+
 # -- whole decoder layers --------------------------------------------------------------------------------------
 
 
@@ -473,6 +574,36 @@ def test_decoder_layer_kernel_matches_torch_path(models, kind, tree, monkeypatch
     assert (got - ref).abs().max().item() < tol
     for a, b in zip(gk + gv, rk + rv, strict=True):
         assert (a - b).abs().max().item() < tol
+
+
+def test_int4_layers_take_their_blocks_bitwise_alike_at_every_width(models, monkeypatch):
+    """A packed int4 model's layer calls read the int4 blocks (W4A8): each layer computes what the torch layer does
+    with the same blocked projections, and a verification's logits are bitwise the decode steps'."""
+    if not _i4_blocks_built():
+        pytest.skip("this build has no AVX512-VNNI int4 blocks")
+    monkeypatch.delenv("POLYSPEC_INT4_REFERENCE", raising=False)
+    fast = quantize_model_rtn(Transformer.from_pretrained(models["llama"]).eval(), group_size=64, sym=False)
+    ck.pack_weights(fast)
+    ref_model = copy.deepcopy(fast)
+    for lin in (m for m in ref_model.modules() if isinstance(m, Int4Linear)):  # the same blocks, packed again
+        ck.make_i4_blocks([lin])
+    ids = torch.randint(0, 512, (40,), generator=_gen(45))
+    blocks = [16, 1, 1, 5, 1, 8, 3]
+    got, gk, gv = _run(fast, ids, blocks)
+    plan = ck.layer_plan(fast.layers[0])
+    assert plan.kind == "i4" and plan.ptrs[30] == ck.i4_blocks_of(fast.layers[0].self_attn.q_proj).data_ptr()
+    monkeypatch.setattr(ck, "_plan_kind", lambda layer: None)  # the torch layer; its linears still take the blocks
+    ck.drop_plans(ref_model)
+    ref, rk, rv = _run(ref_model, ids, blocks)
+    for a, b in zip([got, *gk, *gv], [ref, *rk, *rv], strict=True):
+        assert (a - b).abs().max().item() < 1e-4
+    monkeypatch.undo()
+    with torch.inference_mode():
+        fast.truncate(20)
+        wide = fast(ids[20:28])[0]
+        fast.truncate(20)
+        steps = torch.cat([fast(ids[i:i + 1])[0] for i in range(20, 28)])
+    assert torch.equal(wide, steps)
 
 
 def test_decoder_layer_kernel_is_width_invariant(models):

@@ -511,7 +511,7 @@ struct RowsInput {  // x prepared once per call for the int4 and widened bf16 ro
     const uint16_t* xb;  // the bf16 path: per row, per 128-code chunk of each group, x's bf16 high then low parts
     int64_t xb_row;      // uint16 words per row of xb
     const float* xi;     // per pass, per pair of inputs, the pass's rows side by side (nk16_prepare)
-    const int8_t* xq;    // [M, K] int8 (i4v_prepare: the blocked int4 rows)
+    const int8_t* xq;    // [M, K] int8 (qv_prepare: the blocked int4 rows)
     const float* xa;     // [M, ng] per row and group the int8 scale a
     const float* xas;    // [M, ng] a sum(xq)
 };
@@ -779,8 +779,9 @@ static void rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* b
 // (|xq| <= 127), as = a sum(xq). Then y = sum over groups of s (a acc) - zs as, acc the group's exact integer dot
 // product sum q xq; per (row, input) the same sequence for every pass size and M (batch-invariant).
 // ---------------------------------------------------------------------------------------------------------------
-static inline int64_t i4v_groups(int64_t K, int64_t gs) { return (K + gs - 1) / gs; }
-static inline int64_t i4v_block_words(int64_t K, int64_t gs) { return 16 * (K / 8 + 2 * i4v_groups(K, gs)); }
+static inline int64_t qv_groups(int64_t K, int64_t gs) { return (K + gs - 1) / gs; }
+// A block's 32-bit words for K codes of BITS bits per row (16 rows): the codes, then s and z s per group.
+static inline int64_t qv_block_words(int64_t K, int64_t gs, int bits) { return 16 * (K * bits / 32 + 2 * qv_groups(K, gs)); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define POLYSPEC_I4VNNI 1
@@ -800,36 +801,76 @@ static inline vri dpbusd(vri acc, vri codes, int32_t x4) {
 static inline vr fmadd(vr a, vr b, vr c) { return (vr)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 #endif
 
+#if !defined(POLYSPEC_HALF_WIDTH)
+static inline vri round_even(vr v) { return (vri)_mm512_cvtps_epi32((__m512)v); }  // MXCSR's default rounding
+static inline void store_bytes(int8_t* p, vri v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8((__m512i)v)); }
+#else
+static inline vri round_even(vr v) { return (vri)_mm256_cvtps_epi32((__m256)v); }
+static inline void store_bytes(int8_t* p, vri v) { _mm_storel_epi64((__m128i*)p, _mm256_cvtepi32_epi8((__m256i)v)); }
+#endif
+
+// One row's group x[0 .. n) -> q (x / a rounded half to even, a = max |x| / 127); returns a, *sum = sum(q).
+static inline float qv_group(const float* x, int64_t n, int8_t* q, int32_t* sum) {
+    const int64_t nv = n - n % RL;
+    const vru mag = (vru){0} + 0x7fffffffu;
+    vr mx = (vr){0};
+    for (int64_t k = 0; k < nv; k += RL) {
+        vru u;
+        memcpy(&u, x + k, sizeof(u));
+        u &= mag;
+        vr v;
+        memcpy(&v, &u, sizeof(v));
+        mx = v > mx ? v : mx;
+    }
+    float amax = 0.0f;
+    for (int i = 0; i < RL; i++) amax = mx[i] > amax ? mx[i] : amax;
+    for (int64_t k = nv; k < n; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    const float a = amax / 127.0f;
+    const float d = a > 0.0f ? a : 1.0f;  // an all-zero group: q = 0
+    vri acc = (vri){0};
+    for (int64_t k = 0; k < nv; k += RL) {
+        vr v;
+        memcpy(&v, x + k, sizeof(v));
+        vri r = round_even(v / d);
+        r = r > 127 ? 127 : r;
+        r = r < -127 ? -127 : r;
+        store_bytes(q + k, r);
+        acc += r;
+    }
+    int32_t total = 0;
+    for (int i = 0; i < RL; i++) total += acc[i];
+    for (int64_t k = nv; k < n; k++) {
+        const float r = nearbyintf(x[k] / d);
+        q[k] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        total += q[k];
+    }
+    *sum = total;
+    return a;
+}
+
 // x [M, K] -> xq [M, K] int8 (this thread's scratch), xa [M, ng] and xas [M, ng] (RowsInput).
-static void i4v_prepare(const float* x, int64_t M, int64_t K, int64_t gs, RowsInput& in) {
-    const int64_t ng = i4v_groups(K, gs);
+static void qv_prepare(const float* x, int64_t M, int64_t K, int64_t gs, RowsInput& in) {
+    const int64_t ng = qv_groups(K, gs);
     float* f = scratch(8, M * ng * 2 + (M * K + 3) / 4);
     in.xa = f, in.xas = f + M * ng, in.xq = (const int8_t*)(f + 2 * M * ng);
     int8_t* q = (int8_t*)(f + 2 * M * ng);
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < ng; g++) {
-            const int64_t k0 = g * gs, k1 = k0 + gs < K ? k0 + gs : K;
-            float amax = 0.0f;
-            for (int64_t k = k0; k < k1; k++) amax = fabsf(x[m * K + k]) > amax ? fabsf(x[m * K + k]) : amax;
-            const float a = amax / 127.0f;
-            int32_t sum = 0;
-            for (int64_t k = k0; k < k1; k++) {
-                const float r = a > 0.0f ? nearbyintf(x[m * K + k] / a) : 0.0f;
-                const int32_t v = (int32_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
-                q[m * K + k] = (int8_t)v;
-                sum += v;
-            }
+            const int64_t k0 = g * gs, n = k0 + gs < K ? gs : K - k0;
+            int32_t sum;
+            const float a = qv_group(x + m * K + k0, n, q + m * K + k0, &sum);
             f[m * ng + g] = a;
             f[M * ng + m * ng + g] = a * (float)sum;
         }
 }
 
-// One 16-row block (words wb, scales sb, zs zb) against G prepared inputs: out[g * 16 + row], no bias.
-template <int G>
-static inline void i4v_dots(const RowsInput& in, const uint32_t* wb, const float* sb, const float* zb, int64_t K,
-                            int64_t gs, float* out) {
-    constexpr int V = 16 / RL;
-    const int64_t ng = i4v_groups(K, gs), W = K / 8;
+// One 16-row block (words wb, scales sb, zs zb) against G prepared inputs: out[g * 16 + row], no bias. BITS 4: a word
+// lane holds 8 codes (two dot products of 4), 8: 4 codes (one).
+template <int BITS, int G>
+static inline void qv_dots(const RowsInput& in, const uint32_t* wb, const float* sb, const float* zb, int64_t K,
+                           int64_t gs, float* out) {
+    constexpr int V = 16 / RL, KW = 32 / BITS;  // vectors per block, inputs per word
+    const int64_t ng = qv_groups(K, gs), W = K / KW;
     const vri low = (vri){0} + 0x0f0f0f0f;
     vr o[V][G];
     for (int j = 0; j < V; j++)
@@ -838,21 +879,20 @@ static inline void i4v_dots(const RowsInput& in, const uint32_t* wb, const float
         vri acc[V][G];
         for (int j = 0; j < V; j++)
             for (int g = 0; g < G; g++) acc[j][g] = (vri){0};
-        const int64_t w1 = (grp + 1) * gs / 8 < W ? (grp + 1) * gs / 8 : W;
-        for (int64_t w = grp * gs / 8; w < w1; w++) {
+        const int64_t w1 = (grp + 1) * gs / KW < W ? (grp + 1) * gs / KW : W;
+        for (int64_t w = grp * gs / KW; w < w1; w++) {
             __builtin_prefetch((const char*)(wb + w * 16) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
             vri lo[V], hi[V];
             for (int j = 0; j < V; j++) {
-                vri v;
-                memcpy(&v, wb + w * 16 + j * RL, sizeof(v));
-                lo[j] = v & low;
-                hi[j] = (v >> 4) & low;
+                memcpy(&lo[j], wb + w * 16 + j * RL, sizeof(vri));
+                if (BITS == 4) hi[j] = (lo[j] >> 4) & low, lo[j] &= low;
             }
             for (int g = 0; g < G; g++) {
-                int32_t xl, xh;
-                memcpy(&xl, in.xq + g * K + 8 * w, 4);
-                memcpy(&xh, in.xq + g * K + 8 * w + 4, 4);
-                for (int j = 0; j < V; j++) acc[j][g] = dpbusd(dpbusd(acc[j][g], lo[j], xl), hi[j], xh);
+                int32_t xl, xh = 0;
+                memcpy(&xl, in.xq + g * K + KW * w, 4);
+                if (BITS == 4) memcpy(&xh, in.xq + g * K + KW * w + 4, 4);
+                for (int j = 0; j < V; j++)
+                    acc[j][g] = BITS == 4 ? dpbusd(dpbusd(acc[j][g], lo[j], xl), hi[j], xh) : dpbusd(acc[j][g], lo[j], xl);
             }
         }
         for (int j = 0; j < V; j++) {
@@ -869,23 +909,22 @@ static inline void i4v_dots(const RowsInput& in, const uint32_t* wb, const float
         for (int j = 0; j < V; j++) memcpy(out + g * 16 + j * RL, &o[j][g], sizeof(vr));
 }
 
-// Rows nb..ne-1 of a blocked int4 weight against the M prepared inputs, in balanced passes of up to 8 (nk16_passes'
-// sizes); rows outside nb..ne-1 or past N are computed and dropped (a thread's slice may start mid-block).
-static void rows_i4v(const RowsInput& in, const uint32_t* blk, const float* bias, int64_t M, int64_t K, int64_t gs,
-                     int64_t N, int64_t nb, int64_t ne, float* y) {
-    const int64_t ng = i4v_groups(K, gs), bw = i4v_block_words(K, gs), bend = (ne + 15) / 16;
+// Rows nb..ne-1 of a blocked weight of BITS-bit codes against the M prepared inputs, in balanced passes of up to 8
+// (nk16_passes' sizes); rows outside nb..ne-1 or past N are computed and dropped (a slice may start mid-block).
+template <int BITS>
+static void rows_qv(const RowsInput& in, const uint32_t* blk, const float* bias, int64_t M, int64_t K, int64_t gs,
+                    int64_t N, int64_t nb, int64_t ne, float* y) {
+    const int64_t ng = qv_groups(K, gs), bw = qv_block_words(K, gs, BITS), bend = (ne + 15) / 16;
     float out[8 * 16];
     for (int64_t b = nb / 16; b < bend; b++) {
         const int64_t lo = b * 16 > nb ? b * 16 : nb, hi = (b + 1) * 16 < ne ? (b + 1) * 16 : ne;
+        const uint32_t* wb = blk + b * bw;
+        const float* sb = (const float*)(wb + 16 * (K * BITS / 32));
         for (int64_t q = 0, passes = (M + 7) / 8, m0 = 0; q < passes; q++) {
             const int64_t g = passes == 1 ? M : (M - m0) / (passes - q);
             RowsInput part = in;
             part.xq += m0 * K, part.xa += m0 * ng, part.xas += m0 * ng;
-            by_pass<8>(g, [&](auto G) {
-                const uint32_t* wb = blk + b * bw;
-                const float* sb = (const float*)(wb + 16 * (K / 8));
-                i4v_dots<decltype(G)::value>(part, wb, sb, sb + 16 * ng, K, gs, out);
-            });
+            by_pass<8>(g, [&](auto G) { qv_dots<BITS, decltype(G)::value>(part, wb, sb, sb + 16 * ng, K, gs, out); });
             for (int64_t i = 0; i < g; i++)
                 for (int64_t n = lo; n < hi; n++) y[(m0 + i) * N + n] = out[i * 16 + (n - b * 16)] + (bias ? bias[n] : 0.0f);
             m0 += g;
@@ -928,7 +967,7 @@ static inline void rows_w(const float* x, const RowsInput& in, const WBF16& w, c
 static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
 #ifdef POLYSPEC_I4VNNI
-    if (w.blk) return rows_i4v(in, w.blk, bias, M, K, w.gs, N, nb, ne, y);
+    if (w.blk) return rows_qv<4>(in, w.blk, bias, M, K, w.gs, N, nb, ne, y);
 #endif
     const int64_t ng = (K + w.gs - 1) / w.gs;
     float out[8];
@@ -973,7 +1012,7 @@ static void block_rows_i4(const RowsInput& in, const WI4& w, const float* bias, 
 static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const float* bias, int64_t M, int64_t K,
                           int64_t N, int64_t nb, int64_t ne, float* y) {
 #ifdef POLYSPEC_I4VNNI
-    if (w.blk) return rows_i4v(in, w.blk, bias, M, K, w.gs, N, nb, ne, y);
+    if (w.blk) return rows_qv<4>(in, w.blk, bias, M, K, w.gs, N, nb, ne, y);
 #endif
     int64_t n = nb;
 #ifdef __AVX512F__
@@ -990,6 +1029,21 @@ static inline void rows_w(const float*, const RowsInput& in, const WI4& w, const
 }
 #endif
 
+#ifdef POLYSPEC_I4VNNI
+struct WQ8 {  // 8-bit codes in 16-row blocks against int8 inputs (polyspec_pack_q8v): an int4 level's lm_head
+    const uint32_t* blk;
+    int64_t gs;
+};
+static inline void rows_w(const float*, const RowsInput& in, const WQ8& w, const float* bias, int64_t M, int64_t K,
+                          int64_t N, int64_t nb, int64_t ne, float* y) {
+    rows_qv<8>(in, w.blk, bias, M, K, w.gs, N, nb, ne, y);
+}
+static inline bool dot_rows(const WQ8&) { return false; }
+static inline bool wide_rows(const WQ8&) { return false; }
+static inline bool any_blocked(const WQ8*) { return true; }
+static inline bool all_blocked(const WQ8*) { return true; }
+static inline int64_t group_size_of(const WQ8& w) { return w.gs; }
+#endif
 static inline bool dot_rows(const WF32&) { return false; }
 static inline bool dot_rows(const WBF16& w) { return w.dot; }
 static inline bool dot_rows(const WI4&) { return false; }
@@ -1025,7 +1079,7 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
     RowsInput in = {nullptr, nullptr, nullptr, 0, nullptr};
     const int64_t gs = group_size_of(ws[0]);
 #ifdef POLYSPEC_I4VNNI
-    if (gs > 0 && any_blocked(ws)) i4v_prepare(x, M, K, gs, in);  // int8 inputs for the blocked int4 rows
+    if (gs > 0 && any_blocked(ws)) qv_prepare(x, M, K, gs, in);  // int8 inputs for the blocked int4 rows
 #endif
     if (gs > 0 && !all_blocked(ws)) {  // int4: the input in pairs order (portable) or split into bf16 parts with its
                                        // group sums, once
@@ -1538,17 +1592,24 @@ void polyspec_pack_nk16(const uint16_t* w, int64_t N, int64_t K, uint32_t* out) 
         }
 }
 
-// Int4Linear buffers q [N, K / 2], s and z [N, ceil(K / gs)] -> the blocks rows_i4v reads, out: ceil(N / 16)
-// i4v_block_words(K, gs) 32-bit words. Needs K and gs multiples of 8.
+// Row n's scales and z s into its blocked weight (lane n % 16 of its block's s [ng][16] and zs [ng][16]; 0 past N).
+static void qv_pack_scales(const float* s, const uint8_t* z, int64_t N, int64_t K, int64_t gs, int bits, int64_t n,
+                           uint32_t* out) {
+    const int64_t ng = qv_groups(K, gs);
+    float* sc = (float*)(out + (n / 16) * qv_block_words(K, gs, bits) + 16 * (K * bits / 32));
+    for (int64_t g = 0; g < ng; g++) {
+        sc[g * 16 + n % 16] = n < N ? s[n * ng + g] : 0.0f;
+        sc[(ng + g) * 16 + n % 16] = n < N ? (float)z[n * ng + g] * s[n * ng + g] : 0.0f;
+    }
+}
+
+// Int4Linear buffers q [N, K / 2], s and z [N, ceil(K / gs)] -> the blocks rows_qv<4> reads, out: ceil(N / 16)
+// qv_block_words(K, gs, 4) 32-bit words. Needs K and gs multiples of 8.
 void polyspec_pack_i4v(const uint8_t* q, const float* s, const uint8_t* z, int64_t N, int64_t K, int64_t gs,
                        uint32_t* out) {
-    const int64_t ng = i4v_groups(K, gs), W = K / 8;
     for (int64_t n = 0; n < (N + 15) / 16 * 16; n++) {
-        const int64_t b = n / 16, i = n % 16;
-        uint32_t* blk = out + b * i4v_block_words(K, gs);
-        float* sc = (float*)(blk + 16 * W);
-        float* zs = sc + 16 * ng;
-        for (int64_t w = 0; w < W; w++) {
+        uint32_t* blk = out + (n / 16) * qv_block_words(K, gs, 4);
+        for (int64_t w = 0; w < K / 8; w++) {
             uint32_t word = 0;
             for (int j = 0; j < 4 && n < N; j++) {
                 const int64_t k = 8 * w + j;  // codes k and k + 4: q's nibbles (even k low, odd k high)
@@ -1556,13 +1617,40 @@ void polyspec_pack_i4v(const uint8_t* q, const float* s, const uint8_t* z, int64
                 const uint32_t hi = (q[n * (K / 2) + (k + 4) / 2] >> (4 * ((k + 4) % 2))) & 15;
                 word |= (lo | hi << 4) << (8 * j);
             }
-            blk[w * 16 + i] = word;
+            blk[w * 16 + n % 16] = word;
         }
-        for (int64_t g = 0; g < ng; g++) {
-            sc[g * 16 + i] = n < N ? s[n * ng + g] : 0.0f;
-            zs[g * 16 + i] = n < N ? (float)z[n * ng + g] * s[n * ng + g] : 0.0f;
-        }
+        qv_pack_scales(s, z, N, K, gs, 4, n, out);
     }
+}
+
+// 8-bit codes q [N, K] (w = (q - z) s per group of gs), s and z [N, ceil(K / gs)] -> the blocks rows_qv<8> reads,
+// out: ceil(N / 16) qv_block_words(K, gs, 8) 32-bit words (lane i of word w: row 16b + i's codes 4w .. 4w + 3).
+// Needs K and gs multiples of 4.
+void polyspec_pack_q8v(const uint8_t* q, const float* s, const uint8_t* z, int64_t N, int64_t K, int64_t gs,
+                       uint32_t* out) {
+    for (int64_t n = 0; n < (N + 15) / 16 * 16; n++) {
+        uint32_t* blk = out + (n / 16) * qv_block_words(K, gs, 8);
+        for (int64_t w = 0; w < K / 4; w++) {
+            uint32_t word = 0;
+            if (n < N) memcpy(&word, q + n * K + 4 * w, 4);
+            blk[w * 16 + n % 16] = word;
+        }
+        qv_pack_scales(s, z, N, K, gs, 8, n, out);
+    }
+}
+
+// x [M, K] fp32 against 8-bit codes in blocks (polyspec_pack_q8v) -> y [M, N] fp32 (+ bias), int8 inputs
+// (rows_qv<8>). Returns 1 without AVX512-VNNI, or when K or gs is not a multiple of 4.
+int polyspec_linear_q8v(const float* x, const uint32_t* blk, const float* bias, int64_t N, int64_t M, int64_t K,
+                        int64_t gs, float* y, int threads) {
+#ifdef POLYSPEC_I4VNNI
+    if (gs <= 0 || gs % 4 != 0 || K % 4 != 0) return 1;
+    run1(x, WQ8{blk, gs}, bias, N, M, K, y, threads);
+    return 0;
+#else
+    (void)x, (void)blk, (void)bias, (void)N, (void)M, (void)K, (void)gs, (void)y, (void)threads;
+    return 1;
+#endif
 }
 
 // One int4 weight (Int4Linear buffers; blk: its polyspec_pack_i4v blocks or NULL); fp32 input, bias and output.

@@ -198,6 +198,11 @@ def _load() -> ctypes.CDLL | None:
             lib.polyspec_i4_vnni.argtypes, lib.polyspec_i4_vnni.restype = [], ctypes.c_int
             lib.polyspec_pack_i4v.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
             lib.polyspec_pack_i4v.restype = None
+            lib.polyspec_pack_q8v.argtypes = lib.polyspec_pack_i4v.argtypes
+            lib.polyspec_pack_q8v.restype = None
+            lib.polyspec_linear_q8v.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p,
+                                                                                             ctypes.c_int]
+            lib.polyspec_linear_q8v.restype = ctypes.c_int
             lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                                                     + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                                     + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
@@ -279,6 +284,9 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     in_features and dtype) the outputs side by side, ``torch.cat([F.linear(x, w, b) for ...], -1)``, in one call.
     The caller checked :func:`supports` (for every weight) and :func:`available`. Output dtype is x's (bf16 weights:
     fp32 accumulation, rounded to bf16 once)."""
+    q8 = None if more or x.dtype != torch.float32 else q8_lm_head_of(weight)
+    if q8 is not None:  # an int4 level's lm_head (make_q8_lm_head)
+        return _q8_linear(x, q8, bias, weight.shape[0])
     pairs = ((weight, bias), *more)
     if len(pairs) > 3:
         raise ValueError("kernel_linear takes at most three weights")
@@ -830,6 +838,62 @@ def make_i4_blocks(mods: list[torch.nn.Module], force: bool = False) -> int:
     return 4 * off
 
 
+# An int4 level's lm_head: a W4A16 checkpoint keeps it 16-bit (SmolLM2's tied 49,152 x 576 one is half the int4
+# level's bytes), so where the int4 layers take their int8-input blocks it gets 8-bit codes (RTN, groups of 128) in
+# the same blocks (rows_qv<8>): half the bytes, a quarter of the multiply instructions.
+
+_Q8 = "_polyspec_q8v"  # on the lm_head weight: [blocks, data_ptr, version]
+_Q8_GROUP = 128
+
+
+def _make_q8(w: torch.Tensor, out: torch.Tensor) -> None:
+    from polyspec.decode.int4 import quantize_rtn
+
+    q, s, z = quantize_rtn(w, _Q8_GROUP, sym=False, bits=8)
+    _lib.polyspec_pack_q8v(q.contiguous().data_ptr(), s.data_ptr(), z.data_ptr(), w.shape[0], w.shape[1], _Q8_GROUP,
+                           out.data_ptr())
+
+
+def q8_lm_head_of(w: torch.Tensor) -> torch.Tensor | None:
+    """The 8-bit blocks of lm_head weight ``w`` (:func:`make_q8_lm_head`), remade first when ``w`` was changed in
+    place since; None when it has none or its data moved."""
+    rec = getattr(w, _Q8, None)
+    if rec is None or w.data_ptr() != rec[1]:
+        return None
+    if version(w) != rec[2]:
+        _make_q8(w, rec[0])
+        rec[2] = version(w)
+    return rec[0]
+
+
+def make_q8_lm_head(model: torch.nn.Module) -> int:
+    """Give an int4 level's lm_head (``model.lm_head``, a plain Linear) 8-bit codes in int8-input blocks where its
+    int4 layers have theirs (the same switch, POLYSPEC_INT4_A8); returns the bytes."""
+    head = getattr(model, "lm_head", None)
+    w = getattr(head, "weight", None)
+    if type(head).forward is not _linear_forward or not isinstance(w, torch.Tensor) or w.dim() != 2 \
+            or not w.is_cpu or w.shape[1] % 4 or getattr(w, _Q8, None) is not None or not _i4_blocks_wanted():
+        return 0
+    n, k = w.shape
+    words = (n + 15) // 16 * 16 * (k // 4 + 2 * ((k + _Q8_GROUP - 1) // _Q8_GROUP))
+    out = _anonymous_block(4 * words).view(torch.int32)[:words]
+    _make_q8(w, out)
+    setattr(w, _Q8, [out, w.data_ptr(), version(w)])
+    return 4 * words
+
+
+def _q8_linear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    xf = x.contiguous()
+    k = x.shape[-1]
+    b = None if bias is None else bias.float().contiguous()
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    rc = _lib.polyspec_linear_q8v(xf.data_ptr(), blocks.data_ptr(), None if b is None else b.data_ptr(), n,
+                                  xf.numel() // k, k, _Q8_GROUP, y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"polyspec_linear_q8v refused K = {k} (code {rc})")
+    return y
+
+
 def _anonymous_block(nbytes: int) -> torch.Tensor:
     """A uint8 tensor over fresh anonymous memory of at least ``nbytes`` (huge pages where the kernel grants them)."""
     size = max(1, (nbytes + (2 << 20) - 1) // (2 << 20)) * (2 << 20)
@@ -885,5 +949,6 @@ def pack_weights(model: torch.nn.Module) -> int:
     make_blocks(_matmul_weights(model))
     from polyspec.decode.int4 import Int4Linear
 
-    make_i4_blocks([m for m in model.modules() if isinstance(m, Int4Linear)])
+    if make_i4_blocks([m for m in model.modules() if isinstance(m, Int4Linear)]):
+        make_q8_lm_head(model)
     return total

@@ -83,14 +83,19 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return F.pad(w, (0, g * group_size - k)).view(n, g, group_size)
 
 
-def quantize_rtn(weight: torch.Tensor, group_size: int = 128, sym: bool = True
+def quantize_rtn(weight: torch.Tensor, group_size: int = 128, sym: bool = True, bits: int = 4
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest 4-bit quantisation of weight [N, K] -> (q uint8 [N, K], scales f32 [N, G], zeros u8 [N, G]).
+    """Round-to-nearest quantisation of weight [N, K] -> (q uint8 [N, K], scales f32 [N, G], zeros u8 [N, G]), 4-bit
+    (8-bit: the CPU's copy of an int4 level's lm_head, cpu_kernels.make_q8_lm_head).
 
-    As GPTQ does, each group's range includes 0. sym: zero = 8, scale = 2 * max|w| / 15. Asymmetric: scale =
-    (max - min) / 15 and zero = round(-min / scale) kept in 1..15 (the v1 format stores zero - 1 in four bits).
-    Scales are rounded to fp16 before the codes are computed, so fp16 checkpoints are exact.
+    As GPTQ does, each group's range includes 0. With L = 2^bits - 1 (15): sym: zero = 2^(bits - 1) (8), scale =
+    2 * max|w| / L. Asymmetric: scale = (max - min) / L and zero = round(-min / scale) kept in 1..L (the v1 format
+    stores zero - 1 in four bits). Scales are rounded to fp16 before the codes are computed, so fp16 checkpoints are
+    exact.
     """
+    if bits not in (4, 8):
+        raise PolyspecError(f"quantize_rtn: bits must be 4 or 8, got {bits}")
+    top = 2 ** bits - 1
     if weight.dim() != 2:
         raise PolyspecError(f"quantize_rtn expects a 2-D weight [N, K], got shape {list(weight.shape)}")
     w = weight.detach().float()
@@ -100,16 +105,16 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, sym: bool = True
     wmax = grouped.amax(-1).clamp(min=0)  # [N, G]
     if sym:
         absmax = torch.maximum(wmax, -wmin)
-        scales = 2 * absmax / 15
-        zeros = torch.full_like(scales, 8)
+        scales = 2 * absmax / top
+        zeros = torch.full_like(scales, 2 ** (bits - 1))
     else:
-        scales = (wmax - wmin) / 15
+        scales = (wmax - wmin) / top
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero group: any scale works
     scales = scales.clamp(min=1e-7).half().float()  # fp16-representable
     if not sym:
-        zeros = torch.round(-wmin / scales).clamp(1, 15)
+        zeros = torch.round(-wmin / scales).clamp(1, top)
     q = torch.round(grouped / scales[..., None]) + zeros[..., None]  # [N, G, gs]
-    q = q.clamp(0, 15).view(n, -1)[:, :k]
+    q = q.clamp(0, top).view(n, -1)[:, :k]
     return q.to(torch.uint8), scales, zeros.to(torch.uint8)
 
 

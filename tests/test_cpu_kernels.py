@@ -577,8 +577,9 @@ def test_decoder_layer_kernel_matches_torch_path(models, kind, tree, monkeypatch
 
 
 def test_int4_layers_take_their_blocks_bitwise_alike_at_every_width(models, monkeypatch):
-    """A packed int4 model's layer calls read the int4 blocks (W4A8): each layer computes what the torch layer does
-    with the same blocked projections, and a verification's logits are bitwise the decode steps'."""
+    """A packed int4 model's layer calls read the int4 blocks (W4A8) and its lm_head 8-bit codes: each layer computes
+    what the torch layer does with the same blocked projections, and a verification's logits are bitwise the decode
+    steps'."""
     if not _i4_blocks_built():
         pytest.skip("this build has no AVX512-VNNI int4 blocks")
     monkeypatch.delenv("POLYSPEC_INT4_REFERENCE", raising=False)
@@ -587,6 +588,7 @@ def test_int4_layers_take_their_blocks_bitwise_alike_at_every_width(models, monk
     ref_model = copy.deepcopy(fast)
     for lin in (m for m in ref_model.modules() if isinstance(m, Int4Linear)):  # the same blocks, packed again
         ck.make_i4_blocks([lin])
+    assert ck.q8_lm_head_of(fast.lm_head.weight) is not None and ck.make_q8_lm_head(ref_model) > 0
     ids = torch.randint(0, 512, (40,), generator=_gen(45))
     blocks = [16, 1, 1, 5, 1, 8, 3]
     got, gk, gv = _run(fast, ids, blocks)
@@ -595,8 +597,10 @@ def test_int4_layers_take_their_blocks_bitwise_alike_at_every_width(models, monk
     monkeypatch.setattr(ck, "_plan_kind", lambda layer: None)  # the torch layer; its linears still take the blocks
     ck.drop_plans(ref_model)
     ref, rk, rv = _run(ref_model, ids, blocks)
+    # a last-bit fp32 difference upstream (the layer kernel's attention against torch's) can move an input's int8
+    # rounding by one step (1/127 of its group's largest), so ~1e-3, not ~1e-6; a wrong layout or scale is O(1)
     for a, b in zip([got, *gk, *gv], [ref, *rk, *rv], strict=True):
-        assert (a - b).abs().max().item() < 1e-4
+        assert (a - b).abs().max().item() < 1e-2
     monkeypatch.undo()
     with torch.inference_mode():
         fast.truncate(20)

@@ -767,21 +767,25 @@ static void rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* b
 #endif
 
 // ---------------------------------------------------------------------------------------------------------------
-// Int4 weights in 16-row blocks against int8 inputs (AVX512-VNNI's vpdpbusd; W4A8), the rows of an int4 level where
-// pack_weights made the blocks (polyspec_pack_i4v). An int4 level only proposes and verifies for the level above it,
-// which checks every token it passes up (the target last), so its own arithmetic may round more than W4A16: the chain
-// stays exact. Widening the codes to fp32 left the int4 level as slow as the bf16 target past 2 rows (its multiplies,
-// not its bytes, were the limit); here one instruction multiplies RL rows' 4 codes by 4 int8 inputs, exactly, in
-// int32, so a 16-row block of 128 codes per row costs per input 32 / RL * 2 vpdpbusd and 4 float operations per group.
-// Layout per weight, ceil(N / 16) blocks one after the other, each words [K / 8][16] (lane i of word w: row 16b + i's
-// codes 8w + j in the low nibble and 8w + 4 + j in the high one of byte j), then s [ng][16] fp32 scales and zs
-// [ng][16] = z s (zero past N): a block's scales follow its codes in the stream. The input, per row and group: a = max |x| / 127, xq = x / a rounded half to even
-// (|xq| <= 127), as = a sum(xq). Then y = sum over groups of s (a acc) - zs as, acc the group's exact integer dot
-// product sum q xq; per (row, input) the same sequence for every pass size and M (batch-invariant).
+// Int4 weights in 16-row blocks against int8 inputs (AVX512-VNNI's vpdpbusd; W4A8): an int4 level's rows where
+// pack_weights made the blocks (polyspec_pack_i4v), and its lm_head as 8-bit codes (polyspec_pack_q8v). An int4
+// level only proposes to the level above it, which checks every token it passes up (the target last), so its own
+// arithmetic may round more than W4A16: the chain stays exact. Widening the codes to fp32 left the int4 level as slow
+// as the bf16 target past 2 rows (its multiplies, not its bytes, were the limit); here one instruction multiplies a
+// lane's 4 codes by 4 int8 inputs, exactly, in int32: per input and 16-row block 2 * 16 / RL vpdpbusd per 8 codes of
+// a row, and 4 float operations per group. Layout per weight, ceil(N / 16) blocks one after the other, each words
+// [K / 8][16] (4-bit: lane i of word w holds row 16b + i's codes 8w + j in the low nibble and 8w + 4 + j in the high
+// one of byte j; 8-bit: [K / 4][16], codes 4w + j in byte j), then s [ng][16] fp32 scales and zs [ng][16] = z s (zero
+// past N), so a block's scales follow its codes in the stream. The input, per row and group: a = max |x| / 127, xq =
+// x / a rounded half to even (|xq| <= 127), as = a sum(xq). Then y = sum over groups of s (a acc) - zs as, acc the
+// group's exact integer sum of q xq: per (row, input) the same sequence for every pass size and M (batch-invariant),
+// and in every build (the 8-lane ones bitwise too).
 // ---------------------------------------------------------------------------------------------------------------
 static inline int64_t qv_groups(int64_t K, int64_t gs) { return (K + gs - 1) / gs; }
 // A block's 32-bit words for K codes of BITS bits per row (16 rows): the codes, then s and z s per group.
-static inline int64_t qv_block_words(int64_t K, int64_t gs, int bits) { return 16 * (K * bits / 32 + 2 * qv_groups(K, gs)); }
+static inline int64_t qv_block_words(int64_t K, int64_t gs, int bits) {
+    return 16 * (K * bits / 32 + 2 * qv_groups(K, gs));
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define POLYSPEC_I4VNNI 1
@@ -892,7 +896,8 @@ static inline void qv_dots(const RowsInput& in, const uint32_t* wb, const float*
                 memcpy(&xl, in.xq + g * K + KW * w, 4);
                 if (BITS == 4) memcpy(&xh, in.xq + g * K + KW * w + 4, 4);
                 for (int j = 0; j < V; j++)
-                    acc[j][g] = BITS == 4 ? dpbusd(dpbusd(acc[j][g], lo[j], xl), hi[j], xh) : dpbusd(acc[j][g], lo[j], xl);
+                    acc[j][g] = BITS == 4 ? dpbusd(dpbusd(acc[j][g], lo[j], xl), hi[j], xh)
+                                          : dpbusd(acc[j][g], lo[j], xl);
             }
         }
         for (int j = 0; j < V; j++) {
@@ -926,7 +931,8 @@ static void rows_qv(const RowsInput& in, const uint32_t* blk, const float* bias,
             part.xq += m0 * K, part.xa += m0 * ng, part.xas += m0 * ng;
             by_pass<8>(g, [&](auto G) { qv_dots<BITS, decltype(G)::value>(part, wb, sb, sb + 16 * ng, K, gs, out); });
             for (int64_t i = 0; i < g; i++)
-                for (int64_t n = lo; n < hi; n++) y[(m0 + i) * N + n] = out[i * 16 + (n - b * 16)] + (bias ? bias[n] : 0.0f);
+                for (int64_t n = lo; n < hi; n++)
+                    y[(m0 + i) * N + n] = out[i * 16 + (n - b * 16)] + (bias ? bias[n] : 0.0f);
             m0 += g;
         }
     }

@@ -819,13 +819,11 @@ def i4_blocks_of(mod: torch.nn.Module) -> torch.Tensor | None:
     return rec[0]
 
 
-def make_i4_blocks(mods: list[torch.nn.Module], force: bool = False) -> int:
+def make_i4_blocks(mods: list[torch.nn.Module]) -> int:
     """Give each kernel-ready Int4Linear without them its int8-input blocks, in one huge-page block of memory in this
-    order; returns the bytes. 0 where they are not wanted (_i4_blocks_wanted) unless ``force`` (a VNNI build)."""
+    order; returns the bytes (0 where they are not wanted: :func:`_i4_blocks_wanted`)."""
     mods = [m for m in mods if i4_blocks_of(m) is None and int4_layer_ok(m)]
-    if not mods or not _enabled or _load() is None or _lib.polyspec_i4_vnni() != 1:
-        return 0
-    if not (force or _i4_blocks_wanted()):
+    if not mods or not _i4_blocks_wanted():
         return 0
     words = [(_i4_block_words(m) + 15) // 16 * 16 for m in mods]  # 64-byte aligned
     arena = _anonymous_block(4 * sum(words)).view(torch.int32)

@@ -10,7 +10,6 @@ than most kernel changes between runs minutes apart).
     python lab/kernels_ab.py blocks CHAIN_DIR [LEVEL]     # one build, a level's forwards with and without 16-row blocks
     python lab/kernels_ab.py blocks-decode CHAIN_DIR [REPEATS [MODES]]  # whole generations, with and without them
     python lab/kernels_ab.py prompts CHAIN_DIR [REPEATS [MODES]]  # prompts on the blocks in 64-row forwards, or torch
-    python lab/kernels_ab.py i4-vocab CHAIN_DIR [ROWS]   # the int4 level with its lm_head cut to ROWS tokens
 
 ``layers``: the target's decoder layers at widths 1..8 after each context length, 30 repetitions each running every
 width with both builds, medians: the T(k)/T(1) a kernel change reports. ``rows``: one thread, bf16 weights of
@@ -226,42 +225,6 @@ def prompts(chain_dir: str, repeats: str = "1", modes: str = "ar,dual") -> None:
     ck.blocked_layers = on
 
 
-def i4_vocab(chain_dir: str, rows: str = "8192") -> None:
-    """The int4 level's forward against the target's at widths 1-5 after 128 cached tokens, with its full lm_head and
-    with one of its first ROWS rows (blocked where the build blocks; what a draft vocabulary for the int4 level would
-    cost), 15 repetitions each running all three, medians."""
-    from polyspec.decode.generate import load_chain
-    from polyspec.decode.model import Linear
-
-    chain = load_chain(Path(chain_dir), device="cpu")
-    target, i4 = chain.models[chain.order[0]], chain.models[chain.order[1]]
-    full = i4.lm_head
-    cut = Linear(full.in_features, int(rows), bias=False).to(full.weight.dtype)
-    with torch.no_grad():
-        cut.weight.copy_(full.weight[:int(rows)])
-    ck.make_blocks([cut.weight])
-    runs = {"target": (target, target.lm_head), "int4": (i4, full), f"int4, {rows} rows": (i4, cut)}
-    ids = torch.randint(100, 20000, (140,), generator=torch.Generator().manual_seed(0))
-    times: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
-    with torch.inference_mode():
-        for m in (target, i4):
-            m.setup_cache(160)
-            m(ids[:128])
-        for _ in range(15):
-            for w in range(1, 6):
-                for name, (m, lm) in runs.items():
-                    m.lm_head = lm
-                    t0 = time.perf_counter()
-                    m(ids[128:128 + w])
-                    times[name, w].append(time.perf_counter() - t0)
-                    m.truncate(128)
-    i4.lm_head = full
-    med = {k: sorted(v)[7] * 1e3 for k, v in times.items()}
-    for name in runs:
-        print(f"{name}: " + "  ".join(f"{w}: {med[name, w]:.2f} ms ({med[name, w] / med['target', w]:.2f})"
-                                      for w in range(1, 6)))
-
-
 def rows(a: str, b: str) -> None:
     builds = load_builds([a, b])
     torch.set_num_threads(1)
@@ -306,5 +269,5 @@ def torch_rows(a: str) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     {"layers": layers, "decode": decode, "rows": rows, "torch": torch_rows, "blocks": blocks,
-     "blocks-decode": blocks_decode, "prompts": prompts, "i4-vocab": i4_vocab}[sys.argv[1]](
+     "blocks-decode": blocks_decode, "prompts": prompts}[sys.argv[1]](
         *sys.argv[2:])

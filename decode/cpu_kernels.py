@@ -778,7 +778,7 @@ def make_blocks(weights: list[torch.Tensor], force: bool = False) -> int:
     return 4 * off
 
 
-# Int4 weights' 16-row blocks against int8 inputs (cpu_kernels.cpp, rows_i4v: W4A8 on AVX512-VNNI's vpdpbusd), a
+# Int4 weights' 16-row blocks against int8 inputs (cpu_kernels.cpp, rows_qv: W4A8 on AVX512-VNNI's vpdpbusd), a
 # second copy of each Int4Linear's codes with its scales and z s, made by pack_weights where the build has VNNI and
 # recorded on the module. An int4 level is never the target, so its rounding the inputs to int8 leaves a chain exact.
 
@@ -793,9 +793,10 @@ def _i4_blocks_wanted() -> bool:
     return env == "1" and _enabled and _load() is not None and _lib.polyspec_i4_vnni() == 1
 
 
-def _i4_block_words(mod: torch.nn.Module) -> int:
-    n, k, gs = mod.out_features, mod.in_features, mod.group_size
-    return (n + 15) // 16 * 16 * (k // 8 + 2 * ((k + gs - 1) // gs))  # per block: codes, then s and z s
+def _qv_words(n: int, k: int, group_size: int, bits: int) -> int:
+    """32-bit words of an [n, k] weight's int8-input blocks (cpu_kernels.cpp, qv_block_words): per 16 rows, the
+    codes, then s and z s per group."""
+    return (n + 15) // 16 * 16 * (k * bits // 32 + 2 * ((k + group_size - 1) // group_size))
 
 
 def _i4_versions(mod: torch.nn.Module) -> tuple:
@@ -825,11 +826,12 @@ def make_i4_blocks(mods: list[torch.nn.Module]) -> int:
     mods = [m for m in mods if i4_blocks_of(m) is None and int4_layer_ok(m)]
     if not mods or not _i4_blocks_wanted():
         return 0
-    words = [(_i4_block_words(m) + 15) // 16 * 16 for m in mods]  # 64-byte aligned
+    sizes = [_qv_words(m.out_features, m.in_features, m.group_size, 4) for m in mods]
+    words = [(n + 15) // 16 * 16 for n in sizes]  # 64-byte aligned
     arena = _anonymous_block(4 * sum(words)).view(torch.int32)
     off = 0
-    for m, n in zip(mods, words, strict=True):
-        out = arena[off:off + _i4_block_words(m)]
+    for m, size, n in zip(mods, sizes, words, strict=True):
+        out = arena[off:off + size]
         _pack_i4(m, out)
         m.__dict__[_I4_BLOCKS] = [out, m.qdata.data_ptr(), _i4_versions(m)]
         off += n
@@ -872,8 +874,7 @@ def make_q8_lm_head(model: torch.nn.Module) -> int:
     if type(head).forward is not _linear_forward or not isinstance(w, torch.Tensor) or w.dim() != 2 \
             or not w.is_cpu or w.shape[1] % 4 or getattr(w, _Q8, None) is not None or not _i4_blocks_wanted():
         return 0
-    n, k = w.shape
-    words = (n + 15) // 16 * 16 * (k // 4 + 2 * ((k + _Q8_GROUP - 1) // _Q8_GROUP))
+    words = _qv_words(*w.shape, _Q8_GROUP, 8)
     out = _anonymous_block(4 * words).view(torch.int32)[:words]
     _make_q8(w, out)
     setattr(w, _Q8, [out, w.data_ptr(), version(w)])
@@ -912,7 +913,8 @@ def pack_weights(model: torch.nn.Module) -> int:
     view of the block). Returns the bytes moved; 0 when the fast path is off or nothing is on the CPU. Where the
     build widens bf16 weights, each bf16 Linear weight also gets its 16-row blocks (:func:`make_blocks`: the same
     bytes again, POLYSPEC_ROW_BLOCKS=0 to go without); where it has AVX512-VNNI, each Int4Linear its int8-input
-    blocks (:func:`make_i4_blocks`, POLYSPEC_INT4_A8=0 to go without).
+    blocks and an int4 level's lm_head 8-bit codes instead (:func:`make_i4_blocks`, :func:`make_q8_lm_head`;
+    POLYSPEC_INT4_A8=0 to go without).
 
     For models loaded to decode (``load_chain``): a packed tensor's storage is the whole block, so save weights
     from the original files, not from a packed model.
@@ -944,9 +946,9 @@ def pack_weights(model: torch.nn.Module) -> int:
     drop_plans(model)
     for mod in model.modules():  # projections fused into one weight (model.fuse_projections) are separate again
         mod.__dict__.pop("_fused", None)
-    make_blocks(_matmul_weights(model))
     from polyspec.decode.int4 import Int4Linear
 
     if make_i4_blocks([m for m in model.modules() if isinstance(m, Int4Linear)]):
-        make_q8_lm_head(model)
+        make_q8_lm_head(model)  # then its 16-bit copy needs no 16-row blocks
+    make_blocks([w for w in _matmul_weights(model) if q8_lm_head_of(w) is None])
     return total

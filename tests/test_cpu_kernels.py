@@ -398,20 +398,27 @@ def test_int4_linear_declines_what_it_cannot_do(monkeypatch):
         assert ck.int4_linear(x2, ok) is None
 
 
-def _w4a8_reference(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
-    """The int4 blocks' maths (cpu_kernels.cpp, rows_i4v) in fp64: per input row and group a = max |x| / 127 and xq =
-    x / a rounded half to even (both in fp32, as the kernel takes them), the group's exact sum of q xq scaled by a s,
-    less z s a sum(xq); plus the bias."""
-    n, k, gs = layer.out_features, layer.in_features, layer.group_size
-    q = torch.stack([layer.qdata & 15, layer.qdata >> 4], -1).reshape(n, -1)[:, :k].double()
-    y = torch.zeros(x.shape[0], n, dtype=torch.float64)
+def _a8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, gs: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8-input blocks' maths (cpu_kernels.cpp, rows_qv) in fp64 for codes q [N, K]: per input row and group a =
+    max |x| / 127 and xq = x / a rounded half to even (both in fp32, as the kernel takes them), the group's exact sum
+    of q xq scaled by a s, less z s a sum(xq); plus the bias."""
+    k = q.shape[1]
+    y = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64)
     for g in range((k + gs - 1) // gs):
         xg = x[:, g * gs:(g + 1) * gs]
         a = xg.abs().amax(1, keepdim=True) / 127.0
         xq = torch.where(a > 0, torch.round(xg / torch.where(a > 0, a, 1.0)), 0.0).clamp(-127, 127).double()
-        s, zs = layer.scales[:, g].double(), layer.zeros[:, g].double() * layer.scales[:, g].double()
-        y += (xq @ q[:, g * gs:(g + 1) * gs].t()) * a.double() * s - zs * (a.double() * xq.sum(1, keepdim=True))
-    return y + (0 if layer.bias is None else layer.bias.double())
+        sg, zs = s[:, g].double(), z[:, g].double() * s[:, g].double()
+        dots = xq @ q[:, g * gs:(g + 1) * gs].double().t()
+        y += dots * a.double() * sg - zs * (a.double() * xq.sum(1, keepdim=True))
+    return y + (0 if bias is None else bias.double())
+
+
+def _w4a8_reference(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+    n, k = layer.out_features, layer.in_features
+    q = torch.stack([layer.qdata & 15, layer.qdata >> 4], -1).reshape(n, -1)[:, :k]
+    return _a8_reference(x, q, layer.scales, layer.zeros, layer.group_size, layer.bias)
 
 
 def _i4_blocks_built() -> bool:
@@ -477,6 +484,39 @@ def test_int4_blocks_follow_in_place_changes_and_can_be_switched_off(monkeypatch
     monkeypatch.setenv("POLYSPEC_INT4_A8", "yes")
     with pytest.raises(PolyspecError, match="POLYSPEC_INT4_A8 must be 0 or 1"):
         ck.make_i4_blocks([Int4Linear(q, s, z, 128)])
+
+
+def test_an_int4_levels_lm_head_takes_8_bit_codes_against_int8_inputs(monkeypatch):
+    """make_q8_lm_head gives a 16-bit lm_head 8-bit codes (RTN, groups of 128, a short last one) in int8-input blocks:
+    its logits are the W8A8 reference's to fp32 rounding, close to the bf16 product, bitwise alike at every width, and
+    remade after an in-place change; POLYSPEC_INT4_A8=0 makes none."""
+    if not _i4_blocks_built():
+        pytest.skip("this build has no AVX512-VNNI blocks")
+    from polyspec.decode.model import Linear
+
+    class Level(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = Linear(576, 300, bias=False).to(torch.bfloat16)
+
+    level = Level()
+    assert ck.make_q8_lm_head(level) > 0
+    w = level.lm_head.weight
+    x = torch.randn(5, 576, generator=_gen(46))
+    for change in (False, True):
+        if change:
+            with torch.no_grad():
+                w[:7].mul_(-3)
+        q, s, z = quantize_rtn(w, 128, sym=False, bits=8)
+        with torch.inference_mode():
+            y = ck.linear(x, w)
+            ref = _a8_reference(x, q, s, z, 128)
+            assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+            w16 = x.double() @ w.double().t()
+            assert ((y.double() - w16).abs().max() / w16.abs().max()).item() < 2e-2
+            assert all(torch.equal(ck.linear(x[i:i + 1], w)[0], y[i]) for i in range(5))
+    monkeypatch.setenv("POLYSPEC_INT4_A8", "0")
+    assert ck.make_q8_lm_head(Level()) == 0
 
 
 def test_the_half_width_build_computes_the_int4_blocks_bitwise(other_builds, monkeypatch):

@@ -266,8 +266,8 @@ def _random_levels(args: Any, tdtype: Any, dev: Any, group_size: int, use_graphs
     say(f"shape-bench: building its int4 g{group_size} copy and a random EAGLE head")
     int4 = random_model(args, dtype=tdtype, device=dev, seed=1, int4_group=group_size)
     models = {"target": target, "intermediate": int4, "draft": random_head(args, target, dtype=tdtype)}
-    for m in models.values():
-        cpu_kernels.pack_weights(m)
+    for name, m in models.items():
+        cpu_kernels.pack_weights(m, int8_inputs=name != "target")
         if use_graphs:
             cuda_graphs.enable(m, graphs=True, max_width=GRAPH_WIDTH)
     return models

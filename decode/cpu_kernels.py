@@ -779,8 +779,9 @@ def make_blocks(weights: list[torch.Tensor], force: bool = False) -> int:
 
 
 # Int4 weights' 16-row blocks against int8 inputs (cpu_kernels.cpp, rows_qv: W4A8 on AVX512-VNNI's vpdpbusd), a
-# second copy of each Int4Linear's codes with its scales and z s, made by pack_weights where the build has VNNI and
-# recorded on the module. An int4 level is never the target, so its rounding the inputs to int8 leaves a chain exact.
+# second copy of each Int4Linear's codes with its scales and z s, made by pack_weights for a level below the target
+# where the build has VNNI, recorded on the module. The levels above check its every token, so rounding its inputs to
+# int8 leaves a chain exact.
 
 _I4_BLOCKS = "_polyspec_i4v"  # in an Int4Linear's __dict__: [blocks, qdata's data_ptr, the 3 buffers' versions]
 
@@ -905,16 +906,17 @@ def _anonymous_block(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(block, dtype=torch.uint8)  # keeps the block alive as long as any view of it
 
 
-def pack_weights(model: torch.nn.Module) -> int:
+def pack_weights(model: torch.nn.Module, int8_inputs: bool = False) -> int:
     """Move ``model``'s CPU parameters and buffers into one anonymous memory block (huge pages where the kernel
     grants them), the decoder layers first in module order, then the rest (embedding / lm_head, norms), so a decode
     step reads one ascending stream of memory. Tensors already in an arena (a head sharing its target's lm_head) stay
     where they are. Values, shapes, dtypes, parameter identity and sharing are unchanged (each ``.data`` becomes a
     view of the block). Returns the bytes moved; 0 when the fast path is off or nothing is on the CPU. Where the
     build widens bf16 weights, each bf16 Linear weight also gets its 16-row blocks (:func:`make_blocks`: the same
-    bytes again, POLYSPEC_ROW_BLOCKS=0 to go without); where it has AVX512-VNNI, each Int4Linear its int8-input
-    blocks and an int4 level's lm_head 8-bit codes instead (:func:`make_i4_blocks`, :func:`make_q8_lm_head`;
-    POLYSPEC_INT4_A8=0 to go without).
+    bytes again, POLYSPEC_ROW_BLOCKS=0 to go without). ``int8_inputs``: the model is a level below the target,
+    whose every token the levels above check, so where the build has AVX512-VNNI its Int4Linear layers get int8-input
+    blocks and its lm_head 8-bit codes (:func:`make_i4_blocks`, :func:`make_q8_lm_head`; POLYSPEC_INT4_A8=0 to go
+    without). A target never does: its distribution is the one a chain reproduces.
 
     For models loaded to decode (``load_chain``): a packed tensor's storage is the whole block, so save weights
     from the original files, not from a packed model.
@@ -948,7 +950,7 @@ def pack_weights(model: torch.nn.Module) -> int:
         mod.__dict__.pop("_fused", None)
     from polyspec.decode.int4 import Int4Linear
 
-    if make_i4_blocks([m for m in model.modules() if isinstance(m, Int4Linear)]):
+    if int8_inputs and make_i4_blocks([m for m in model.modules() if isinstance(m, Int4Linear)]):
         make_q8_lm_head(model)  # then its 16-bit copy needs no 16-row blocks
     make_blocks([w for w in _matmul_weights(model) if q8_lm_head_of(w) is None])
     return total

@@ -114,7 +114,8 @@ def load_chain(chain_dir: Path, *, device: str = "auto", dtype: str | None = Non
         else:
             models[lv.name] = load_model(folder, dtype=tdtype, device=dev)
         if not isinstance(models[lv.name], HFCausalLM):
-            cpu_kernels.pack_weights(models[lv.name])  # CPU: weights in read order, one block
+            # CPU: weights in read order, one block; a level below the target on int8 inputs where that pays
+            cpu_kernels.pack_weights(models[lv.name], int8_inputs=lv is not top)
     cuda_graphs.enable_for_device(models, dev, max_width=GRAPH_WIDTH)  # CUDA: static steps replayed as graphs
     return LoadedChain(models=models, order=[lv.name for lv in manifest.levels],
                        kinds={lv.name: lv.kind for lv in manifest.levels},

@@ -72,11 +72,11 @@ def rtn_copy(target: Any, group_size: int) -> Any:
 
 
 def _ready(model: Any, device: Any) -> Any:
-    """As load_levels prepares a loaded model: CPU weights packed, CUDA graph runners attached."""
+    """As load_chain prepares a level below the target: CPU weights packed, CUDA graph runners attached."""
     from polyspec.decode import cpu_kernels, cuda_graphs
     from polyspec.decode.generate import GRAPH_WIDTH
 
-    cpu_kernels.pack_weights(model)
+    cpu_kernels.pack_weights(model, int8_inputs=True)
     cuda_graphs.enable_for_device({"m": model}, device, max_width=GRAPH_WIDTH)
     return model
 

@@ -135,7 +135,7 @@ def load_levels(folders: list[Path], *, device: str = "auto", dtype: str | None 
             models[nm].set_draft_vocab(draft_vocab)
         else:
             models[nm] = Transformer.from_pretrained(folder, dtype=torch_dtype, device=dev).eval()
-        cpu_kernels.pack_weights(models[nm])  # as load_chain does: CPU weights in read order, one block each
+        cpu_kernels.pack_weights(models[nm], int8_inputs=nm != "target")  # as load_chain packs them
     cuda_graphs.enable_for_device(models, dev, max_width=GRAPH_WIDTH)
     levels = [HeadLevel(m, nm) if tg.startswith("head") else ModelLevel(m, nm)
               for (nm, m), tg in zip(models.items(), tags, strict=True)]

@@ -617,14 +617,18 @@ def test_decoder_layer_kernel_matches_torch_path(models, kind, tree, monkeypatch
 
 
 def test_int4_layers_take_their_blocks_bitwise_alike_at_every_width(models, monkeypatch):
-    """A packed int4 model's layer calls read the int4 blocks (W4A8) and its lm_head 8-bit codes: each layer computes
-    what the torch layer does with the same blocked projections, and a verification's logits are bitwise the decode
-    steps'."""
+    """An int4 model packed as a level below the target reads the int4 blocks (W4A8) and its lm_head 8-bit codes (one
+    packed as a target does not): each layer computes what the torch layer does with the same blocked projections,
+    and a verification's logits are bitwise the decode steps'."""
     if not _i4_blocks_built():
         pytest.skip("this build has no AVX512-VNNI int4 blocks")
     monkeypatch.delenv("POLYSPEC_INT4_REFERENCE", raising=False)
     fast = quantize_model_rtn(Transformer.from_pretrained(models["llama"]).eval(), group_size=64, sym=False)
-    ck.pack_weights(fast)
+    as_target = copy.deepcopy(fast)
+    ck.pack_weights(as_target)  # a target keeps its W4A16 rows: its distribution is the one a chain reproduces
+    assert ck.i4_blocks_of(as_target.layers[0].mlp.up_proj) is None
+    assert ck.q8_lm_head_of(as_target.lm_head.weight) is None
+    ck.pack_weights(fast, int8_inputs=True)  # a level below the target
     ref_model = copy.deepcopy(fast)
     for lin in (m for m in ref_model.modules() if isinstance(m, Int4Linear)):  # the same blocks, packed again
         ck.make_i4_blocks([lin])

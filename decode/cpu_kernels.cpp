@@ -1535,6 +1535,28 @@ static int attention_checked(const float* q, const C* k, const C* v, int64_t S, 
     return 0;
 }
 
+// Row n's scales and z s into its blocked weight (lane n % 16 of its block's s [ng][16] and zs [ng][16]; 0 past N).
+static void qv_pack_scales(const float* s, const uint8_t* z, int64_t N, int64_t K, int64_t gs, int bits, int64_t n,
+                           uint32_t* out) {
+    const int64_t ng = qv_groups(K, gs);
+    float* sc = (float*)(out + (n / 16) * qv_block_words(K, gs, bits) + 16 * (K * bits / 32));
+    for (int64_t g = 0; g < ng; g++) {
+        sc[g * 16 + n % 16] = n < N ? s[n * ng + g] : 0.0f;
+        sc[(ng + g) * 16 + n % 16] = n < N ? (float)z[n * ng + g] * s[n * ng + g] : 0.0f;
+    }
+}
+
+// Rows 0 .. ceil(N / 16) * 16 - 1 into blocks of BITS-bit codes (qv_block_words each): word(n, w) is row n's word w
+// (n < N), then the row's scales and z s; rows past N are zero.
+template <int BITS, typename Word>
+static void qv_pack(const float* s, const uint8_t* z, int64_t N, int64_t K, int64_t gs, uint32_t* out, Word&& word) {
+    for (int64_t n = 0; n < (N + 15) / 16 * 16; n++) {
+        uint32_t* blk = out + (n / 16) * qv_block_words(K, gs, BITS);
+        for (int64_t w = 0; w < K * BITS / 32; w++) blk[w * 16 + n % 16] = n < N ? word(n, w) : 0;
+        qv_pack_scales(s, z, N, K, gs, BITS, n, out);
+    }
+}
+
 extern "C" {
 
 int polyspec_linear_abi(void) { return 14; }
@@ -1598,35 +1620,20 @@ void polyspec_pack_nk16(const uint16_t* w, int64_t N, int64_t K, uint32_t* out) 
         }
 }
 
-// Row n's scales and z s into its blocked weight (lane n % 16 of its block's s [ng][16] and zs [ng][16]; 0 past N).
-static void qv_pack_scales(const float* s, const uint8_t* z, int64_t N, int64_t K, int64_t gs, int bits, int64_t n,
-                           uint32_t* out) {
-    const int64_t ng = qv_groups(K, gs);
-    float* sc = (float*)(out + (n / 16) * qv_block_words(K, gs, bits) + 16 * (K * bits / 32));
-    for (int64_t g = 0; g < ng; g++) {
-        sc[g * 16 + n % 16] = n < N ? s[n * ng + g] : 0.0f;
-        sc[(ng + g) * 16 + n % 16] = n < N ? (float)z[n * ng + g] * s[n * ng + g] : 0.0f;
-    }
-}
-
 // Int4Linear buffers q [N, K / 2], s and z [N, ceil(K / gs)] -> the blocks rows_qv<4> reads, out: ceil(N / 16)
 // qv_block_words(K, gs, 4) 32-bit words. Needs K and gs multiples of 8.
 void polyspec_pack_i4v(const uint8_t* q, const float* s, const uint8_t* z, int64_t N, int64_t K, int64_t gs,
                        uint32_t* out) {
-    for (int64_t n = 0; n < (N + 15) / 16 * 16; n++) {
-        uint32_t* blk = out + (n / 16) * qv_block_words(K, gs, 4);
-        for (int64_t w = 0; w < K / 8; w++) {
-            uint32_t word = 0;
-            for (int j = 0; j < 4 && n < N; j++) {
-                const int64_t k = 8 * w + j;  // codes k and k + 4: q's nibbles (even k low, odd k high)
-                const uint32_t lo = (q[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 15;
-                const uint32_t hi = (q[n * (K / 2) + (k + 4) / 2] >> (4 * ((k + 4) % 2))) & 15;
-                word |= (lo | hi << 4) << (8 * j);
-            }
-            blk[w * 16 + n % 16] = word;
+    qv_pack<4>(s, z, N, K, gs, out, [&](int64_t n, int64_t w) {
+        uint32_t word = 0;
+        for (int j = 0; j < 4; j++) {
+            const int64_t k = 8 * w + j;  // codes k and k + 4: q's nibbles (even k low, odd k high)
+            const uint32_t lo = (q[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 15;
+            const uint32_t hi = (q[n * (K / 2) + (k + 4) / 2] >> (4 * ((k + 4) % 2))) & 15;
+            word |= (lo | hi << 4) << (8 * j);
         }
-        qv_pack_scales(s, z, N, K, gs, 4, n, out);
-    }
+        return word;
+    });
 }
 
 // 8-bit codes q [N, K] (w = (q - z) s per group of gs), s and z [N, ceil(K / gs)] -> the blocks rows_qv<8> reads,
@@ -1634,15 +1641,11 @@ void polyspec_pack_i4v(const uint8_t* q, const float* s, const uint8_t* z, int64
 // Needs K and gs multiples of 4.
 void polyspec_pack_q8v(const uint8_t* q, const float* s, const uint8_t* z, int64_t N, int64_t K, int64_t gs,
                        uint32_t* out) {
-    for (int64_t n = 0; n < (N + 15) / 16 * 16; n++) {
-        uint32_t* blk = out + (n / 16) * qv_block_words(K, gs, 8);
-        for (int64_t w = 0; w < K / 4; w++) {
-            uint32_t word = 0;
-            if (n < N) memcpy(&word, q + n * K + 4 * w, 4);
-            blk[w * 16 + n % 16] = word;
-        }
-        qv_pack_scales(s, z, N, K, gs, 8, n, out);
-    }
+    qv_pack<8>(s, z, N, K, gs, out, [&](int64_t n, int64_t w) {
+        uint32_t word;
+        memcpy(&word, q + n * K + 4 * w, 4);
+        return word;
+    });
 }
 
 // x [M, K] fp32 against 8-bit codes in blocks (polyspec_pack_q8v) -> y [M, N] fp32 (+ bias), int8 inputs

@@ -479,7 +479,8 @@ class LayerPlan:
             weights = tuple(lin.weight.detach() for lin in lins)
             blocks = tuple(blocks_of(lin.weight) if kind == "bf16" else None for lin in lins)
             watched = [(lin.weight, b) for lin, b in zip(lins, blocks, strict=True)]
-        self.versions = tuple((t, version(t)) for t, b in watched if b is not None)
+        # checked on every forward (layer_plan): _version read directly, inference tensors (no counter) left out
+        self.versions = tuple((t, t._version) for t, b in watched if b is not None and not t.is_inference())
         self.blocked = kind == "bf16" and all(b is not None for b in blocks)  # bf16 16-row blocks (blocked_layers)
         self.tensors = (*weights, *norms, *(b for b in (*biases, *blocks) if b is not None))
         table = _PTRS_I4 if kind == "i4" else _PTRS
@@ -540,7 +541,7 @@ def layer_plan(layer: torch.nn.Module) -> LayerPlan | None:
     (a feature LAYER_SUPPORT does not declare, other dtypes, mixed projection kinds, int4 shapes the kernel does not
     take, ...)."""
     plan = layer.__dict__.get("_cpu_plan")
-    if plan and any(version(w) != v for w, v in plan.versions):  # a weight changed in place: its blocks are stale
+    if plan and any(w._version != v for w, v in plan.versions):  # a weight changed in place: its blocks are stale
         plan = None
     if plan is None:
         kind = _plan_kind(layer)

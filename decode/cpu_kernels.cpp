@@ -609,8 +609,27 @@ static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const fl
 // were limited by. The input is rounded to bf16 once per call (x's 24 mantissa bits -> 8; the weights carry 4), so
 // this path agrees with the portable fp32 one to ~1e-3 relative, not bitwise. Per (m, n) the arithmetic is
 // independent of M (passes of up to 4 rows, each row on its own registers): batch-invariant like the rest.
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(POLYSPEC_PORTABLE_ROWS)
+#if (defined(__AVX512BF16__) || defined(POLYSPEC_EMULATE_DPBF16)) && defined(__AVX512BW__) && \
+    !defined(POLYSPEC_PORTABLE_ROWS)
 #define POLYSPEC_DPBF16 1
+
+#ifdef __AVX512BF16__
+typedef __m512bh bh32;  // 32 bf16 words
+static inline __m512 dpbf16(__m512 acc, bh32 a, bh32 b) { return _mm512_dpbf16_ps(acc, a, b); }
+#else
+// vdpbf16ps in AVX-512F, for the emulated build (POLYSPEC_PORTABLE_ROWS=bf16-emulated): the vdpbf16ps rows run and are
+// tested on a CPU without the instruction. Lane i takes a[2i + 1] b[2i + 1], then a[2i] b[2i], each in one fused
+// multiply-add: a product of two bf16 values is exact in fp32, so each step rounds once, as the instruction's do. The
+// instruction also flushes denormal inputs and results to zero; this does not (the tests' values have none).
+typedef __m512i bh32;
+static inline __m512 dpbf16(__m512 acc, bh32 a, bh32 b) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 ao = _mm512_castsi512_ps(_mm512_and_si512(a, high));
+    acc = _mm512_fmadd_ps(ao, _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)),
+                           acc);
+}
+#endif
 
 static inline uint16_t bf16_bits_rne(float f) {  // finite inputs only (activations)
     uint32_t u;
@@ -657,17 +676,17 @@ static inline void row_dots_i4b(const RowsInput& in, const uint8_t* q, const flo
             const __mmask64 mk = r >= 128 ? ~(__mmask64)0 : (((__mmask64)1 << (r / 2)) - 1);
             const __m512i b = _mm512_maskz_loadu_epi8(mk, q + k0 / 2);
             // (A & B) | C: field s shifted to bits 3..6, masked, over bf16 16 -> bf16(16 + code)
-            const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), field, b16, 0xea);
-            const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), field, b16, 0xea);
-            const __m512bh w2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 5), field, b16, 0xea);
-            const __m512bh w3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 9), field, b16, 0xea);
+            const bh32 w0 = (bh32)_mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), field, b16, 0xea);
+            const bh32 w1 = (bh32)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), field, b16, 0xea);
+            const bh32 w2 = (bh32)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 5), field, b16, 0xea);
+            const bh32 w3 = (bh32)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 9), field, b16, 0xea);
             const uint16_t* xc = in.xb + (grp * cpg + c) * 128;
             for (int g = 0; g < G; g++) {
                 const uint16_t* xg = xc + g * in.xb_row;
-                a0[g] = _mm512_dpbf16_ps(a0[g], w0, (__m512bh)_mm512_loadu_si512(xg));
-                a1[g] = _mm512_dpbf16_ps(a1[g], w1, (__m512bh)_mm512_loadu_si512(xg + 32));
-                a0[g] = _mm512_dpbf16_ps(a0[g], w2, (__m512bh)_mm512_loadu_si512(xg + 64));
-                a1[g] = _mm512_dpbf16_ps(a1[g], w3, (__m512bh)_mm512_loadu_si512(xg + 96));
+                a0[g] = dpbf16(a0[g], w0, (bh32)_mm512_loadu_si512(xg));
+                a1[g] = dpbf16(a1[g], w1, (bh32)_mm512_loadu_si512(xg + 32));
+                a0[g] = dpbf16(a0[g], w2, (bh32)_mm512_loadu_si512(xg + 64));
+                a1[g] = dpbf16(a1[g], w3, (bh32)_mm512_loadu_si512(xg + 96));
             }
         }
         const float s = sc[grp], sz = s * (16.0f + (float)zr[grp]);
@@ -697,10 +716,10 @@ static int64_t bf16_prepare(const float* x, int64_t M, int64_t K, std::vector<ui
 
 // 32 weights of a chunk as bf16 (bf16 bits as they are); masked lanes read 0.
 template <typename W>
-static inline __m512bh dp_chunk(const W* p, __mmask32 m);
+static inline bh32 dp_chunk(const W* p, __mmask32 m);
 template <>
-inline __m512bh dp_chunk<uint16_t>(const uint16_t* p, __mmask32 m) {
-    return (__m512bh)(m == (__mmask32)~0u ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p));
+inline bh32 dp_chunk<uint16_t>(const uint16_t* p, __mmask32 m) {
+    return (bh32)(m == (__mmask32)~0u ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p));
 }
 
 // R consecutive weight rows (one block of R K elements: pack_weights' row-major layout; bf16 bits)
@@ -721,19 +740,19 @@ static inline void block_dots_dp(const uint16_t* xb, int64_t xrow, const W* w, i
         // the block is read in address order as a whole, R chunks per step: prefetch that sweep, 128 bytes a call
         if (R % 2 == 0 || k % 64 == 0)
             for (int r = 0; r < R; r += 2) prefetch_ahead(w + k * R + r * 32);
-        __m512bh xs[G];
-        for (int g = 0; g < G; g++) xs[g] = (__m512bh)_mm512_loadu_si512(xb + g * xrow + k);
+        bh32 xs[G];
+        for (int g = 0; g < G; g++) xs[g] = (bh32)_mm512_loadu_si512(xb + g * xrow + k);
         for (int r = 0; r < R; r++) {
-            const __m512bh wr = dp_chunk<W>(w + r * K + k, all);
-            for (int g = 0; g < G; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wr, xs[g]);
+            const bh32 wr = dp_chunk<W>(w + r * K + k, all);
+            for (int g = 0; g < G; g++) acc[r][g] = dpbf16(acc[r][g], wr, xs[g]);
         }
     }
     if (k32 < K) {  // the last chunk, masked (xb is zero past K)
         const __mmask32 mk = ((__mmask32)1 << (K - k32)) - 1;
         for (int r = 0; r < R; r++) {
-            const __m512bh wr = dp_chunk<W>(w + r * K + k32, mk);
+            const bh32 wr = dp_chunk<W>(w + r * K + k32, mk);
             for (int g = 0; g < G; g++)
-                acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wr, (__m512bh)_mm512_loadu_si512(xb + g * xrow + k32));
+                acc[r][g] = dpbf16(acc[r][g], wr, (bh32)_mm512_loadu_si512(xb + g * xrow + k32));
         }
     }
     for (int r = 0; r < R; r++)
@@ -948,6 +967,11 @@ struct WBF16 {
     bool dot;             // inputs rounded to bf16, vdpbf16ps rows (where built); false: weights widened, fp32 inputs
     const uint32_t* blk;  // the 16-row blocks of w (pack_nk16) or NULL: the widened rows take them where present
 };
+
+// What a bf16 model's layers and draft head take on a vdpbf16ps build: its dot rows (1, the default) or, with fp32
+// inputs, the weights' 16-row blocks (0). One choice per process (polyspec_set_bf16_dot; cpu_kernels.py, bf16_rows:
+// measured once per CPU), so a weight takes the same kernel at every width.
+static bool g_bf16_dot = true;
 struct WI4 {
     const uint8_t* q;   // [N, K / 2]
     const float* s;     // [N, ceil(K / gs)]
@@ -1514,11 +1538,11 @@ static LayerWeights<WT> dense_weights(const void* const* ptrs) {
     return w;
 }
 
-// A bf16 model's layer weights: its activations are bf16 at every matmul, so every projection takes the dot rows;
+// A bf16 model's layer weights: its activations are bf16 at every matmul, so every projection may take the dot rows;
 // ptrs[16 + i]: projection i's 16-row blocks or NULL.
 static LayerWeights<WBF16> bf16_layer_weights(const void* const* ptrs) {
     LayerWeights<WBF16> w = dense_weights<WBF16, uint16_t>(ptrs);
-    for (int i = 0; i < 7; i++) w.w[i] = {w.w[i].w, true, (const uint32_t*)ptrs[16 + i]};
+    for (int i = 0; i < 7; i++) w.w[i] = {w.w[i].w, g_bf16_dot, (const uint32_t*)ptrs[16 + i]};
     return w;
 }
 
@@ -1559,17 +1583,22 @@ static void qv_pack(const float* s, const uint8_t* z, int64_t N, int64_t K, int6
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 14; }
+int polyspec_linear_abi(void) { return 15; }
 
-// Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs,
-// 0 = the portable fp32 ones.
+// Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs (2: with
+// vdpbf16ps emulated, POLYSPEC_EMULATE_DPBF16), 0 = the portable fp32 ones.
 int polyspec_dot_path(void) {
-#ifdef POLYSPEC_DPBF16
+#if defined(POLYSPEC_DPBF16) && !defined(__AVX512BF16__)
+    return 2;
+#elif defined(POLYSPEC_DPBF16)
     return 1;
 #else
     return 0;
 #endif
 }
+
+// bf16 inputs on a vdpbf16ps build: the dot rows (on = 1) or the 16-row blocks on fp32 inputs (0; g_bf16_dot).
+void polyspec_set_bf16_dot(int on) { g_bf16_dot = on != 0; }
 
 // The portable row kernels' lanes per vector: 16, or 8 without AVX-512 and in the half-width build.
 int polyspec_row_lanes(void) { return RL; }
@@ -1737,7 +1766,7 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
             x2[t * 2 * H + i] = bf16_to_f32(embed[ids[t] * H + i]);
             x2[t * 2 * H + H + i] = bf16_to_f32(feat[t * H + i]);
         }
-    run1(x2.data(), WBF16{fc_w, true, fc_blk}, fc_b, H, T, 2 * H, x.data(), threads);
+    run1(x2.data(), WBF16{fc_w, g_bf16_dot, fc_blk}, fc_b, H, T, 2 * H, x.data(), threads);
     round_to_bf16(x.data(), T * H);
     std::vector<uint8_t> mask;
     if (T > 1 && !tree_mask) {  // all of the cache, then causal within the block (model.block_mask)
@@ -1753,7 +1782,7 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
         x[i] = bf16_to_f32(hidden[i]);
     }
     if (out_rows > 0) {
-        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, true, lm_blk}, nullptr, V, out_rows, H, logits, threads);
+        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, g_bf16_dot, lm_blk}, nullptr, V, out_rows, H, logits, threads);
         round_to_bf16(logits, out_rows * V);
     }
     return 0;

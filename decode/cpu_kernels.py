@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import mmap
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 
 from polyspec.errors import PolyspecError
 
-_ABI = 14
+_ABI = 15
 MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (rows_limit)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -53,12 +56,15 @@ def _flags() -> list[str]:
     """The compiler flags; POLYSPEC_PORTABLE_ROWS=1 builds the portable fp32 rows for int4 and bf16 weights even
     where AVX512-BF16 is there (the tests compare both paths this way); =avx2 builds them without AVX-512 too, as an
     AVX2 CPU's -march=native does (256-bit vectors, 16 registers); =half with 256-bit vectors and AVX-512's 32
-    registers, this core's multiply rate halved as on a Zen 4-class core (docs/KERNELS.md)."""
+    registers, this core's multiply rate halved as on a Zen 4-class core (docs/KERNELS.md); =bf16-emulated builds
+    the AVX512-BF16 rows on an AVX-512 CPU without the instruction, vdpbf16ps emulated (the tests run them so)."""
     portable = os.environ.get("POLYSPEC_PORTABLE_ROWS", "").strip().lower()
-    if portable not in ("", "0", "1", "avx2", "half"):
-        raise PolyspecError(f"POLYSPEC_PORTABLE_ROWS must be 1, avx2 or half (got {portable!r}); unset it for this "
-                            "CPU's own row kernels")
+    if portable not in ("", "0", "1", "avx2", "half", "bf16-emulated"):
+        raise PolyspecError(f"POLYSPEC_PORTABLE_ROWS must be 1, avx2, half or bf16-emulated (got {portable!r}); unset "
+                            "it for this CPU's own row kernels")
     locality = f"-DPOLYSPEC_PREFETCH_LOCALITY={prefetch_locality()}"
+    if portable == "bf16-emulated":  # the vdpbf16ps rows on an AVX-512 CPU without the instruction (tests)
+        return _FLAGS + [locality, "-DPOLYSPEC_EMULATE_DPBF16"]
     extra = ["-DPOLYSPEC_PORTABLE_ROWS"] if portable not in ("", "0") else []
     if portable == "avx2":
         extra += ["-mno-avx512f", "-Wno-psabi"]
@@ -163,10 +169,57 @@ def build(force: bool = False) -> Path:
     return path
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    """The argument and result types of the library's entry points."""
+    argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int]
+    lib.polyspec_linear3_f32.argtypes, lib.polyspec_linear3_f32.restype = argtypes, None
+    lib.polyspec_linear3_bf16w.argtypes = argtypes + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.polyspec_linear3_bf16w.restype = None
+    lib.polyspec_layer_f32.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
+                                       + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
+                                       + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
+    lib.polyspec_layer_f32.restype = ctypes.c_int
+    lib.polyspec_layer_bf16.argtypes = lib.polyspec_layer_f32.argtypes
+    lib.polyspec_layer_bf16.restype = ctypes.c_int
+    lib.polyspec_layer_i4.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
+                                      + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
+                                      + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
+    lib.polyspec_layer_i4.restype = ctypes.c_int
+    lib.polyspec_linear_i4.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+                                       + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])
+    lib.polyspec_linear_i4.restype = ctypes.c_int
+    lib.polyspec_dot_path.argtypes, lib.polyspec_dot_path.restype = [], ctypes.c_int
+    lib.polyspec_set_bf16_dot.argtypes, lib.polyspec_set_bf16_dot.restype = [ctypes.c_int], None
+    lib.polyspec_pack_nk16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.polyspec_pack_nk16.restype = None
+    lib.polyspec_row_lanes.argtypes, lib.polyspec_row_lanes.restype = [], ctypes.c_int
+    lib.polyspec_i4_vnni.argtypes, lib.polyspec_i4_vnni.restype = [], ctypes.c_int
+    lib.polyspec_pack_i4v.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    lib.polyspec_pack_i4v.restype = None
+    lib.polyspec_pack_q8v.argtypes = lib.polyspec_pack_i4v.argtypes
+    lib.polyspec_pack_q8v.restype = None
+    lib.polyspec_linear_q8v.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p,
+                                                                                     ctypes.c_int]
+    lib.polyspec_linear_q8v.restype = ctypes.c_int
+    lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                                            + [ctypes.c_void_p] * 3 + [ctypes.c_float]
+                                            + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
+                                            + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+                                            + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+                                            + [ctypes.c_void_p] * 2)
+    lib.polyspec_head_step_bf16.restype = ctypes.c_int
+    for name in ("polyspec_attention_bf16", "polyspec_attention_f32"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_void_p,
+                                                                                        ctypes.c_int,
+                                                                                        ctypes.c_void_p]
+        getattr(lib, name).restype = ctypes.c_int
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried, _failure
+    global _lib, _tried, _failure, _bf16_choice
     if _tried:
         return _lib
+    _bf16_rows_env()  # a bad setting is an error before anything is built
     with _lock:
         if _tried:
             return _lib
@@ -174,47 +227,9 @@ def _load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(build()))
             if lib.polyspec_linear_abi() != _ABI:
                 raise RuntimeError("the cached library has another ABI version")
-            argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int]
-            lib.polyspec_linear3_f32.argtypes, lib.polyspec_linear3_f32.restype = argtypes, None
-            lib.polyspec_linear3_bf16w.argtypes = argtypes + [ctypes.c_int] + [ctypes.c_void_p] * 3
-            lib.polyspec_linear3_bf16w.restype = None
-            lib.polyspec_layer_f32.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
-                                               + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
-                                               + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
-            lib.polyspec_layer_f32.restype = ctypes.c_int
-            lib.polyspec_layer_bf16.argtypes = lib.polyspec_layer_f32.argtypes
-            lib.polyspec_layer_bf16.restype = ctypes.c_int
-            lib.polyspec_layer_i4.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
-                                              + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 4
-                                              + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int])
-            lib.polyspec_layer_i4.restype = ctypes.c_int
-            lib.polyspec_linear_i4.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
-                                               + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])
-            lib.polyspec_linear_i4.restype = ctypes.c_int
-            lib.polyspec_dot_path.argtypes, lib.polyspec_dot_path.restype = [], ctypes.c_int
-            lib.polyspec_pack_nk16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-            lib.polyspec_pack_nk16.restype = None
-            lib.polyspec_row_lanes.argtypes, lib.polyspec_row_lanes.restype = [], ctypes.c_int
-            lib.polyspec_i4_vnni.argtypes, lib.polyspec_i4_vnni.restype = [], ctypes.c_int
-            lib.polyspec_pack_i4v.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-            lib.polyspec_pack_i4v.restype = None
-            lib.polyspec_pack_q8v.argtypes = lib.polyspec_pack_i4v.argtypes
-            lib.polyspec_pack_q8v.restype = None
-            lib.polyspec_linear_q8v.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p,
-                                                                                             ctypes.c_int]
-            lib.polyspec_linear_q8v.restype = ctypes.c_int
-            lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-                                                    + [ctypes.c_void_p] * 3 + [ctypes.c_float]
-                                                    + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
-                                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
-                                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
-                                                    + [ctypes.c_void_p] * 2)
-            lib.polyspec_head_step_bf16.restype = ctypes.c_int
-            for name in ("polyspec_attention_bf16", "polyspec_attention_f32"):
-                getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_void_p,
-                                                                                                ctypes.c_int,
-                                                                                                ctypes.c_void_p]
-                getattr(lib, name).restype = ctypes.c_int
+            _declare(lib)
+            _bf16_choice = _choose_bf16_rows(lib)
+            lib.polyspec_set_bf16_dot(int(_bf16_choice is None or _bf16_choice[0] == "dot"))
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _failure = str(e)
@@ -237,21 +252,110 @@ def state() -> str:
         return f"unavailable ({_failure})"
     blocks = "on" if _blocks_wanted() else "off"
     i4 = "on" if _i4_blocks_wanted() else "off"
-    return (f"on ({library_path().name}, int4 and bf16 rows: {dot_path()}, prefetch locality {prefetch_locality()}, "
-            f"16-row blocks {blocks}, int4 x int8 blocks {i4})")
+    bf16 = "" if _bf16_choice is None else f"bf16 inputs on the {_bf16_choice[0]} rows ({_bf16_choice[1]}), "
+    return (f"on ({library_path().name}, int4 and bf16 rows: {dot_path()}, {bf16}prefetch locality "
+            f"{prefetch_locality()}, 16-row blocks {blocks}, int4 x int8 blocks {i4})")
 
 
 def dot_path() -> str | None:
     """Which row kernels the loaded library runs for int4 weights and for bf16 weights under bf16 inputs:
-    "avx512-bf16" (activations rounded to bf16, vdpbf16ps) or "fp32" (portable: fp32 activations, weights widened;
-    "fp32/8-lane" where its vectors are 256-bit: an AVX2 CPU or the half-width build); None when the library is not
-    loaded."""
+    "avx512-bf16" (activations rounded to bf16, vdpbf16ps; "avx512-bf16 (emulated)" in the bf16-emulated build) or
+    "fp32" (portable: fp32 activations, weights widened; "fp32/8-lane" where its vectors are 256-bit: an AVX2 CPU or
+    the half-width build); None when the library is not loaded."""
     if not _enabled or _load() is None:
         return None
     if _lib.polyspec_dot_path() == 1:
         return "avx512-bf16"
+    if _lib.polyspec_dot_path() == 2:
+        return "avx512-bf16 (emulated)"
     lanes = _lib.polyspec_row_lanes()
     return "fp32" if lanes == 16 else f"fp32/{lanes}-lane"
+
+
+# bf16 inputs on a vdpbf16ps build (cpu_kernels.cpp, g_bf16_dot): the dot rows, or the 16-row blocks on fp32 inputs.
+# Which is faster depends on the core: the dot rows halve the multiply instructions but end each (row, input) in a lane
+# sum and read the weights row by row. A Zen 4-class core, which issues 512-bit operations in halves, verified 5 rows
+# at 1.6-2.0x a decode step's time on them (issue 48); the blocks, on this build's half-width stand-in for such a core,
+# at 1.25-1.54x (docs/KERNELS.md). So the choice is measured, once per library and CPU, and kept beside the library.
+
+BF16_ROWS_WIDTHS = (1, 2, 4, 8)  # the widths timed; the kind with the smaller sum of medians is chosen
+_BF16_ROWS_SHAPE = (4096, 2048)  # [N, K] of each timed weight: 6 of them, 96 MB, stream from memory as a model's do
+_bf16_choice: tuple[str, str] | None = None  # ("dot" | "blocks", why), set when a vdpbf16ps library loads
+
+
+def _bf16_rows_env() -> str:
+    env = os.environ.get("POLYSPEC_BF16_ROWS", "auto").strip().lower() or "auto"
+    if env not in ("auto", "dot", "blocks"):
+        raise PolyspecError(f"POLYSPEC_BF16_ROWS must be auto, dot or blocks (got {env!r}); unset it to measure which "
+                            "is faster on this CPU (auto)")
+    return env
+
+
+def _time_bf16_rows(lib: ctypes.CDLL, repeats: int = 5) -> dict[str, list[float]]:
+    """Median seconds of bf16 weights against bf16 input rows at each of BF16_ROWS_WIDTHS, on the dot rows and on
+    the 16-row blocks, the two taking turns."""
+    n, k = _BF16_ROWS_SHAPE
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for _ in range(6)]
+    blks = [torch.empty(_block_words(w), dtype=torch.int32) for w in ws]
+    for w, b in zip(ws, blks, strict=True):
+        lib.polyspec_pack_nk16(w.data_ptr(), n, k, b.data_ptr())
+    x = torch.randn(max(BF16_ROWS_WIDTHS), k, generator=g).to(torch.bfloat16).float()
+    y = torch.empty(max(BF16_ROWS_WIDTHS), n)
+    times: dict[str, dict[int, list[float]]] = {kind: {m: [] for m in BF16_ROWS_WIDTHS} for kind in ("dot", "blocks")}
+    for _ in range(repeats):
+        for m in BF16_ROWS_WIDTHS:
+            for kind, t in times.items():
+                t0 = time.perf_counter()
+                for w, b in zip(ws, blks, strict=True):
+                    blk = None if kind == "dot" else b.data_ptr()
+                    lib.polyspec_linear3_bf16w(x.data_ptr(), w.data_ptr(), w.data_ptr(), w.data_ptr(), None, None,
+                                               None, n, 0, 0, m, k, y.data_ptr(), torch.get_num_threads(),
+                                               int(kind == "dot"), blk, blk, blk)
+                t[m].append(time.perf_counter() - t0)
+    return {kind: [statistics.median(t[m]) for m in BF16_ROWS_WIDTHS] for kind, t in times.items()}
+
+
+def pick_bf16_rows(seconds: dict[str, list[float]]) -> str:
+    """The kind whose times over BF16_ROWS_WIDTHS sum smaller ("dot" on a tie)."""
+    return "blocks" if sum(seconds["blocks"]) < sum(seconds["dot"]) else "dot"
+
+
+def _choose_bf16_rows(lib: ctypes.CDLL) -> tuple[str, str] | None:
+    """What bf16 inputs take on a vdpbf16ps library (None on another): POLYSPEC_BF16_ROWS's choice, the dot rows
+    without 16-row blocks (POLYSPEC_ROW_BLOCKS=0), else the measured one, read from beside the library or measured
+    now (about a second) and written there."""
+    if lib.polyspec_dot_path() == 0:
+        return None
+    env = _bf16_rows_env()
+    if env != "auto":
+        return env, "POLYSPEC_BF16_ROWS"
+    if os.environ.get("POLYSPEC_ROW_BLOCKS", "1").strip() == "0":
+        return "dot", "POLYSPEC_ROW_BLOCKS=0"
+    path = library_path().with_suffix(".bf16-rows.json")
+    try:
+        return json.loads(path.read_text())["choice"], "measured"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    seconds = _time_bf16_rows(lib)
+    record = {"choice": pick_bf16_rows(seconds), "widths": list(BF16_ROWS_WIDTHS), "seconds": seconds,
+              "shape": list(_BF16_ROWS_SHAPE), "threads": torch.get_num_threads()}
+    try:  # kept for the next process; where it cannot be written, the next one measures again
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return record["choice"], "measured"
+
+
+def bf16_rows() -> str | None:
+    """What bf16 inputs take on this library: "dot" (the vdpbf16ps rows) or "blocks" (the 16-row blocks on fp32
+    inputs); None where the library has no vdpbf16ps rows (the blocks or widened rows then) or is not loaded."""
+    if not _enabled or _load() is None:
+        return None
+    return None if _bf16_choice is None else _bf16_choice[0]
 
 
 def failure() -> str | None:
@@ -308,7 +412,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.dtype == torch.float32:
         _lib.polyspec_linear3_f32(*args)
     else:  # a bf16 input (rounding it back to bf16 is exact) may take the vdpbf16ps rows
-        _lib.polyspec_linear3_bf16w(*args, int(not fp32), *blks)
+        _lib.polyspec_linear3_bf16w(*args, int(not fp32 and bf16_rows() != "blocks"), *blks)
     return y if fp32 else y.to(x.dtype)
 
 
@@ -712,7 +816,8 @@ def _blocks_wanted() -> bool:
     env = os.environ.get("POLYSPEC_ROW_BLOCKS", "1").strip().lower()
     if env not in ("0", "1"):
         raise PolyspecError(f"POLYSPEC_ROW_BLOCKS must be 0 or 1 (got {env!r}); unset it for the default (1)")
-    return env == "1" and _enabled and _load() is not None and _lib.polyspec_dot_path() == 0
+    return env == "1" and _enabled and _load() is not None and (_lib.polyspec_dot_path() == 0
+                                                                  or bf16_rows() == "blocks")
 
 
 def _block_words(w: torch.Tensor) -> int:

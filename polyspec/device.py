@@ -112,7 +112,7 @@ def fast_decode_dtype(device: Any) -> str:
         return "bfloat16"
     from polyspec.decode import cpu_kernels
 
-    return "bfloat16" if cpu_kernels.dot_path() == "avx512-bf16" else "float32"
+    return "bfloat16" if (cpu_kernels.dot_path() or "").startswith("avx512-bf16") else "float32"
 
 
 def decode_dtype_candidates(device: Any) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ pure-torch path it sits beside: parity, batch invariance, fallbacks."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -113,18 +114,21 @@ def other_builds(tmp_path_factory):
     return tmp_path_factory.mktemp("other_builds")
 
 
+_NATIVE_PATHS = ("fp32", "fp32/8-lane", "avx512-bf16", "avx512-bf16 (emulated)")  # what dot_path() may say
+
+
 def _with_portable_build(cache, monkeypatch, fn, kind="1"):
     """fn() run against the portable build (POLYSPEC_PORTABLE_ROWS=kind: fp32 rows for int4 and bf16 weights; "avx2":
     and no AVX-512) kept in ``cache``, the loaded library restored afterwards; returns (fn's result, that build's
     dot_path())."""
-    saved = ck._lib, ck._tried, ck._failure
+    saved = ck._lib, ck._tried, ck._failure, ck._bf16_choice
     monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", kind)
     monkeypatch.setenv("POLYSPEC_KERNEL_CACHE", str(cache))
     ck._lib, ck._tried, ck._failure = None, False, None
     try:
         return fn(), ck.dot_path()
     finally:
-        ck._lib, ck._tried, ck._failure = saved
+        ck._lib, ck._tried, ck._failure, ck._bf16_choice = saved
 
 
 @pytest.mark.parametrize("k", [576, 100, 1536])
@@ -139,7 +143,7 @@ def test_both_bf16_row_kernels_compute_the_bf16_matmul(k, other_builds, monkeypa
     with torch.inference_mode():
         native, native_path = ck.kernel_linear(x, w, b), ck.dot_path()
         portable, portable_path = _with_portable_build(other_builds, monkeypatch, lambda: ck.linear(x, w, b))
-    assert portable_path.startswith("fp32") and native_path in ("fp32", "fp32/8-lane", "avx512-bf16")
+    assert portable_path.startswith("fp32") and native_path in _NATIVE_PATHS
     ref = F.linear(x.double(), w.double(), b.double())
     for y in (native, portable):
         assert y.dtype == torch.bfloat16 and ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
@@ -215,7 +219,7 @@ def test_16_row_blocks_sum_in_input_order_at_every_width_and_slice():
     x = torch.randn(20, 37, generator=g).bfloat16()
     want = torch.cat([_in_input_order(x.float(), w, b.float()) for w, b in zip(ws, bs, strict=True)], -1)
     with torch.inference_mode():
-        for threads in (1, 2) if ck.dot_path() != "avx512-bf16" else ():  # there bf16 inputs take vdpbf16ps rows
+        for threads in (1, 2) if ck.bf16_rows() != "dot" else ():  # there bf16 inputs take vdpbf16ps rows
             torch.set_num_threads(threads)
             try:
                 for m in (1, 3, 8, 9, 20):
@@ -231,7 +235,7 @@ def test_16_row_blocks_follow_in_place_changes_and_can_be_switched_off(tmp_path,
     """pack_weights gives a bf16 model's Linear weights (the tied lm_head too) their blocks and its layer plans read
     them; a weight changed in place is repacked before its next use, so a packed model keeps computing what an
     unpacked copy of it does; POLYSPEC_ROW_BLOCKS=0 packs without blocks, and any other value is one clear error."""
-    if ck.dot_path() == "avx512-bf16":
+    if ck.bf16_rows() == "dot":
         pytest.skip("a bf16 model's weights take the vdpbf16ps rows here: pack_weights makes no blocks")
     d = make_tiny_llama(tmp_path / "m", tokenizer=None, seed=6)
     model = Transformer.from_pretrained(d, dtype=torch.bfloat16).eval()
@@ -268,14 +272,16 @@ def test_the_portable_rows_setting_names_its_build_and_refuses_anything_else(mon
     """POLYSPEC_PORTABLE_ROWS picks the build's flags (each its own cached library); a value it does not know is one
     clear error, not a silent native build."""
     flags = {}
-    for kind in ("", "1", "avx2", "half"):
+    for kind in ("", "1", "avx2", "half", "bf16-emulated"):
         monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", kind)
         flags[kind] = ck._flags()
     assert "-DPOLYSPEC_PORTABLE_ROWS" not in flags[""] and "-DPOLYSPEC_PORTABLE_ROWS" in flags["1"]
     assert "-mno-avx512f" in flags["avx2"] and "-DPOLYSPEC_HALF_WIDTH" in flags["half"]
     assert "-DPOLYSPEC_HALF_WIDTH" not in flags["avx2"] and "-mno-avx512f" not in flags["half"]
+    emulated = flags["bf16-emulated"]
+    assert "-DPOLYSPEC_EMULATE_DPBF16" in emulated and "-DPOLYSPEC_PORTABLE_ROWS" not in emulated
     monkeypatch.setenv("POLYSPEC_PORTABLE_ROWS", "ymm")
-    with pytest.raises(PolyspecError, match="POLYSPEC_PORTABLE_ROWS must be 1, avx2 or half"):
+    with pytest.raises(PolyspecError, match="POLYSPEC_PORTABLE_ROWS must be 1, avx2, half or bf16-emulated"):
         ck._flags()
 
 
@@ -351,12 +357,12 @@ def test_int4_linear_matches_dequantised_matmul_and_is_batch_invariant(k, gs, mo
 
 def _int4_input(x: torch.Tensor) -> torch.Tensor:
     """x as the loaded library's int4 rows take it, in fp64: rounded to bf16 on the AVX512-BF16 path."""
-    return (x.bfloat16() if ck.dot_path() == "avx512-bf16" else x).double()
+    return (x.bfloat16() if (ck.dot_path() or "").startswith("avx512-bf16") else x).double()
 
 
 def _int4_reference_mode() -> str:
     """The POLYSPEC_INT4_REFERENCE value whose dequantised matmul takes the activations as the kernel does."""
-    return "bf16" if ck.dot_path() == "avx512-bf16" else "1"
+    return "bf16" if (ck.dot_path() or "").startswith("avx512-bf16") else "1"
 
 
 def test_both_int4_row_kernels_compute_the_dequantised_matmul(other_builds, monkeypatch):
@@ -372,7 +378,7 @@ def test_both_int4_row_kernels_compute_the_dequantised_matmul(other_builds, monk
     with torch.inference_mode():
         native, native_path = ck.int4_linear(x, layer), ck.dot_path()
         portable, portable_path = _with_portable_build(other_builds, monkeypatch, lambda: ck.int4_linear(x, layer))
-    assert portable_path.startswith("fp32") and native_path in ("fp32", "fp32/8-lane", "avx512-bf16")
+    assert portable_path.startswith("fp32") and native_path in _NATIVE_PATHS
     bias = layer.bias.double()
     for y, xin in ((portable, x.double()), (native, _int4_input(x))):
         ref = xin @ w.t() + bias
@@ -479,7 +485,7 @@ def test_int4_blocks_follow_in_place_changes_and_can_be_switched_off(monkeypatch
     bare = Int4Linear(q, s, z, 128)
     assert ck.make_i4_blocks([bare]) == 0 and ck.i4_blocks_of(bare) is None and "int4 x int8 blocks off" in ck.state()
     with torch.inference_mode():
-        w16 = x.double() @ dequantize(q, s, z, 128).double().t()
+        w16 = _int4_input(x) @ dequantize(q, s, z, 128).double().t()  # (bf16 activations on the vdpbf16ps rows)
         assert ((ck.int4_linear(x, bare).double() - w16).abs().max() / w16.abs().max()).item() < 1e-5
     monkeypatch.setenv("POLYSPEC_INT4_A8", "yes")
     with pytest.raises(PolyspecError, match="POLYSPEC_INT4_A8 must be 0 or 1"):
@@ -802,6 +808,70 @@ def test_bf16_greedy_speculation_equals_ar(models):
     r = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], draft=DraftSpec(k=4),
                      max_seq_len=64).generate(prompt, 24)
     assert max(r.level_stats[0].accept_lengths) == 5
+
+
+def _packed_bf16_run(model_dir, ids):
+    """A fresh bf16 model packed as load_chain packs a target: its logits over ids as a prefill, a 7-row
+    verification and 7 decode steps of the same positions; ar's greedy tokens and a perfect draft's under k = 4; and
+    whether its weights got 16-row blocks."""
+    from polyspec.decode.chain import ChainDecoder
+    from polyspec.decode.levels import ModelLevel
+
+    t = Transformer.from_pretrained(model_dir).eval().to(torch.bfloat16)
+    ck.pack_weights(t)
+    wide = _run(t, ids, [8, 7])[0][-7:]
+    steps = _run(t, ids, [8] + [1] * 7)[0][-7:]
+    prompt = ids[:5].tolist()
+    ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=64).generate(prompt, 16).token_ids
+    twin = Transformer.from_pretrained(model_dir).eval().to(torch.bfloat16)
+    spec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], draft=DraftSpec(k=4),
+                        max_seq_len=64).generate(prompt, 16).token_ids
+    return wide, steps, ar, spec, ck.blocks_of(t.layers[0].mlp.gate_proj.weight) is not None
+
+
+@pytest.mark.parametrize("choice", ["dot", "blocks"])
+def test_a_vdpbf16ps_build_keeps_one_bf16_kernel_at_every_width(choice, other_builds, models, monkeypatch):
+    """On a build with the vdpbf16ps rows (emulated here, POLYSPEC_PORTABLE_ROWS=bf16-emulated, where the CPU lacks
+    the instruction) bf16 inputs take the rows POLYSPEC_BF16_ROWS names at every width: a verification is bitwise its
+    decode steps and greedy speculation equals ar. On the blocks a packed model's outputs are bitwise the widened
+    build's (the same kernel on the same fp32 inputs); on the dot rows they agree with them to rounding."""
+    monkeypatch.setenv("POLYSPEC_BF16_ROWS", choice)
+    ids = torch.randint(0, 512, (15,), generator=_gen(61))
+    got, path = _with_portable_build(other_builds, monkeypatch, lambda: _packed_bf16_run(models["llama"], ids),
+                                     kind="bf16-emulated")
+    if not path.startswith("avx512-bf16"):
+        pytest.skip(f"this CPU builds no vdpbf16ps rows, emulated or not (no AVX512-BW): {path}")
+    wide, steps, ar, spec, blocked = got
+    assert torch.equal(wide, steps) and spec == ar and blocked == (choice == "blocks")
+    widened = _with_portable_build(other_builds, monkeypatch, lambda: _packed_bf16_run(models["llama"], ids))[0]
+    if choice == "blocks":
+        assert torch.equal(wide, widened[0]) and ar == widened[2]
+    else:
+        assert (wide - widened[0]).abs().max().item() < 0.02 * widened[0].abs().max().item()
+
+
+def test_the_bf16_rows_are_measured_once_per_library(other_builds, monkeypatch):
+    """POLYSPEC_BF16_ROWS=auto on a vdpbf16ps build: the first load times both kinds and keeps the choice beside the
+    library (with the times), a later load reads it; the choice is the smaller sum over the timed widths; a bad
+    setting is one clear error."""
+    assert ck.pick_bf16_rows({"dot": [1.0, 1.2, 1.6, 2.4], "blocks": [1.1, 1.2, 1.4, 1.8]}) == "blocks"
+    assert ck.pick_bf16_rows({"dot": [1.0, 1.0, 1.0, 1.0], "blocks": [1.0, 1.0, 1.0, 1.0]}) == "dot"
+    monkeypatch.setenv("POLYSPEC_BF16_ROWS", "auto")
+    timed = []
+    real = ck._time_bf16_rows
+    monkeypatch.setattr(ck, "_time_bf16_rows", lambda lib: timed.append(1) or real(lib, repeats=1))
+    state, path = _with_portable_build(other_builds, monkeypatch, ck.state, kind="bf16-emulated")
+    if not path.startswith("avx512-bf16"):
+        pytest.skip(f"this CPU builds no vdpbf16ps rows, emulated or not (no AVX512-BW): {path}")
+    record = json.loads(next(other_builds.glob("*.bf16-rows.json")).read_text())
+    assert timed == [1] and record["choice"] in ("dot", "blocks") and f"bf16 inputs on the {record['choice']} rows " \
+        "(measured)" in state
+    assert sorted(record["seconds"]) == ["blocks", "dot"] and all(len(v) == 4 for v in record["seconds"].values())
+    again = _with_portable_build(other_builds, monkeypatch, ck.state, kind="bf16-emulated")[0]
+    assert again == state and timed == [1]
+    monkeypatch.setenv("POLYSPEC_BF16_ROWS", "fastest")
+    with pytest.raises(PolyspecError, match="POLYSPEC_BF16_ROWS must be auto, dot or blocks"):
+        _with_portable_build(other_builds, monkeypatch, ck.state, kind="bf16-emulated")
 
 
 def test_which_forwards_take_the_kernels_by_width(models, monkeypatch):

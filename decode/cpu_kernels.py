@@ -334,9 +334,11 @@ def _choose_bf16_rows(lib: ctypes.CDLL) -> tuple[str, str] | None:
         return "dot", "POLYSPEC_ROW_BLOCKS=0"
     path = library_path().with_suffix(".bf16-rows.json")
     try:
-        return json.loads(path.read_text())["choice"], "measured"
+        kept = json.loads(path.read_text())["choice"]
+        if kept in ("dot", "blocks"):
+            return kept, "measured"
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        pass  # none kept yet, or unreadable: measured again below
     seconds = _time_bf16_rows(lib)
     record = {"choice": pick_bf16_rows(seconds), "widths": list(BF16_ROWS_WIDTHS), "seconds": seconds,
               "shape": list(_BF16_ROWS_SHAPE), "threads": torch.get_num_threads()}

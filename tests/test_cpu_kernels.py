@@ -869,6 +869,10 @@ def test_the_bf16_rows_are_measured_once_per_library(other_builds, monkeypatch):
     assert sorted(record["seconds"]) == ["blocks", "dot"] and all(len(v) == 4 for v in record["seconds"].values())
     again = _with_portable_build(other_builds, monkeypatch, ck.state, kind="bf16-emulated")[0]
     assert again == state and timed == [1]
+    kept = next(other_builds.glob("*.bf16-rows.json"))
+    kept.write_text('{"choice": "fastest"}')  # not a choice: measured again
+    _with_portable_build(other_builds, monkeypatch, ck.state, kind="bf16-emulated")
+    assert timed == [1, 1] and json.loads(kept.read_text())["choice"] in ("dot", "blocks")
     monkeypatch.setenv("POLYSPEC_BF16_ROWS", "fastest")
     with pytest.raises(PolyspecError, match="POLYSPEC_BF16_ROWS must be auto, dot or blocks"):
         _with_portable_build(other_builds, monkeypatch, ck.state, kind="bf16-emulated")

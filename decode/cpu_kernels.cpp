@@ -379,9 +379,9 @@ static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int
 
 // ---------------------------------------------------------------------------------------------------------------
 // bf16 weights in 16-row blocks (pack_weights makes this copy of a packed model's bf16 weights, polyspec_pack_nk16):
-// [ceil(N / 16)][ceil(K / 2)][16] 32-bit words, lane i of (block b, pair p) = w[16b + i][2p] | w[16b + i][2p + 1] << 16
-// (0 past N or K). A vector then holds 16 rows at one k, so an output is a multiply-add per k into one lane: no lane
-// sums, and each loaded (and widened) weight vector feeds every input of the pass, each input value broadcast once
+// [ceil(N / 16)][ceil(K / 2)][16] 32-bit words, lane i of (block b, pair p) = w[16b + i][2p] << 16 | w[16b + i][2p + 1]
+// (0 past N or K; word 2p in the high half, which vdpbf16ps takes first: rows_nk16_dp). A vector then holds 16 rows
+// at one k, so an output is a multiply-add per k into one lane: no lane sums, and each loaded (and widened) weight vector feeds every input of the pass, each input value broadcast once
 // per pair for all the block's rows. The row kernels above (rows_wide) read the weights row by row and end every
 // (row, input) in a lane sum; at 8 inputs on the Cascade Lake VM they ran at ~0.55 ns per 16-lane multiply-add
 // against ~0.25 peak, and 8 verified rows cost ~1.9x a decode step (docs/KERNELS.md, "Verifying rows without
@@ -450,7 +450,7 @@ static inline void nk16_dots(const float* xp, const uint32_t* wb, int64_t P, flo
         for (int j = 0; j < V; j++) {
             vru u;
             memcpy(&u, wb + ((j * RL / 16) * P + p) * 16 + (j * RL) % 16, sizeof(u));
-            const vru e = u << 16, o = u & high;
+            const vru e = u & high, o = u << 16;  // word 2p in the high half (pack_nk16)
             memcpy(&we[j], &e, sizeof(e));
             memcpy(&wo[j], &o, sizeof(o));
         }
@@ -469,29 +469,37 @@ static inline void nk16_dots(const float* xp, const uint32_t* wb, int64_t P, flo
 }
 
 // Rows nb..ne-1 of the blocked weight against the M prepared inputs: per NK_BLOCKS blocks, every pass (the blocks
-// are read from memory in the first pass, from L1/L2 in later ones); rows outside nb..ne-1 or past N are computed
-// and dropped (a thread's slice of concatenated weights may start mid-block).
-static void rows_nk16(const float* xi, const uint32_t* wb, const float* bias, int64_t M, int64_t K, int64_t N,
-                      int64_t nb, int64_t ne, float* y) {
+// are read from memory in the first pass, from L1/L2 in later ones), dots(G, blocks, m0, first block, out) computing
+// each; rows outside nb..ne-1 or past N are computed and dropped (a thread's slice of concatenated weights may start
+// mid-block).
+template <typename Dots>
+static void nk16_rows(const uint32_t* wb, const float* bias, int64_t M, int64_t K, int64_t N, int64_t nb, int64_t ne,
+                      float* y, Dots&& dots) {
     const int64_t P = (K + 1) / 2, bend = (ne + 15) / 16;
     float out[NK_PASS * 16 * NK_BLOCKS];
     for (int64_t b = nb / 16; b < bend; b += NK_BLOCKS) {
         const int nbk = bend - b < NK_BLOCKS ? (int)(bend - b) : NK_BLOCKS;
         nk16_passes(M, [&](int64_t m0, int64_t g) {
-            const float* xp = xi + m0 * 2 * P;
-            by_pass<NK_PASS>(g, [&](auto G) {
-                constexpr int GV = decltype(G)::value;
-                if (nbk == NK_BLOCKS)
-                    nk16_dots<NK_BLOCKS, GV>(xp, wb + b * P * 16, P, out);
-                else
-                    nk16_dots<1, GV>(xp, wb + b * P * 16, P, out);
-            });
+            by_pass<NK_PASS>(g, [&](auto G) { dots(G, nbk, m0, wb + b * P * 16, out); });
             const int64_t lo = b * 16 > nb ? b * 16 : nb, hi = (b + nbk) * 16 < ne ? (b + nbk) * 16 : ne;
             for (int64_t i = 0; i < g; i++)
                 for (int64_t n = lo; n < hi; n++)
                     y[(m0 + i) * N + n] = out[i * 16 * nbk + (n - b * 16)] + (bias ? bias[n] : 0.0f);
         });
     }
+}
+
+// The widened blocks against fp32 inputs prepared by nk16_prepare.
+static void rows_nk16(const float* xi, const uint32_t* wb, const float* bias, int64_t M, int64_t K, int64_t N,
+                      int64_t nb, int64_t ne, float* y) {
+    const int64_t P = (K + 1) / 2;
+    nk16_rows(wb, bias, M, K, N, nb, ne, y, [&](auto G, int nbk, int64_t m0, const uint32_t* w, float* out) {
+        constexpr int GV = decltype(G)::value;
+        if (nbk == NK_BLOCKS)
+            nk16_dots<NK_BLOCKS, GV>(xi + m0 * 2 * P, w, P, out);
+        else
+            nk16_dots<1, GV>(xi + m0 * 2 * P, w, P, out);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -514,6 +522,7 @@ struct RowsInput {  // x prepared once per call for the int4 and widened bf16 ro
     const int8_t* xq;    // [M, K] int8 (qv_prepare: the blocked int4 rows)
     const float* xa;     // [M, ng] per row and group the int8 scale a
     const float* xas;    // [M, ng] a sum(xq)
+    const uint32_t* xe;  // nk16_prepare's order as bf16 pairs (nk16_prepare_dp: the vdpbf16ps blocks)
 };
 
 // RL bytes of codes -> RL 32-bit lanes (vpmovzxbd: GCC's vector conversion of this shape goes scalar).
@@ -783,6 +792,61 @@ static void rows_dp(const uint16_t* xb, int64_t xrow, const W* w, const float* b
         for (; n + 4 <= n_end; n += 4) block_rows_dp<4>(xb, xrow, w, bias, M, K, N, n, y);
     for (; n < n_end; n++) block_rows_dp<1>(xb, xrow, w, bias, M, K, N, n, y);
 }
+
+// bf16 inputs against the 16-row blocks on vdpbf16ps (the "blocks" choice on these CPUs, g_bf16_dot): a 32-bit lane
+// of a block holds one row's words 2p (high half) and 2p + 1, and a broadcast word the input's, so one instruction
+// takes both products of 16 rows, k = 2p first: per (row, input) one fp32 accumulator over k in input order, as the
+// widened blocks sum (the products of bf16 values are exact, so each step rounds once either way), with no widening.
+// x [M, K] -> per pass of G inputs from m0 (nk16_passes), per pair p, G words: input g's bf16 bits of x[2p] << 16 |
+// x[2p + 1] (0 past K). In this thread's buffer.
+static const uint32_t* nk16_prepare_dp(const float* x, int64_t M, int64_t K) {
+    static thread_local std::vector<uint32_t> buf;
+    const int64_t P = (K + 1) / 2;
+    if ((int64_t)buf.size() < M * P) buf.resize(M * P);
+    nk16_passes(M, [&](int64_t m0, int64_t G) {
+        uint32_t* d = buf.data() + m0 * P;
+        for (int64_t g = 0; g < G; g++) {
+            const float* xr = x + (m0 + g) * K;
+            for (int64_t p = 0; p < P; p++) {
+                const uint32_t odd = 2 * p + 1 < K ? bf16_bits_rne(xr[2 * p + 1]) : 0;
+                d[p * G + g] = (uint32_t)bf16_bits_rne(xr[2 * p]) << 16 | odd;
+            }
+        }
+    });
+    return buf.data();
+}
+
+template <int B, int G>
+static inline void nk16_dots_dp(const uint32_t* xp, const uint32_t* wb, int64_t P, float* out) {
+    __m512 acc[B][G];
+    for (int b = 0; b < B; b++)
+        for (int g = 0; g < G; g++) acc[b][g] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; p++) {
+        bh32 w[B];
+        for (int b = 0; b < B; b++) {
+            __builtin_prefetch((const char*)(wb + (b * P + p) * 16) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+            w[b] = (bh32)_mm512_loadu_si512(wb + (b * P + p) * 16);
+        }
+        for (int g = 0; g < G; g++) {
+            const bh32 xv = (bh32)_mm512_set1_epi32((int)xp[p * G + g]);
+            for (int b = 0; b < B; b++) acc[b][g] = dpbf16(acc[b][g], w[b], xv);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int b = 0; b < B; b++) _mm512_storeu_ps(out + g * 16 * B + b * 16, acc[b][g]);
+}
+
+static void rows_nk16_dp(const uint32_t* xe, const uint32_t* wb, const float* bias, int64_t M, int64_t K, int64_t N,
+                         int64_t nb, int64_t ne, float* y) {
+    const int64_t P = (K + 1) / 2;
+    nk16_rows(wb, bias, M, K, N, nb, ne, y, [&](auto G, int nbk, int64_t m0, const uint32_t* w, float* out) {
+        constexpr int GV = decltype(G)::value;
+        if (nbk == NK_BLOCKS)
+            nk16_dots_dp<NK_BLOCKS, GV>(xe + m0 * P, w, P, out);
+        else
+            nk16_dots_dp<1, GV>(xe + m0 * P, w, P, out);
+    });
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -964,12 +1028,12 @@ struct WF32 {
 };
 struct WBF16 {
     const uint16_t* w;
-    bool dot;             // inputs rounded to bf16, vdpbf16ps rows (where built); false: weights widened, fp32 inputs
+    bool dot;             // a bf16 input: rounded to bf16 for vdpbf16ps where built; false: widened, fp32 inputs
     const uint32_t* blk;  // the 16-row blocks of w (pack_nk16) or NULL: the widened rows take them where present
 };
 
-// What a bf16 model's layers and draft head take on a vdpbf16ps build: its dot rows (1, the default) or, with fp32
-// inputs, the weights' 16-row blocks (0). One choice per process (polyspec_set_bf16_dot; cpu_kernels.py, bf16_rows:
+// What a bf16 input takes on a vdpbf16ps build: the dot rows (true, the default) or, where the weight has them, its
+// 16-row blocks on vdpbf16ps (false). One choice per process (polyspec_set_bf16_dot; cpu_kernels.py, bf16_rows:
 // measured once per CPU), so a weight takes the same kernel at every width.
 static bool g_bf16_dot = true;
 struct WI4 {
@@ -987,6 +1051,7 @@ static inline void rows_w(const float* x, const RowsInput&, const WF32& w, const
 static inline void rows_w(const float* x, const RowsInput& in, const WBF16& w, const float* bias, int64_t M,
                           int64_t K, int64_t N, int64_t nb, int64_t ne, float* y) {
 #ifdef POLYSPEC_DPBF16
+    if (w.dot && w.blk && !g_bf16_dot) return rows_nk16_dp(in.xe, w.blk, bias, M, K, N, nb, ne, y);
     if (w.dot) return rows_dp<uint16_t>(in.xb, in.xb_row, w.w, bias, M, K, N, nb, ne, y);
 #endif
     if (w.blk) return rows_nk16(in.xi, w.blk, bias, M, K, N, nb, ne, y);
@@ -1123,9 +1188,13 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
 #endif
     }
 #ifdef POLYSPEC_DPBF16
-    if (dot_rows(ws[0])) {  // bf16 rows: the input rounded to bf16 once
-        in.xb_row = bf16_prepare(x, M, K, xb);
-        in.xb = xb.data();
+    if (dot_rows(ws[0])) {  // a bf16 input, rounded to bf16 once: for the dot rows and / or the vdpbf16ps blocks
+        const bool blocks = !g_bf16_dot && any_blocked(ws);
+        if (blocks) in.xe = nk16_prepare_dp(x, M, K);
+        if (!blocks || !all_blocked(ws)) {
+            in.xb_row = bf16_prepare(x, M, K, xb);
+            in.xb = xb.data();
+        }
     }
 #endif
     if (wide_rows(ws[0])) {  // bf16 weights widened: the input in pairs order or in passes (16-row blocks), once
@@ -1538,11 +1607,11 @@ static LayerWeights<WT> dense_weights(const void* const* ptrs) {
     return w;
 }
 
-// A bf16 model's layer weights: its activations are bf16 at every matmul, so every projection may take the dot rows;
+// A bf16 model's layer weights: its activations are bf16 at every matmul, so every projection takes vdpbf16ps;
 // ptrs[16 + i]: projection i's 16-row blocks or NULL.
 static LayerWeights<WBF16> bf16_layer_weights(const void* const* ptrs) {
     LayerWeights<WBF16> w = dense_weights<WBF16, uint16_t>(ptrs);
-    for (int i = 0; i < 7; i++) w.w[i] = {w.w[i].w, g_bf16_dot, (const uint32_t*)ptrs[16 + i]};
+    for (int i = 0; i < 7; i++) w.w[i] = {w.w[i].w, true, (const uint32_t*)ptrs[16 + i]};
     return w;
 }
 
@@ -1597,7 +1666,7 @@ int polyspec_dot_path(void) {
 #endif
 }
 
-// bf16 inputs on a vdpbf16ps build: the dot rows (on = 1) or the 16-row blocks on fp32 inputs (0; g_bf16_dot).
+// bf16 inputs on a vdpbf16ps build: the dot rows (on = 1) or the 16-row blocks on vdpbf16ps (0; g_bf16_dot).
 void polyspec_set_bf16_dot(int on) { g_bf16_dot = on != 0; }
 
 // The portable row kernels' lanes per vector: 16, or 8 without AVX-512 and in the half-width build.
@@ -1643,8 +1712,9 @@ void polyspec_pack_nk16(const uint16_t* w, int64_t N, int64_t K, uint32_t* out) 
         for (int64_t i = 0; i < 16; i++) {
             const int64_t n = b * 16 + i;
             for (int64_t p = 0; p < P; p++) {
-                const uint32_t lo = n < N ? w[n * K + 2 * p] : 0, hi = n < N && 2 * p + 1 < K ? w[n * K + 2 * p + 1] : 0;
-                out[(b * P + p) * 16 + i] = lo | hi << 16;
+                const uint32_t even = n < N ? w[n * K + 2 * p] : 0;
+                const uint32_t odd = n < N && 2 * p + 1 < K ? w[n * K + 2 * p + 1] : 0;
+                out[(b * P + p) * 16 + i] = even << 16 | odd;  // vdpbf16ps takes the high half first
             }
         }
 }
@@ -1766,7 +1836,7 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
             x2[t * 2 * H + i] = bf16_to_f32(embed[ids[t] * H + i]);
             x2[t * 2 * H + H + i] = bf16_to_f32(feat[t * H + i]);
         }
-    run1(x2.data(), WBF16{fc_w, g_bf16_dot, fc_blk}, fc_b, H, T, 2 * H, x.data(), threads);
+    run1(x2.data(), WBF16{fc_w, true, fc_blk}, fc_b, H, T, 2 * H, x.data(), threads);
     round_to_bf16(x.data(), T * H);
     std::vector<uint8_t> mask;
     if (T > 1 && !tree_mask) {  // all of the cache, then causal within the block (model.block_mask)
@@ -1782,7 +1852,7 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
         x[i] = bf16_to_f32(hidden[i]);
     }
     if (out_rows > 0) {
-        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, g_bf16_dot, lm_blk}, nullptr, V, out_rows, H, logits, threads);
+        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, true, lm_blk}, nullptr, V, out_rows, H, logits, threads);
         round_to_bf16(logits, out_rows * V);
     }
     return 0;

@@ -306,12 +306,12 @@ def _time_bf16_rows(lib: ctypes.CDLL, repeats: int = 5) -> dict[str, list[float]
     for _ in range(repeats):
         for m in BF16_ROWS_WIDTHS:
             for kind, t in times.items():
+                lib.polyspec_set_bf16_dot(int(kind == "dot"))
                 t0 = time.perf_counter()
                 for w, b in zip(ws, blks, strict=True):
-                    blk = None if kind == "dot" else b.data_ptr()
                     lib.polyspec_linear3_bf16w(x.data_ptr(), w.data_ptr(), w.data_ptr(), w.data_ptr(), None, None,
-                                               None, n, 0, 0, m, k, y.data_ptr(), torch.get_num_threads(),
-                                               int(kind == "dot"), blk, blk, blk)
+                                               None, n, 0, 0, m, k, y.data_ptr(), torch.get_num_threads(), 1,
+                                               b.data_ptr(), b.data_ptr(), b.data_ptr())
                 t[m].append(time.perf_counter() - t0)
     return {kind: [statistics.median(t[m]) for m in BF16_ROWS_WIDTHS] for kind, t in times.items()}
 
@@ -414,7 +414,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.dtype == torch.float32:
         _lib.polyspec_linear3_f32(*args)
     else:  # a bf16 input (rounding it back to bf16 is exact) may take the vdpbf16ps rows
-        _lib.polyspec_linear3_bf16w(*args, int(not fp32 and bf16_rows() != "blocks"), *blks)
+        _lib.polyspec_linear3_bf16w(*args, int(not fp32), *blks)
     return y if fp32 else y.to(x.dtype)
 
 

@@ -813,7 +813,7 @@ def test_bf16_greedy_speculation_equals_ar(models):
 def _packed_bf16_run(model_dir, ids):
     """A fresh bf16 model packed as load_chain packs a target: its logits over ids as a prefill, a 7-row
     verification and 7 decode steps of the same positions; ar's greedy tokens and a perfect draft's under k = 4; and
-    whether its weights got 16-row blocks."""
+    a blocked bf16 weight's outputs against a bf16 input of 11 rows with their sums in input order."""
     from polyspec.decode.chain import ChainDecoder
     from polyspec.decode.levels import ModelLevel
 
@@ -826,28 +826,33 @@ def _packed_bf16_run(model_dir, ids):
     twin = Transformer.from_pretrained(model_dir).eval().to(torch.bfloat16)
     spec = ChainDecoder([ModelLevel(t, "t"), ModelLevel(twin, "d")], draft=DraftSpec(k=4),
                         max_seq_len=64).generate(prompt, 16).token_ids
-    return wide, steps, ar, spec, ck.blocks_of(t.layers[0].mlp.gate_proj.weight) is not None
+    g = _gen(62)
+    w = _blocked(torch.randn(50, 37, generator=g).bfloat16())
+    x = torch.randn(11, 37, generator=g).bfloat16()
+    with torch.inference_mode():
+        rows = [ck.kernel_linear(x[:m], w) for m in (1, 8, 11)]
+    return wide, steps, ar, spec, rows, _in_input_order(x.float(), w, None).bfloat16()
 
 
 @pytest.mark.parametrize("choice", ["dot", "blocks"])
 def test_a_vdpbf16ps_build_keeps_one_bf16_kernel_at_every_width(choice, other_builds, models, monkeypatch):
     """On a build with the vdpbf16ps rows (emulated here, POLYSPEC_PORTABLE_ROWS=bf16-emulated, where the CPU lacks
-    the instruction) bf16 inputs take the rows POLYSPEC_BF16_ROWS names at every width: a verification is bitwise its
-    decode steps and greedy speculation equals ar. On the blocks a packed model's outputs are bitwise the widened
-    build's (the same kernel on the same fp32 inputs); on the dot rows they agree with them to rounding."""
+    the instruction) bf16 inputs take the kernel POLYSPEC_BF16_ROWS names at every width: a verification is bitwise
+    its decode steps and greedy speculation equals ar; the logits agree with the widened build's to rounding. On the
+    blocks (vdpbf16ps over pack_nk16's pairs) each output is its sum over k in input order, as the widened blocks'."""
     monkeypatch.setenv("POLYSPEC_BF16_ROWS", choice)
     ids = torch.randint(0, 512, (15,), generator=_gen(61))
     got, path = _with_portable_build(other_builds, monkeypatch, lambda: _packed_bf16_run(models["llama"], ids),
                                      kind="bf16-emulated")
     if not path.startswith("avx512-bf16"):
         pytest.skip(f"this CPU builds no vdpbf16ps rows, emulated or not (no AVX512-BW): {path}")
-    wide, steps, ar, spec, blocked = got
-    assert torch.equal(wide, steps) and spec == ar and blocked == (choice == "blocks")
+    wide, steps, ar, spec, rows, ordered = got
+    assert torch.equal(wide, steps) and spec == ar
     widened = _with_portable_build(other_builds, monkeypatch, lambda: _packed_bf16_run(models["llama"], ids))[0]
+    assert (wide - widened[0]).abs().max().item() < 0.02 * widened[0].abs().max().item()
+    assert all(torch.equal(r, ordered[:len(r)]) for r in widened[4])  # the widened blocks, on a bf16 input
     if choice == "blocks":
-        assert torch.equal(wide, widened[0]) and ar == widened[2]
-    else:
-        assert (wide - widened[0]).abs().max().item() < 0.02 * widened[0].abs().max().item()
+        assert all(torch.equal(r, ordered[:len(r)]) for r in rows)
 
 
 def test_the_bf16_rows_are_measured_once_per_library(other_builds, monkeypatch):

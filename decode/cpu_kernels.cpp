@@ -380,12 +380,12 @@ static void rows_wide(const float* xd, const uint16_t* w, const float* bias, int
 // ---------------------------------------------------------------------------------------------------------------
 // bf16 weights in 16-row blocks (pack_weights makes this copy of a packed model's bf16 weights, polyspec_pack_nk16):
 // [ceil(N / 16)][ceil(K / 2)][16] 32-bit words, lane i of (block b, pair p) = w[16b + i][2p] << 16 | w[16b + i][2p + 1]
-// (0 past N or K; word 2p in the high half, which vdpbf16ps takes first: rows_nk16_dp). A vector then holds 16 rows
-// at one k, so an output is a multiply-add per k into one lane: no lane sums, and each loaded (and widened) weight vector feeds every input of the pass, each input value broadcast once
-// per pair for all the block's rows. The row kernels above (rows_wide) read the weights row by row and end every
-// (row, input) in a lane sum; at 8 inputs on the Cascade Lake VM they ran at ~0.55 ns per 16-lane multiply-add
-// against ~0.25 peak, and 8 verified rows cost ~1.9x a decode step (docs/KERNELS.md, "Verifying rows without
-// AVX512-BF16").
+// (0 past N or K; word 2p in the high half, which vdpbf16ps takes first: rows_nk16_dp). A vector then holds 16 rows at
+// one k, so an output is a multiply-add per k into one lane: no lane sums, and each loaded (and widened) weight vector
+// feeds every input of the pass, each input value broadcast once per pair for all the block's rows. The row kernels
+// above (rows_wide) read the weights row by row and end every (row, input) in a lane sum; at 8 inputs on the Cascade
+// Lake VM they ran at ~0.55 ns per 16-lane multiply-add against ~0.25 peak, and 8 verified rows cost ~1.9x a decode
+// step (docs/KERNELS.md, "Verifying rows without AVX512-BF16").
 // Per (row, input) one fp32 accumulator takes k = 0, 1, 2, ... in order, the bias added last: the same sequence for
 // every pass size, M, vector width and build (batch-invariant, and bitwise the same in the 16- and 8-lane builds).
 // ---------------------------------------------------------------------------------------------------------------
@@ -469,9 +469,8 @@ static inline void nk16_dots(const float* xp, const uint32_t* wb, int64_t P, flo
 }
 
 // Rows nb..ne-1 of the blocked weight against the M prepared inputs: per NK_BLOCKS blocks, every pass (the blocks
-// are read from memory in the first pass, from L1/L2 in later ones), dots(G, blocks, m0, first block, out) computing
-// each; rows outside nb..ne-1 or past N are computed and dropped (a thread's slice of concatenated weights may start
-// mid-block).
+// are read from memory in the first pass, from L1/L2 in later ones), dots computing each; rows outside nb..ne-1 or
+// past N are computed and dropped (a thread's slice of concatenated weights may start mid-block).
 template <typename Dots>
 static void nk16_rows(const uint32_t* wb, const float* bias, int64_t M, int64_t K, int64_t N, int64_t nb, int64_t ne,
                       float* y, Dots&& dots) {
@@ -480,7 +479,12 @@ static void nk16_rows(const uint32_t* wb, const float* bias, int64_t M, int64_t 
     for (int64_t b = nb / 16; b < bend; b += NK_BLOCKS) {
         const int nbk = bend - b < NK_BLOCKS ? (int)(bend - b) : NK_BLOCKS;
         nk16_passes(M, [&](int64_t m0, int64_t g) {
-            by_pass<NK_PASS>(g, [&](auto G) { dots(G, nbk, m0, wb + b * P * 16, out); });
+            by_pass<NK_PASS>(g, [&](auto G) {  // dots(G, blocks, m0, first block, out), blocks a compile-time count
+                if (nbk == NK_BLOCKS)
+                    dots(G, std::integral_constant<int, NK_BLOCKS>{}, m0, wb + b * P * 16, out);
+                else
+                    dots(G, std::integral_constant<int, 1>{}, m0, wb + b * P * 16, out);
+            });
             const int64_t lo = b * 16 > nb ? b * 16 : nb, hi = (b + nbk) * 16 < ne ? (b + nbk) * 16 : ne;
             for (int64_t i = 0; i < g; i++)
                 for (int64_t n = lo; n < hi; n++)
@@ -493,12 +497,8 @@ static void nk16_rows(const uint32_t* wb, const float* bias, int64_t M, int64_t 
 static void rows_nk16(const float* xi, const uint32_t* wb, const float* bias, int64_t M, int64_t K, int64_t N,
                       int64_t nb, int64_t ne, float* y) {
     const int64_t P = (K + 1) / 2;
-    nk16_rows(wb, bias, M, K, N, nb, ne, y, [&](auto G, int nbk, int64_t m0, const uint32_t* w, float* out) {
-        constexpr int GV = decltype(G)::value;
-        if (nbk == NK_BLOCKS)
-            nk16_dots<NK_BLOCKS, GV>(xi + m0 * 2 * P, w, P, out);
-        else
-            nk16_dots<1, GV>(xi + m0 * 2 * P, w, P, out);
+    nk16_rows(wb, bias, M, K, N, nb, ne, y, [&](auto G, auto B, int64_t m0, const uint32_t* w, float* out) {
+        nk16_dots<decltype(B)::value, decltype(G)::value>(xi + m0 * 2 * P, w, P, out);
     });
 }
 
@@ -839,12 +839,8 @@ static inline void nk16_dots_dp(const uint32_t* xp, const uint32_t* wb, int64_t 
 static void rows_nk16_dp(const uint32_t* xe, const uint32_t* wb, const float* bias, int64_t M, int64_t K, int64_t N,
                          int64_t nb, int64_t ne, float* y) {
     const int64_t P = (K + 1) / 2;
-    nk16_rows(wb, bias, M, K, N, nb, ne, y, [&](auto G, int nbk, int64_t m0, const uint32_t* w, float* out) {
-        constexpr int GV = decltype(G)::value;
-        if (nbk == NK_BLOCKS)
-            nk16_dots_dp<NK_BLOCKS, GV>(xe + m0 * P, w, P, out);
-        else
-            nk16_dots_dp<1, GV>(xe + m0 * P, w, P, out);
+    nk16_rows(wb, bias, M, K, N, nb, ne, y, [&](auto G, auto B, int64_t m0, const uint32_t* w, float* out) {
+        nk16_dots_dp<decltype(B)::value, decltype(G)::value>(xe + m0 * P, w, P, out);
     });
 }
 #endif

@@ -272,11 +272,11 @@ def dot_path() -> str | None:
     return "fp32" if lanes == 16 else f"fp32/{lanes}-lane"
 
 
-# bf16 inputs on a vdpbf16ps build (cpu_kernels.cpp, g_bf16_dot): the dot rows, or the 16-row blocks on fp32 inputs.
-# Which is faster depends on the core: the dot rows halve the multiply instructions but end each (row, input) in a lane
-# sum and read the weights row by row. A Zen 4-class core, which issues 512-bit operations in halves, verified 5 rows
-# at 1.6-2.0x a decode step's time on them (issue 48); the blocks, on this build's half-width stand-in for such a core,
-# at 1.25-1.54x (docs/KERNELS.md). So the choice is measured, once per library and CPU, and kept beside the library.
+# bf16 inputs on a vdpbf16ps build (cpu_kernels.cpp, g_bf16_dot): the dot rows, or the 16-row blocks on vdpbf16ps
+# (rows_nk16_dp). The dot rows read the weights row by row and end each (row, input) in a lane sum; the blocks feed
+# each loaded weight vector to every input of a pass and need no sums. A Zen 4-class core, which issues 512-bit
+# operations in halves, verified 5 rows at 1.6-2.0x a decode step's time on the dot rows (issue 48); which is faster
+# depends on the core, so the choice is measured, once per library and CPU, and kept beside the library.
 
 BF16_ROWS_WIDTHS = (1, 2, 4, 8)  # the widths timed; the kind with the smaller sum of medians is chosen
 _BF16_ROWS_SHAPE = (4096, 2048)  # [N, K] of each timed weight: 6 of them, 96 MB, stream from memory as a model's do
@@ -353,8 +353,8 @@ def _choose_bf16_rows(lib: ctypes.CDLL) -> tuple[str, str] | None:
 
 
 def bf16_rows() -> str | None:
-    """What bf16 inputs take on this library: "dot" (the vdpbf16ps rows) or "blocks" (the 16-row blocks on fp32
-    inputs); None where the library has no vdpbf16ps rows (the blocks or widened rows then) or is not loaded."""
+    """What bf16 inputs take on this library: "dot" (the vdpbf16ps rows) or "blocks" (the 16-row blocks on
+    vdpbf16ps); None where the library has no vdpbf16ps rows (the widened blocks or rows then) or is not loaded."""
     if not _enabled or _load() is None:
         return None
     return None if _bf16_choice is None else _bf16_choice[0]
@@ -548,10 +548,12 @@ def rows_limit(start: int, tree: bool, blocked: bool = False) -> int:
 
 
 def blocked_layers(layers: list[torch.nn.Module]) -> bool:
-    """Whether every layer runs on the kernels with bf16 weights in 16-row blocks. Those take a prompt too, in
-    forwards of VERIFY_ROWS (model.CachedDecoder._run_layers): without AVX512-BF16 torch's bf16 GEMM widens the
-    weights at ~40 GFLOP/s, and a 288-token prompt ran 2.6x faster on the blocks (docs/KERNELS.md, "Batch
-    invariance")."""
+    """Whether every layer runs on the kernels with bf16 weights in 16-row blocks, on a build without AVX512-BF16.
+    Those take a prompt too, in forwards of VERIFY_ROWS (model.CachedDecoder._run_layers): there torch's bf16 GEMM
+    widens the weights at ~40 GFLOP/s, and a 288-token prompt ran 2.6x faster on the blocks (docs/KERNELS.md, "Batch
+    invariance"). With AVX512-BF16 torch's GEMM has the instruction too, so prompts stay on it."""
+    if not _ready() or _load() is None or _lib.polyspec_dot_path() != 0:
+        return False
     for layer in layers:
         plan = layer_plan(layer)
         if plan is None or not plan.blocked:
@@ -807,14 +809,14 @@ def _in_arena(t: torch.Tensor) -> bool:
 
 # bf16 weights' 16-row blocks (cpu_kernels.cpp, rows_nk16): a second copy of each packed bf16 matmul weight in the
 # layout the widened rows read fastest, [ceil(N / 16), ceil(K / 2), 16] 32-bit words. Made by pack_weights where the
-# build's bf16 rows are the widened ones (no AVX512-BF16), recorded on the weight's Parameter.
+# build's bf16 rows are the widened ones (no AVX512-BF16) or bf16_rows chose them, recorded on the weight's Parameter.
 
 _BLOCKS = "_polyspec_nk16"  # attribute on a weight: [blocks tensor, data_ptr, _version] at the time of packing
 
 
 def _blocks_wanted() -> bool:
-    """Blocks pay where the build widens bf16 weights (no AVX512-BF16); POLYSPEC_ROW_BLOCKS=0 saves their memory (a
-    second copy of the bf16 weights) at the widened rows' speed."""
+    """Blocks pay where the build widens bf16 weights (no AVX512-BF16) or bf16_rows chose them; POLYSPEC_ROW_BLOCKS=0
+    saves their memory (a second copy of the bf16 weights) at the rows' speed."""
     env = os.environ.get("POLYSPEC_ROW_BLOCKS", "1").strip().lower()
     if env not in ("0", "1"):
         raise PolyspecError(f"POLYSPEC_ROW_BLOCKS must be 0 or 1 (got {env!r}); unset it for the default (1)")
@@ -1020,11 +1022,11 @@ def pack_weights(model: torch.nn.Module, int8_inputs: bool = False) -> int:
     step reads one ascending stream of memory. Tensors already in an arena (a head sharing its target's lm_head) stay
     where they are. Values, shapes, dtypes, parameter identity and sharing are unchanged (each ``.data`` becomes a
     view of the block). Returns the bytes moved; 0 when the fast path is off or nothing is on the CPU. Where the
-    build widens bf16 weights, each bf16 Linear weight also gets its 16-row blocks (:func:`make_blocks`: the same
-    bytes again, POLYSPEC_ROW_BLOCKS=0 to go without). ``int8_inputs``: the model is a level below the target,
-    whose every token the levels above check, so where the build has AVX512-VNNI its Int4Linear layers get int8-input
-    blocks and its lm_head 8-bit codes (:func:`make_i4_blocks`, :func:`make_q8_lm_head`; POLYSPEC_INT4_A8=0 to go
-    without). A target never does: its distribution is the one a chain reproduces.
+    build widens bf16 weights or takes them on vdpbf16ps (:func:`bf16_rows`), each bf16 Linear weight also gets its
+    16-row blocks (:func:`make_blocks`: the same bytes again, POLYSPEC_ROW_BLOCKS=0 to go without). ``int8_inputs``:
+    the model is a level below the target, whose every token the levels above check, so where the build has
+    AVX512-VNNI its Int4Linear layers get int8-input blocks and its lm_head 8-bit codes (:func:`make_i4_blocks`,
+    :func:`make_q8_lm_head`; POLYSPEC_INT4_A8=0 to go without). A target never does: its distribution is the one a chain reproduces.
 
     For models loaded to decode (``load_chain``): a packed tensor's storage is the whole block, so save weights
     from the original files, not from a packed model.

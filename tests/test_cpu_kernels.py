@@ -918,6 +918,9 @@ def test_a_prompt_over_blocked_weights_takes_the_kernels_in_verification_blocks(
     model = Transformer.from_pretrained(d, dtype=torch.bfloat16).eval()
     bare = copy.deepcopy(model)
     assert ck.make_blocks([m.weight for m in model.modules() if type(m).__name__ == "Linear"], force=True) > 0
+    if (ck.dot_path() or "").startswith("avx512-bf16"):  # torch's bf16 GEMM has the instruction: prompts stay on it
+        assert not ck.blocked_layers(list(model.layers))
+        return
     assert ck.blocked_layers(list(model.layers)) and not ck.blocked_layers(list(bare.layers))
     widths: list[int] = []
     run = ck.run_layers

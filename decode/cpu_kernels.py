@@ -73,6 +73,16 @@ def _flags() -> list[str]:
     return _FLAGS + [locality] + extra
 
 
+def _setting(name: str, allowed: tuple[str, ...], default: str) -> str:
+    """Environment setting ``name``: one of ``allowed`` (unset or empty: ``default``); anything else is one clear
+    error."""
+    value = os.environ.get(name, default).strip().lower() or default
+    if value not in allowed:
+        listed = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+        raise PolyspecError(f"{name} must be {listed} (got {value!r}); unset it for the default ({default})")
+    return value
+
+
 def prefetch_locality() -> int:
     """The weight stream's prefetch hint (cpu_kernels.cpp, prefetch_ahead): 0 (non-temporal) on AMD, where it was
     measured best, 1 (prefetcht2) elsewhere: on an Intel Xeon non-temporal prefetches made the layers 2.6x slower.
@@ -284,11 +294,7 @@ _bf16_choice: tuple[str, str] | None = None  # ("dot" | "blocks", why), set when
 
 
 def _bf16_rows_env() -> str:
-    env = os.environ.get("POLYSPEC_BF16_ROWS", "auto").strip().lower() or "auto"
-    if env not in ("auto", "dot", "blocks"):
-        raise PolyspecError(f"POLYSPEC_BF16_ROWS must be auto, dot or blocks (got {env!r}); unset it to measure which "
-                            "is faster on this CPU (auto)")
-    return env
+    return _setting("POLYSPEC_BF16_ROWS", ("auto", "dot", "blocks"), "auto")  # auto: measured on this CPU
 
 
 def _time_bf16_rows(lib: ctypes.CDLL, repeats: int = 5) -> dict[str, list[float]]:
@@ -330,7 +336,7 @@ def _choose_bf16_rows(lib: ctypes.CDLL) -> tuple[str, str] | None:
     env = _bf16_rows_env()
     if env != "auto":
         return env, "POLYSPEC_BF16_ROWS"
-    if os.environ.get("POLYSPEC_ROW_BLOCKS", "1").strip() == "0":
+    if not _row_blocks_allowed():
         return "dot", "POLYSPEC_ROW_BLOCKS=0"
     path = library_path().with_suffix(".bf16-rows.json")
     try:
@@ -817,11 +823,13 @@ _BLOCKS = "_polyspec_nk16"  # attribute on a weight: [blocks tensor, data_ptr, _
 def _blocks_wanted() -> bool:
     """Blocks pay where the build widens bf16 weights (no AVX512-BF16) or bf16_rows chose them; POLYSPEC_ROW_BLOCKS=0
     saves their memory (a second copy of the bf16 weights) at the rows' speed."""
-    env = os.environ.get("POLYSPEC_ROW_BLOCKS", "1").strip().lower()
-    if env not in ("0", "1"):
-        raise PolyspecError(f"POLYSPEC_ROW_BLOCKS must be 0 or 1 (got {env!r}); unset it for the default (1)")
-    return env == "1" and _enabled and _load() is not None and (_lib.polyspec_dot_path() == 0
-                                                                  or bf16_rows() == "blocks")
+    if not _row_blocks_allowed() or not _enabled or _load() is None:
+        return False
+    return _lib.polyspec_dot_path() == 0 or bf16_rows() == "blocks"
+
+
+def _row_blocks_allowed() -> bool:
+    return _setting("POLYSPEC_ROW_BLOCKS", ("0", "1"), "1") == "1"
 
 
 def _block_words(w: torch.Tensor) -> int:
@@ -898,10 +906,9 @@ _I4_BLOCKS = "_polyspec_i4v"  # in an Int4Linear's __dict__: [blocks, qdata's da
 
 def _i4_blocks_wanted() -> bool:
     """Where the build has AVX512-VNNI; POLYSPEC_INT4_A8=0 keeps the int4 rows on fp32 inputs (W4A16) instead."""
-    env = os.environ.get("POLYSPEC_INT4_A8", "1").strip().lower()
-    if env not in ("0", "1"):
-        raise PolyspecError(f"POLYSPEC_INT4_A8 must be 0 or 1 (got {env!r}); unset it for the default (1)")
-    return env == "1" and _enabled and _load() is not None and _lib.polyspec_i4_vnni() == 1
+    if _setting("POLYSPEC_INT4_A8", ("0", "1"), "1") == "0":
+        return False
+    return _enabled and _load() is not None and _lib.polyspec_i4_vnni() == 1
 
 
 def _qv_words(n: int, k: int, group_size: int, bits: int) -> int:
@@ -1026,7 +1033,8 @@ def pack_weights(model: torch.nn.Module, int8_inputs: bool = False) -> int:
     16-row blocks (:func:`make_blocks`: the same bytes again, POLYSPEC_ROW_BLOCKS=0 to go without). ``int8_inputs``:
     the model is a level below the target, whose every token the levels above check, so where the build has
     AVX512-VNNI its Int4Linear layers get int8-input blocks and its lm_head 8-bit codes (:func:`make_i4_blocks`,
-    :func:`make_q8_lm_head`; POLYSPEC_INT4_A8=0 to go without). A target never does: its distribution is the one a chain reproduces.
+    :func:`make_q8_lm_head`; POLYSPEC_INT4_A8=0 to go without). A target never does: its distribution is the one a
+    chain reproduces.
 
     For models loaded to decode (``load_chain``): a packed tensor's storage is the whole block, so save weights
     from the original files, not from a packed model.

@@ -21,6 +21,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <type_traits>
 #include <vector>
 #ifdef _OPENMP
@@ -396,6 +397,7 @@ static constexpr int NK_PASS = 8;  // inputs per pass: 8 (16-lane: 2 blocks x 8 
 static constexpr int NK_PASS = 5;  // 16 registers: 1 block (2 vectors) x 5 inputs = 10 accumulators, 4 widened, 1 input
 #endif
 static constexpr int NK_BLOCKS = RL == 16 ? 2 : 1;  // 16-row blocks per call
+static constexpr int64_t SPLIT_ROWS = 32;  // the unit of rows the threads share out (share_rows): whole blocks
 
 static inline vr splat(float f) {
 #if defined(__AVX512F__) && !defined(POLYSPEC_HALF_WIDTH)
@@ -1159,8 +1161,32 @@ static inline int64_t group_size_of(const WF32&) { return 0; }
 static inline int64_t group_size_of(const WBF16&) { return 0; }
 static inline int64_t group_size_of(const WI4& w) { return w.gs; }
 
+// Rows 0..N-1 shared out among the threads in runs of SPLIT_ROWS: f(b, e) for each run taken. The runs shrink as the
+// work does (OpenMP's guided schedule): each take is what is left over twice the threads, so a thread slowed by a
+// busy neighbour on its core takes less instead of holding the other at the end. A row's arithmetic does not depend
+// on which thread computes it or with which neighbours, so results are bitwise those of a static split.
+template <typename F>
+static void share_rows(int64_t N, int threads, F&& f) {
+    const int64_t units = (N + SPLIT_ROWS - 1) / SPLIT_ROWS;
+    std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int nt = 1;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+#endif
+        for (;;) {
+            const int64_t left = units - next.load(std::memory_order_relaxed);
+            const int64_t take = left > 2 * nt ? left / (2 * nt) : 1;
+            const int64_t u = next.fetch_add(take, std::memory_order_relaxed);
+            if (u >= units) break;
+            f(u * SPLIT_ROWS, (u + take) * SPLIT_ROWS < N ? (u + take) * SPLIT_ROWS : N);
+        }
+    }
+}
+
 // Up to three weights side by side, y = [x w0^T | x w1^T | x w2^T] (+ biases), [M, n0 + n1 + n2] (q/k/v or gate/up in
-// one call). The concatenated rows are cut into one contiguous slice per thread, at multiples of 16 rows.
+// one call). The concatenated rows are shared out among the threads (share_rows).
 template <typename WT>
 static void run3(const float* x, const WT* ws, const float* const* bs, const int64_t* ns, int64_t M, int64_t K,
                  float* y, int threads) {
@@ -1199,22 +1225,14 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
     }
     if (threads < 1) threads = 1;
     if (N * M < 64 * threads) threads = 1;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const int64_t per = ((N + nt - 1) / nt + 15) / 16 * 16;
-        const int64_t b = t * per, e = b + per < N ? b + per : N;
+    share_rows(N, threads, [&](int64_t b, int64_t e) {  // rows b..e-1 of the three weights side by side
         int64_t off = 0;
         for (int s = 0; s < 3; s++) {
             const int64_t lo = b > off ? b - off : 0, hi = (e < off + ns[s] ? e : off + ns[s]) - off;
             if (lo < hi) rows_w(x, in, ws[s], bs[s], M, K, N, lo, hi, y + off);
             off += ns[s];
         }
-    }
+    });
 }
 
 template <typename WT>

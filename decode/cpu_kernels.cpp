@@ -1161,10 +1161,11 @@ static inline int64_t group_size_of(const WF32&) { return 0; }
 static inline int64_t group_size_of(const WBF16&) { return 0; }
 static inline int64_t group_size_of(const WI4& w) { return w.gs; }
 
-// Rows 0..N-1 shared out among the threads in runs of SPLIT_ROWS: f(b, e) for each run taken. The runs shrink as the
-// work does (OpenMP's guided schedule): each take is what is left over twice the threads, so a thread slowed by a
-// busy neighbour on its core takes less instead of holding the other at the end. A row's arithmetic does not depend
-// on which thread computes it or with which neighbours, so results are bitwise those of a static split.
+// Rows 0..N-1 shared out among the threads in runs of whole SPLIT_ROWS units: f(b, e) for each run taken. The runs
+// shrink as the work does: each take is what is left over twice the threads (over the threads, OpenMP's guided
+// schedule, measured slower on the Cascade Lake VM; over four times them too), so a thread slowed by a busy neighbour
+// takes less instead of holding the other at the end. A row's arithmetic does not depend on which thread computes
+// it or beside which rows, so results are bitwise those of any other split.
 template <typename F>
 static void share_rows(int64_t N, int threads, F&& f) {
     const int64_t units = (N + SPLIT_ROWS - 1) / SPLIT_ROWS;

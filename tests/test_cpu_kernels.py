@@ -211,15 +211,16 @@ def _in_input_order(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
 
 def test_16_row_blocks_sum_in_input_order_at_every_width_and_slice():
     """A bf16 weight's 16-row blocks: every output is its sum over k in input order (one fused multiply-add each),
-    whatever the width (passes of 8 and the rest), the thread count, or where a thread's slice of three weights side
-    by side starts (row counts that are not multiples of 16, an odd K); with fp32 inputs too."""
+    whatever the width (passes of 8 and the rest), the thread count (1-3: the threads' runs of rows), or where a run
+    over three weights side by side starts (row counts that are not multiples of 16, an odd K); with fp32 inputs
+    too."""
     g = _gen(81)
     ws = [_blocked(torch.randn(n, 37, generator=g).bfloat16()) for n in (100, 19, 50)]
     bs = [torch.randn(n, generator=g).bfloat16() for n in (100, 19, 50)]
     x = torch.randn(20, 37, generator=g).bfloat16()
     want = torch.cat([_in_input_order(x.float(), w, b.float()) for w, b in zip(ws, bs, strict=True)], -1)
     with torch.inference_mode():
-        for threads in (1, 2) if ck.bf16_rows() != "dot" else ():  # there bf16 inputs take vdpbf16ps rows
+        for threads in (1, 2, 3) if ck.bf16_rows() != "dot" else ():  # there bf16 inputs take vdpbf16ps rows
             torch.set_num_threads(threads)
             try:
                 for m in (1, 3, 8, 9, 20):

@@ -127,8 +127,13 @@ def verify_block(p: torch.Tensor, q: torch.Tensor, tokens: list[int] | torch.Ten
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [m, V] -> the hot index of each row's warp at T = 0 [m] (long): the first maximal index."""
-    return torch.argmax(logits.float(), dim=-1)
+    """logits [m, V] -> the hot index of each row's warp at T = 0 [m] (long): the first maximal index (a NaN counts
+    as the maximum, as in torch.argmax). On the CPU numpy's vectorised argmax finds it: torch's took 0.3 ms for 3
+    rows of SmolLM2's 49,152 logits on the Cascade Lake VM, paid every round, against 0.02 ms."""
+    x = logits.detach().float()
+    if x.device.type != "cpu" or x.dim() != 2:
+        return torch.argmax(x, dim=-1)
+    return torch.from_numpy(x.numpy().argmax(-1).astype("int64", copy=False))
 
 
 def greedy_verify(logits: torch.Tensor, tokens: list[int]) -> tuple[int, int]:

@@ -171,6 +171,22 @@ def test_verify_block_first_token_has_the_verifier_law_and_wrong_residual_does_n
     assert stat > chi2_critical(df, 1e-3)
 
 
+def test_argmax_rows_is_torch_argmax_on_ties_nans_and_infinities():
+    """argmax_rows (numpy's argmax on the CPU) returns exactly torch.argmax's indices: the first of equal maxima, the
+    first NaN, +inf over finite values, 0 for a row of -inf; for bf16 and fp32 rows, one row or many, and strided
+    views."""
+    from polyspec.decode.sampling import argmax_rows
+
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 5.0], [-inf] * 4, [1.0, inf, inf, 0.0],
+                         [2.0, nan, 7.0, nan], [-1.0, -1.0, -2.0, -1.0]])
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randint(0, 5, (7, 49152), generator=g).float()  # many ties among the maxima
+    for x in (rows, rows[:1], rows[::2], rows.bfloat16(), wide, wide[:, ::3], wide.bfloat16()):
+        got = argmax_rows(x)
+        assert got.dtype == torch.long and torch.equal(got, torch.argmax(x.float(), dim=-1)), x.shape
+
+
 def test_greedy_rows_and_verification_equal_the_one_hot_maths():
     """T = 0 without full-vocabulary rows: argmax_rows is warp's hot index (ties: the first), and greedy_verify
     returns what verify_block returns on the warped rows, for blocks accepted fully, partly and not at all."""

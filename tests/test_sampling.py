@@ -187,6 +187,22 @@ def test_argmax_rows_is_torch_argmax_on_ties_nans_and_infinities():
         assert got.dtype == torch.long and torch.equal(got, torch.argmax(x.float(), dim=-1)), x.shape
 
 
+def test_top_rows_are_torch_topk():
+    """top_rows (k argmax passes on the CPU up to k = 8, torch.topk past it) gives torch.topk's indices and values
+    where no values tie, largest first, k cut to the row's length; with ties, the same values."""
+    from polyspec.decode.sampling import top_rows
+
+    g = torch.Generator().manual_seed(5)
+    for f, v, k in ((1, 49152, 2), (3, 1000, 1), (2, 1000, 8), (2, 1000, 9), (2, 5, 7)):
+        q = torch.softmax(torch.randn(f, v, generator=g), dim=-1)
+        ids, vals = top_rows(q, k)
+        want = torch.topk(q, min(k, v))
+        assert ids == want.indices.tolist() and vals == want.values.double().tolist(), (f, v, k)
+    tied = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.1]])
+    ids, vals = top_rows(tied, 3)
+    assert vals == torch.topk(tied, 3).values.double().tolist() and sorted(ids[0][:2]) == [1, 2] and ids[0][2] == 3
+
+
 def test_greedy_rows_and_verification_equal_the_one_hot_maths():
     """T = 0 without full-vocabulary rows: argmax_rows is warp's hot index (ties: the first), and greedy_verify
     returns what verify_block returns on the warped rows, for blocks accepted fully, partly and not at all."""

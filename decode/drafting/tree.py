@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from polyspec.decode.drafting.lookup import proposed_block
-from polyspec.decode.sampling import argmax_rows, sample, sample_without_replacement, verify_candidates, warp
+from polyspec.decode.sampling import argmax_rows, sample, sample_without_replacement, top_rows, verify_candidates, warp
 from polyspec.decode.state import common_prefix
 
 
@@ -149,12 +149,11 @@ class _Drafting:
     def _expand(self, nodes: list[int], rows: torch.Tensor, depth: int) -> list[int]:
         """Children for each of ``nodes`` from its draft row (rows [F, V]); returns the new nodes."""
         st, k, new = self.st, self.shape.top_k, []
-        if st.greedy:  # one softmax, one top-k and one transfer for the whole forward
+        if st.greedy:  # one softmax and one top-k for the whole forward
             q = torch.softmax(rows.float(), dim=-1)  # [F, V]: at T = 0 the plain softmax ranks the candidates
-            top = torch.topk(q, min(k, q.shape[-1]))
-            tokens, probs = torch.stack([top.indices.double(), top.values.double()]).tolist()  # [2, F, k]
+            tokens, probs = top_rows(q, k)  # [F][k] each
             for r, node in enumerate(nodes):
-                new += self.tree.add(node, [int(x) for x in tokens[r]], probs[r], q[r], depth)
+                new += self.tree.add(node, tokens[r], probs[r], q[r], depth)
             return new
         for r, node in enumerate(nodes):
             q = warp(rows[r], st.sampling.temperature, st.sampling.top_p, st.sampling.top_k)  # [V]

@@ -146,11 +146,14 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def top_rows(q: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
     """The k largest entries of each row of q [F, V], largest first: (their indices, their values), as lists of F
-    rows (among equal values the order is not specified). On the CPU and for k <= 8 by k vectorised argmax passes
-    over a copy (torch.topk took 0.24 ms for one row of 49,152 on the Cascade Lake VM, paid every greedy tree step)."""
+    rows (among equal values the order is not specified). On the CPU, for k <= 8 and rows without -inf (a draft's
+    softmax), by k vectorised argmax passes over a copy: torch.topk took 0.24 ms for one row of 49,152 on the Cascade
+    Lake VM, paid every greedy tree step."""
     x = q.detach().float()
     k = min(k, x.shape[-1])
     xn = _host_array(x) if k <= 8 else None
+    if xn is not None and k > 1 and (xn == float("-inf")).any():
+        xn = None  # a pass could pick an index taken already (masking a -inf changes nothing)
     if xn is None:  # one transfer from an accelerator
         top = torch.topk(x, k)
         ids, vals = torch.stack([top.indices.double(), top.values.double()]).tolist()  # [2, F, k]

@@ -201,6 +201,10 @@ def test_top_rows_are_torch_topk():
     tied = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.1]])
     ids, vals = top_rows(tied, 3)
     assert vals == torch.topk(tied, 3).values.double().tolist() and sorted(ids[0][:2]) == [1, 2] and ids[0][2] == 3
+    inf = float("inf")
+    masked = torch.tensor([[-inf, 2.0, -inf, -inf], [-inf, -inf, -inf, -inf]])  # fewer finite entries than k
+    ids, vals = top_rows(masked, 3)
+    assert all(len(set(row)) == 3 for row in ids) and vals == torch.topk(masked, 3).values.double().tolist()
 
 
 def test_greedy_rows_and_verification_equal_the_one_hot_maths():

@@ -279,9 +279,11 @@ class StaticKVCache:
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, slack: int = 0):
         # ``slack`` spare slots past max_seq_len: the padding rows of a static step (polyspec.decode.cuda_graphs)
-        shape = (batch_size, kv_heads, max_seq_len + slack, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, batch_size, kv_heads, max_seq_len + slack, head_dim)
+        # one tensor per store, each layer's a view of it: a verified tree's path moves in one copy for all layers
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.length = 0
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size
@@ -621,10 +623,9 @@ class CachedDecoder(nn.Module):
         if same < n:
             moved = torch.tensor(src[same:], dtype=torch.long, device=cache.k[0].device)
             first = dst_start + same
-            for layer in range(len(cache.k)):
-                for store in (cache.k, cache.v):
-                    picked = store[layer].index_select(2, moved)  # [B, kv, n, D] (a copy: overlap is safe)
-                    store[layer][:, :, first:first + n - same] = picked
+            for store in (cache.k_all, cache.v_all):
+                picked = store.index_select(3, moved)  # [layers, B, kv, n, D] (a copy: overlap is safe)
+                store[:, :, :, first:first + n - same] = picked
         cache.length = dst_start + n
 
     def _positions(self, t: int, start: int, position_offsets: torch.Tensor | None,

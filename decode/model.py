@@ -283,7 +283,8 @@ class StaticKVCache:
         # one tensor per store, each layer's a view of it: a verified tree's path moves in one copy for all layers
         self.k_all = torch.zeros(shape, dtype=dtype, device=device)
         self.v_all = torch.zeros(shape, dtype=dtype, device=device)
-        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
+        self.k = [self.k_all[i] for i in range(num_layers)]  # single views (unbind's may not be written in grad mode)
+        self.v = [self.v_all[i] for i in range(num_layers)]
         self.length = 0
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from polyspec.errors import PolyspecError
 
-_ABI = 15
+_ABI = 16
 MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (rows_limit)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -202,6 +202,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.polyspec_set_bf16_dot.argtypes, lib.polyspec_set_bf16_dot.restype = [ctypes.c_int], None
     lib.polyspec_pack_nk16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.polyspec_pack_nk16.restype = None
+    lib.polyspec_round_bf16.argtypes, lib.polyspec_round_bf16.restype = [ctypes.c_void_p, ctypes.c_int64], None
     lib.polyspec_row_lanes.argtypes, lib.polyspec_row_lanes.restype = [], ctypes.c_int
     lib.polyspec_i4_vnni.argtypes, lib.polyspec_i4_vnni.restype = [], ctypes.c_int
     lib.polyspec_pack_i4v.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
@@ -391,11 +392,12 @@ def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) ->
 
 
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  *more: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+                  *more: tuple[torch.Tensor, torch.Tensor | None], fp32_out: bool = False) -> torch.Tensor:
     """The kernel's ``F.linear(x, weight, bias)``; with ``more`` (up to two further (weight, bias) pairs of the same
     in_features and dtype) the outputs side by side, ``torch.cat([F.linear(x, w, b) for ...], -1)``, in one call.
     The caller checked :func:`supports` (for every weight) and :func:`available`. Output dtype is x's (bf16 weights:
-    fp32 accumulation, rounded to bf16 once)."""
+    fp32 accumulation, rounded to bf16 once); ``fp32_out``: float32 instead, holding those same rounded values
+    (``.float()`` of the bf16 result, without its two copies: a bf16 model's logits)."""
     q8 = None if more or x.dtype != torch.float32 else q8_lm_head_of(weight)
     if q8 is not None:  # an int4 level's lm_head (make_q8_lm_head)
         return _q8_linear(x, q8, bias, weight.shape[0])
@@ -421,7 +423,12 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _lib.polyspec_linear3_f32(*args)
     else:  # a bf16 input (rounding it back to bf16 is exact) may take the vdpbf16ps rows
         _lib.polyspec_linear3_bf16w(*args, int(not fp32), *blks)
-    return y if fp32 else y.to(x.dtype)
+    if fp32:
+        return y
+    if fp32_out:
+        _lib.polyspec_round_bf16(y.data_ptr(), y.numel())
+        return y
+    return y.to(x.dtype)
 
 
 def fused_linears(x: torch.Tensor, linears: list[torch.nn.Module]) -> torch.Tensor | None:
@@ -447,15 +454,17 @@ def register_linear_class(cls: type) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           max_rows: int = MAX_ROWS) -> torch.Tensor:
+           max_rows: int = MAX_ROWS, fp32_out: bool = False) -> torch.Tensor:
     """``F.linear`` with the CPU kernel where it applies (see :func:`supports`); an fp32 input with bf16 weights gives
-    fp32 (the weights widened: on the torch path, a widened copy per call)."""
+    fp32 (the weights widened: on the torch path, a widened copy per call). ``fp32_out``: the result's ``.float()``
+    (from the kernel without the bf16 copy: :func:`kernel_linear`)."""
     if _ready() and supports(x, weight, max_rows) and _load() is not None:
-        return kernel_linear(x, weight, bias)
+        return kernel_linear(x, weight, bias, fp32_out=fp32_out)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
         bias = None if bias is None else bias.to(x.dtype)
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return y.float() if fp32_out else y
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ class EagleHead(CachedDecoder):
             x = x[:, -1:]
         if self.draft_ids is None or torch.is_grad_enabled():
             return self.lm_head(x).float(), x
-        return self._full_logits(cpu_kernels.linear(x, self._draft_lm_weight(), None).float()), x
+        return self._full_logits(cpu_kernels.linear(x, self._draft_lm_weight(), None, fp32_out=True)), x
 
     def _full_logits(self, sub: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] from the draft vocabulary's [..., Vd] (every other token -inf); without a draft

@@ -826,7 +826,7 @@ class Transformer(CachedDecoder):
         rows = hidden[:, min(logits_from, hidden.shape[1] - 1):] if logits_from > 0 else hidden
         head = self.lm_head
         if type(head) is Linear:
-            return cpu_kernels.linear(rows, head.weight, head.bias, max_rows).float(), hidden
+            return cpu_kernels.linear(rows, head.weight, head.bias, max_rows, fp32_out=True), hidden
         return head(rows).float(), hidden
 
     @classmethod

@@ -63,6 +63,40 @@ def test_three_weights_in_one_call_equal_three_calls():
     assert fused.shape == (1, 4, 160) and torch.equal(fused, apart)
 
 
+
+def test_fp32_out_is_the_bf16_result_widened_ties_infinities_and_nans_included():
+    g = _gen(5)
+    w = torch.randn(200, 64, generator=g).bfloat16()
+    b = torch.randn(200, generator=g).bfloat16()
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    with torch.inference_mode():
+        got = ck.kernel_linear(x, w, b, fp32_out=True)
+        assert got.dtype == torch.float32 and torch.equal(got, ck.kernel_linear(x, w, b).float())
+        big = torch.full((1, 64), 1e38).bfloat16()  # sums past fp32's range: +-inf
+        assert torch.equal(ck.linear(big, w.abs(), None, fp32_out=True), ck.linear(big, w.abs(), None).float())
+        assert ck.linear(big, w.abs(), None, fp32_out=True).isinf().all()
+        nan = x.clone()
+        nan[1, 3] = float("nan")
+        y = ck.linear(nan, w, b, fp32_out=True)
+        assert y[1].isnan().all() and torch.equal(y[0], got[0]) and torch.equal(y[2], got[2])
+    # every rounding case of the kernel's pass, against torch's own: ties to even both ways, carries into the
+    # exponent, subnormals, the largest finites, infinities and NaNs
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F7FFFFF, 0x00018000, 0x7F7FFFFF, 0xFF7F8000,
+                         0x7F800000, 0xFF800000, 0x7FC00001, 0xFFFFFFFF, 0x00000000, 0x80000000], dtype=torch.int64)
+    vals = bits.to(torch.int32).view(torch.float32).clone()
+    want = vals.bfloat16().float()
+    ck._lib.polyspec_round_bf16(vals.data_ptr(), vals.numel())
+    assert torch.equal(vals.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(vals[keep].view(torch.int32), want[keep].view(torch.int32))
+
+def test_fp32_out_on_the_torch_path(torch_path):
+    g = _gen(6)
+    w, x = torch.randn(40, 32, generator=g).bfloat16(), torch.randn(3, 32, generator=g).bfloat16()
+    y = ck.linear(x, w, None, fp32_out=True)
+    assert y.dtype == torch.float32 and torch.equal(y, F.linear(x, w).float())
+
+
 def test_linear_falls_back_where_the_kernel_does_not_apply():
     g = _gen(4)
     w = torch.randn(40, 32, generator=g, requires_grad=True)

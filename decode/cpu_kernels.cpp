@@ -620,6 +620,13 @@ static inline void block_dots_i4(const RowsInput& in, const uint8_t* q, const fl
 // were limited by. The input is rounded to bf16 once per call (x's 24 mantissa bits -> 8; the weights carry 4), so
 // this path agrees with the portable fp32 one to ~1e-3 relative, not bitwise. Per (m, n) the arithmetic is
 // independent of M (passes of up to 4 rows, each row on its own registers): batch-invariant like the rest.
+static inline uint16_t bf16_bits_rne(float f) {  // round to nearest even; not for NaNs
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 #if (defined(__AVX512BF16__) || defined(POLYSPEC_EMULATE_DPBF16)) && defined(__AVX512BW__) && \
     !defined(POLYSPEC_PORTABLE_ROWS)
 #define POLYSPEC_DPBF16 1
@@ -641,13 +648,6 @@ static inline __m512 dpbf16(__m512 acc, bh32 a, bh32 b) {
                            acc);
 }
 #endif
-
-static inline uint16_t bf16_bits_rne(float f) {  // finite inputs only (activations)
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 // x [M, K] -> xb [M, xb_row] bf16 bits: per group, per 128-code chunk, 4 vectors of 32 words, word j of vector s
 // holding x[k0 + 4j + s] (the code the kernel puts there), zero past the group's end; xs [M, ng] the group sums of
@@ -1725,10 +1725,7 @@ void polyspec_linear3_bf16w(const float* x, const uint16_t* w0, const uint16_t* 
 // logits (fresh pages every forward: ~0.13 ms a row on the 2-core VMs).
 void polyspec_round_bf16(float* y, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, y + i, sizeof(u));
-        const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-        const uint32_t r = nan ? 0x7fc00000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        const uint32_t r = y[i] != y[i] ? 0x7fc00000u : (uint32_t)bf16_bits_rne(y[i]) << 16;
         memcpy(y + i, &r, sizeof(r));
     }
 }

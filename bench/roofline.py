@@ -6,7 +6,7 @@ the embedding matrix, read whole), while the embedding lookup reads one row of i
 matrix-vector product over a weight far larger than the caches (bf16 on a GPU; on the CPU the dtype and kernel
 ``model.Linear`` takes there), weight bytes per second, median of repeats. A plain reduction and a copy are reported
 beside it for reference; the reduction (fp32 ``sum``) reads slower than a GEMV on a GPU (3.55 against 4.06 TB/s on an
-H200, docs/BENCHMARKS.md), so a roofline from it would be too easy to reach.
+H200, docs/GPU_RESULTS.md), so a roofline from it would be too easy to reach.
 ``polyspec bench --roofline`` and ``polyspec shape-bench`` report the target's roofline and the fraction ``ar`` reaches.
 """
 

@@ -2,7 +2,7 @@
 
 Why: a batch-1 verification is memory-bound, so an int4 layer can take a quarter of the bf16 layer's time (the
 paper's 0.318) only if its kernel streams the codes at close to full bandwidth; torch's int4 kernel (tinygemm) made a
-Llama-2-7B-shaped int4 model *slower* than bf16 on an H200 (docs/BENCHMARKS.md). At ~4.8 TB/s an H200 SM receives
+Llama-2-7B-shaped int4 model *slower* than bf16 on an H200 (docs/GPU_RESULTS.md). At ~4.8 TB/s an H200 SM receives
 ~37 weights per cycle and issues 4 warp instructions per cycle, so the whole per-weight budget is ~3.5 warp
 instructions per 32 weights; the dequantisation must cost a fraction of that.
 

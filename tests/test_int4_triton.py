@@ -218,7 +218,10 @@ def test_cuda_int4_layer_on_the_triton_kernel(n, k, g, m, monkeypatch):
     ref = x.double() @ dequantize(q, s, z, g).cuda().double().t() + bias.cuda().double()
     y = layer(x)
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
-    assert ((y.double() - ref).abs() - 2 ** -7 * ref.abs()).max() < 2 ** -10 * ref.abs().max()  # bf16 output
+    if m <= 64:
+        assert ((y.double() - ref).abs() - 2 ** -7 * ref.abs()).max() < 2 ** -10 * ref.abs().max()  # bf16 output
+    else:  # torch's kernel: bf16 scales and zero points, each weight dequantized in bf16 (~2e-3 relative here)
+        assert (y.double() - ref).norm() < 1e-2 * ref.norm()
     assert torch.equal(layer(x), y)  # deterministic, split K included
     assert not any(t.locks.any() for t in layer._triton.values())
     monkeypatch.setenv("POLYSPEC_INT4_TRITON", "0")

@@ -302,7 +302,7 @@ def test_logit_stats_known_values():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_logit_stats_takes_cpu_targets_beside_gpu_logits():
     # quality() builds the token ids on the CPU while the models (and their logits) sit on the GPU: the first GPU
-    # run of the quantize stage stopped here (docs/BENCHMARKS.md, "GPU, first lease")
+    # run of the quantize stage stopped here (docs/GPU_RESULTS.md, "GPU, first lease")
     from polyspec.quantize.report import logit_stats
 
     gen = torch.Generator().manual_seed(0)

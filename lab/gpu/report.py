@@ -1,5 +1,5 @@
 """``python lab/gpu/report.py OUT``: the GPU check's results in a few lines (the last lines of a call's output, and
-what docs/GPU.md says to record in docs/BENCHMARKS.md). Reads whatever step JSONs are in OUT; stdlib only.
+what docs/GPU.md says to record in docs/GPU_RESULTS.md). Reads whatever step JSONs are in OUT; stdlib only.
 """
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ def lines(out: Path) -> list[str]:
         v = env["versions"]
         rows.append(f"device: {v.get('gpu') or 'cpu'}; torch {v.get('torch')} (CUDA {v.get('torch_cuda')}), "
                     f"triton {v.get('triton')}")
-    a = load(out, "a_tests")
-    if a is not None:
-        rows.append(f"a tests [{status(a)}]: {a.get('counts', {})}"
-                    + "".join(f"\n  FAILED {f['test']}: {f['message'][:160]}" for f in a.get("failed", [])))
+    rows += tests_line(out, "a_tests", "a")
     b = load(out, "b_kernel_ab")
     if b is not None:
         rows.append(f"b kernel A/B [{status(b)}]: time / bf16 (GB/s) by shape, rows")
@@ -67,7 +64,15 @@ def lines(out: Path) -> list[str]:
         r = load(out, name)
         if r is not None:
             rows.append(f"{name} [{status(r)}]" + bench_line(r))
-    return rows
+    return rows + tests_line(out, "h_tests", "h")
+
+
+def tests_line(out: Path, name: str, letter: str) -> list[str]:
+    t = load(out, name)
+    if t is None:
+        return []
+    return [f"{letter} tests [{status(t)}]: {t.get('counts', {})}"
+            + "".join(f"\n  FAILED {f['test']}: {f['message'][:160]}" for f in t.get("failed", []))]
 
 
 def bench_line(r: dict[str, Any]) -> str:

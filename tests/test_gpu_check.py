@@ -51,7 +51,10 @@ def test_the_dry_run_writes_every_json_with_the_keys_the_docs_name(tmp_path):
             assert set(report["check"]) == CHECK and report["check"]["rc"] == 0, (name, report.get("log_tail"))
             assert KEYS[call][name] <= set(report), (name, KEYS[call][name] - set(report))
     proj = json.loads((tmp_path / "call1" / "d_projection.json").read_text())
-    assert proj["replay"]["chain"]["follows_script"] and proj["replay"]["ar"]["follows_script"]
+    chain = proj["replay"]["chain"]
+    assert chain["follows_script"] and proj["replay"]["ar"]["follows_script"]
+    assert chain["passes_ms_per_token"] > 0
+    assert chain["passes_ms_per_token"] + chain["host_ms_per_token"] == pytest.approx(chain["ms_per_token"])
     fp32 = json.loads((tmp_path / "call2" / "f_bench_fp32.json").read_text())
     assert fp32["mismatches"] == [] and set(fp32["overall"]) == {"ar", "default"}
 

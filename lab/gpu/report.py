@@ -60,6 +60,9 @@ def lines(out: Path) -> list[str]:
             rows.append(f"  replay: L {', '.join(f'{x:.2f}' for x in ch['L_measured'])}: measured "
                         f"{ch['speedup_vs_ar_measured']:.2f}x, Lemma 3.1 {ch['speedup_vs_ar_lemma']:.2f}x, measured / "
                         f"lemma {ch['measured_over_lemma']:.3f}, follows the script {ch['follows_script']}")
+            if "host_ms_per_token" in ch:
+                rows.append(f"  replay per token: the decoder's passes {ch['passes_ms_per_token']:.3f} ms, the host "
+                            f"{ch['host_ms_per_token']:.3f} ms, Lemma 3.1 {ch['lemma_ms_per_token']:.3f} ms")
     for name in ("e_assemble", "f_bench_fp32", "g_bench_bf16"):
         r = load(out, name)
         if r is not None:

@@ -195,7 +195,10 @@ class StaticRunner:
         self._layers_ok = None
 
     def _sync_cache(self, cache: Any) -> None:
-        key = (cache.k[0].data_ptr(), cache.k[0].shape, cache.k[0].dtype)
+        # what a captured step reads by address: the cache, and a draft vocabulary's lm_head rows (the head caches
+        # them; a new vocabulary or a move rebuilds them)
+        rows = self.model._draft_lm_weight() if getattr(self.model, "draft_ids", None) is not None else None
+        key = (cache.k[0].data_ptr(), cache.k[0].shape, cache.k[0].dtype, None if rows is None else rows.data_ptr())
         if key == self._cache_key:
             return
         self.invalidate()
@@ -344,7 +347,8 @@ def static_step(model: nn.Module, ids: torch.Tensor, feats: torch.Tensor | None,
 
 
 def _out_traceable(model: nn.Module) -> bool:
-    """Whether ``model._out`` compiles: a head with a draft vocabulary caches its lm_head rows by address (eager)."""
+    """Whether the compiled step includes ``model._out``: a head with a draft vocabulary runs it eagerly, so the
+    compiled code never depends on the rows the head caches."""
     return getattr(model, "draft_ids", None) is None
 
 

@@ -28,8 +28,8 @@ branch). The uniforms come from a counter hash of (seed, round, stream, index) (
 every device and in eager and compiled code, and no generator object inside the graph.
 
 What it supports (:func:`unsupported` says why not, and the decoder then keeps decode/chain.py's path): two levels,
-a polyspec Transformer target and a draft from a Transformer or an EAGLE-1/2 head (no draft vocabulary, no EAGLE-3
-auxiliary layers): linear blocks of k <= MAX_K tokens, or an EAGLE-2 tree at T = 0 (decode/device_tree.py; at T > 0
+a polyspec Transformer target and a draft from a Transformer or an EAGLE-1/2 head (a draft vocabulary included; no
+EAGLE-3 auxiliary layers): linear blocks of k <= MAX_K tokens, or an EAGLE-2 tree at T = 0 (decode/device_tree.py; at T > 0
 a tree takes the host path); no prompt lookup, batch 1, every layer within the static step's declared support
 (decode.step_attention.SUPPORT); an EAGLE head needs a prompt of two tokens or more. Not yet: an int4 middle level
 (three levels), the tree at T > 0, prompt lookup (it searches the token history on the host).
@@ -138,7 +138,6 @@ class _Level:
         self.rows = {w: torch.arange(w, device=dev) for w in widths}
         self.causal = {w: torch.ones(w, w, dtype=torch.int32, device=dev).tril() for w in widths}
         self.dtype = cache.k[0].dtype
-        self.key = cache.k[0].data_ptr()
 
     def forward(self, ids: torch.Tensor, feats: torch.Tensor | None,
                 first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,8 +197,6 @@ def unsupported(levels: list[Any], draft: Any) -> str | None:
     for m in models:
         if not all(hasattr(m, a) for a in ("_embed", "_out", "_layers", "inv_freq", "_cache")):
             return f"{type(m).__name__} is not a polyspec Transformer or EagleHead"
-        if getattr(m, "draft_ids", None) is not None:
-            return "a head with a draft vocabulary is not supported"
         if not all(getattr(layer, "features", SUPPORT) <= SUPPORT for layer in m._layers()):
             return "a layer has features the static step does not declare"
     if len({next(m.parameters()).device for m in models}) != 1:
@@ -214,6 +211,7 @@ class DeviceRound:
     def __init__(self, target: Any, draft: Any, *, head: bool, k: int):
         self.target, self.draft, self.head, self.k = target, draft, head, k
         self.levels: tuple[_Level, _Level] | None = None
+        self._key: tuple | None = None  # the addresses the levels and a captured round were built on (start)
         self.state: RoundState | None = None
         self.sampling = (0.0, 1.0, 0)
         self.graphs: bool | None = None  # capture the round as a CUDA graph (None: on CUDA)
@@ -244,11 +242,16 @@ class DeviceRound:
         """A generation's state after the prefill: ``seq`` the prompt, ``feat`` the target's hidden state at its
         second-last position (a head's feature; None for a model draft)."""
         dev, k = self.device, self.k
-        key = (self.target._cache.k[0].data_ptr(), self.draft._cache.k[0].data_ptr())
-        if self.levels is None or (self.levels[0].key, self.levels[1].key) != key:
+        # what a captured round reads by address: the caches, and a draft vocabulary's lm_head rows (cached by the
+        # head; the eager call here also fills that cache before anything is compiled)
+        rows = self.draft._draft_lm_weight() if getattr(self.draft, "draft_ids", None) is not None else None
+        key = (self.target._cache.k[0].data_ptr(), self.draft._cache.k[0].data_ptr(),
+               None if rows is None else rows.data_ptr())
+        if self.levels is None or self._key != key:
             widths = self.widths()
             self.levels = (_Level(self.target, False, widths), _Level(self.draft, self.head, widths))
             self._graph = self._fn = None
+            self._key = key
         new = (float(sampling.temperature), float(sampling.top_p), int(sampling.top_k))
         if new != self.sampling:
             self._graph = self._fn = None

@@ -143,7 +143,11 @@ class EagleHead(CachedDecoder):
         self.draft_ids = top_token_ids(self.token_counts, size).to(self.inv_freq.device)
 
     def _draft_lm_weight(self) -> torch.Tensor:
-        """The lm_head rows of the draft vocabulary [Vd, H], contiguous (cached; dropped when anything moves)."""
+        """The lm_head rows of the draft vocabulary [Vd, H], contiguous (cached; dropped when anything moves). Under
+        torch.compile the rows an eager call cached (a compiled round or step runs one first): the cache's key reads
+        addresses, which a graph cannot, and a captured graph reads the rows where they were at capture anyway."""
+        if torch.compiler.is_compiling():
+            return self._draft_weight[1]
         w = self.lm_head.weight
         key = (w.data_ptr(), w.device, w.dtype, self.draft_ids.data_ptr())
         cached = self.__dict__.get("_draft_weight")

@@ -209,6 +209,29 @@ def test_cache_is_reused_and_invalidated(models):
     assert cuda_graphs.runner_of(copy.deepcopy(twin)) is None
 
 
+def test_a_new_draft_vocabulary_rebuilds_what_the_steps_read(models):
+    """A head's draft-vocabulary rows are read by address by a captured step: a new vocabulary re-syncs the runner,
+    and the step's logits follow it (finite exactly on the kept tokens, equal to the module path's)."""
+    v = models["target"].args.vocab_size
+    twin, runner = _twin(models["head"])
+    twin.embed_tokens, twin.lm_head = models["target"].embed_tokens, models["target"].lm_head
+    twin.token_counts = torch.randint(0, 100, (v,), generator=torch.Generator().manual_seed(3))
+    ref = copy.deepcopy(twin)
+    cuda_graphs.disable(ref)
+    ids, feats = torch.tensor([3, 9]), torch.randn(2, twin.args.hidden_size)
+    key = None
+    for size in (64, 32):
+        for m in (twin, ref):
+            m.set_draft_vocab(size)
+            m.setup_cache(16)
+        logits, _ = _call(twin, ids, feats)
+        assert runner._cache_key != key and runner._buckets
+        key = runner._cache_key
+        assert torch.equal(torch.isfinite(logits).nonzero()[:, -1].unique(), twin.draft_ids.sort().values)
+        _same((logits.masked_fill(~torch.isfinite(logits), 0),),
+              (_call(ref, ids, feats)[0].masked_fill(~torch.isfinite(logits), 0),))
+
+
 def test_ordinary_path_for_training_batches_and_wide_blocks(models):
     twin, runner = _twin(models["target"])
     twin.setup_cache(64, batch_size=2)

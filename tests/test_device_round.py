@@ -30,7 +30,8 @@ T09 = SamplingParams(temperature=0.9, top_p=0.95)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """The tiny random Llama target, a second one, its RTN int4 copy, a copy of itself and a random EagleHead."""
+    """The tiny random Llama target, a second one, its RTN int4 copy, a copy of itself, a random EagleHead and one
+    with a draft vocabulary of 64 tokens."""
     from conftest import make_tiny_llama
 
     from polyspec.decode.head import EagleHead
@@ -42,13 +43,22 @@ def models(tmp_path_factory):
     torch.manual_seed(0)
     head = EagleHead(target.args, target.embed_tokens, target.lm_head).eval()
     return {"target": target, "other": other, "twin": copy.deepcopy(target), "head": head,
+            "head_vocab": _with_draft_vocab(copy.deepcopy(head), target, 64),
             "int4": quantize_model_rtn(Transformer.from_pretrained(root / "t").eval(), group_size=128)}
+
+
+def _with_draft_vocab(head, target: Transformer, size: int):
+    """``head`` on ``target``'s embedding and lm_head, its logits over ``size`` tokens of random training counts."""
+    head.embed_tokens, head.lm_head = target.embed_tokens, target.lm_head
+    head.token_counts = torch.randint(0, 100, (target.args.vocab_size,), generator=torch.Generator().manual_seed(1))
+    head.set_draft_vocab(size)
+    return head
 
 
 def _dual(models, draft: str, k: int, device: bool | None = True, max_seq_len: int = 64,
           tree: DraftSpec | None = None) -> ChainDecoder:
     m = models[draft]
-    bottom = HeadLevel(m, "head") if draft == "head" else ModelLevel(m, draft)
+    bottom = HeadLevel(m, "head") if draft.startswith("head") else ModelLevel(m, draft)
     return ChainDecoder([ModelLevel(models["target"], "t"), bottom], draft=tree or DraftSpec(k=k),
                         max_seq_len=max_seq_len, device_round=device)
 
@@ -74,7 +84,7 @@ def _check_caches(models, draft: str, seq: list[int]) -> None:
     n = d.cache_len
     assert 0 < n < len(seq)
     with torch.inference_mode():
-        if draft == "head":  # head slot j holds (x_{j+1}, f_j)
+        if draft.startswith("head"):  # head slot j holds (x_{j+1}, f_j)
             fresh(torch.tensor(seq[1:n + 1]), hidden[:n])
         else:
             fresh(torch.tensor(seq[:n]))
@@ -84,7 +94,7 @@ def _check_caches(models, draft: str, seq: list[int]) -> None:
 # -- greedy: the tokens of ar and of the host path ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("draft", ["other", "twin", "int4", "head"])
+@pytest.mark.parametrize("draft", ["other", "twin", "int4", "head", "head_vocab"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_device_round_equals_ar_and_the_host_path(models, draft, k):
     ar = ChainDecoder([ModelLevel(models["target"], "t")], max_seq_len=64).generate(PROMPT, 20).token_ids
@@ -96,10 +106,12 @@ def test_greedy_device_round_equals_ar_and_the_host_path(models, draft, k):
     host = _dual(models, draft, k, device=False).generate(PROMPT, 20)
     assert host.token_ids == ar
     lens = r.level_stats[0].accept_lengths
-    if draft != "head":  # the same draft computations: the same accepted counts (the head reads other features)
+    if not draft.startswith("head"):  # the same draft computations: the same accepted counts (a head reads other
+        # features)
         assert lens == host.level_stats[0].accept_lengths
     assert r.level_stats[0].forward_passes == len(lens) and r.level_stats[1].forward_passes == k * len(lens)
-    assert sum(lens) == 20 and (max(lens) == k + 1 if draft == "twin" else max(lens) < k + 1 or draft == "int4")
+    assert sum(lens) == 20 and max(lens) <= k + 1
+    assert max(lens) == k + 1 if draft == "twin" else max(lens) < k + 1 or draft in ("int4", "head_vocab")
     assert r.stats["beta"] == k and r.stats["device_round"] and not host.stats["device_round"]
 
 
@@ -125,7 +137,7 @@ def test_a_head_with_a_one_token_prompt_takes_the_host_path(models):
     assert r.token_ids == ar and not calls and not r.stats["device_round"]
 
 
-@pytest.mark.parametrize("draft", ["other", "twin", "int4", "head"])
+@pytest.mark.parametrize("draft", ["other", "twin", "int4", "head", "head_vocab"])
 @pytest.mark.parametrize("shape", [(3, 4, 10), (2, 3, 6)], ids=["3x4x10", "2x3x6"])
 def test_greedy_device_tree_equals_ar(models, draft, shape):
     """A draft tree on the device (decode/device_tree.py): the tokens of ar, the caches as a fresh forward leaves
@@ -240,9 +252,11 @@ def test_the_counter_sees_a_host_read(monkeypatch, models):
 
 @pytest.mark.parametrize("draft, sp, backend, tree", [
     ("head", T09, "aot_eager", None), ("other", SamplingParams(), "aot_eager", None),
+    ("head_vocab", T09, "aot_eager", None),
     pytest.param("head", SamplingParams(), "aot_eager", TREE, marks=pytest.mark.slow),
     pytest.param("head", T09, "inductor", None, marks=pytest.mark.slow),
-], ids=["head-T0.9", "model-T0", "head-tree-T0", "head-T0.9-inductor"])
+    pytest.param("head_vocab", SamplingParams(), "inductor", TREE, marks=pytest.mark.slow),
+], ids=["head-T0.9", "model-T0", "head-vocab-T0.9", "head-tree-T0", "head-T0.9-inductor", "head-vocab-tree-T0-inductor"])
 def test_the_round_compiles_with_fullgraph_and_equals_the_eager_round(models, draft, sp, backend, tree):
     """torch.compile(fullgraph=True) of the round (dynamo captures all of it: no data-dependent Python control flow,
     no host read in it) gives the eager round's tokens, round for round, and the same state. aot_eager traces and
@@ -252,8 +266,8 @@ def test_the_round_compiles_with_fullgraph_and_equals_the_eager_round(models, dr
     pairs = []
     for _ in range(2):
         ms = {name: copy.deepcopy(models[name]) for name in ("target", draft)}
-        if draft == "head":
-            ms["head"].embed_tokens, ms["head"].lm_head = ms["target"].embed_tokens, ms["target"].lm_head
+        if draft.startswith("head"):
+            ms[draft].embed_tokens, ms[draft].lm_head = ms["target"].embed_tokens, ms["target"].lm_head
         pairs.append(_dual(ms, draft, 3, tree=tree))
     eager, compiled = pairs
     rnd = compiled.device_round
@@ -300,6 +314,7 @@ def small():
             out[name].lm_head.weight.mul_(4.0)  # peaked enough to be unlike the draft, no zero cell
     torch.manual_seed(2)
     out["head"] = EagleHead(args, out["target"].embed_tokens, out["target"].lm_head).eval()
+    out["head_vocab"] = _with_draft_vocab(copy.deepcopy(out["head"]), out["target"], 2)  # half the tokens: q = 0
     return out
 
 
@@ -338,9 +353,10 @@ def _chi2(dec: ChainDecoder, target: Transformer, prompt: list[int], sp: Samplin
 
 
 @pytest.mark.parametrize("draft, sp", [("other", SamplingParams(temperature=1.0)),
+                                       ("head_vocab", SamplingParams(temperature=1.0)),
                                        pytest.param("head", SamplingParams(temperature=0.8, top_p=0.85, top_k=3),
                                                     marks=pytest.mark.slow)],
-                         ids=["model-T1", "head-T0.8-top"])
+                         ids=["model-T1", "head-vocab-T1", "head-T0.8-top"])
 def test_output_distribution_is_the_warped_target(small, draft, sp):
     dec = _dual(small, draft, 2, max_seq_len=16)
     assert dec.device_round is not None
@@ -405,15 +421,13 @@ class _FakeGraph:
         self.rnd._out.copy_(self.rnd._fn())
 
 
-def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monkeypatch):
-    """The graph path on the CPU (first round eager, then warm-up, one capture with the state restored, replays;
-    a second generation with the same sampling replays the same graph, new sampling captures anew), with torch.cuda's
-    graph API replaced by a fake that re-runs the round on replay: the tokens of ar and of the eager round."""
+class _Stream:
+    def wait_stream(self, other):
+        pass
 
-    class _Stream:
-        def wait_stream(self, other):
-            pass
 
+def _fake_cuda(monkeypatch) -> None:
+    """torch.cuda's stream and graph API replaced by fakes (_FakeGraph)."""
     ctx = type("Ctx", (), {"__init__": lambda self, *a: None, "__enter__": lambda self: self,
                            "__exit__": lambda self, *e: False})
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
@@ -421,6 +435,13 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
     monkeypatch.setattr(torch.cuda, "stream", ctx)
     monkeypatch.setattr(torch.cuda, "graph", ctx)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+
+
+def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monkeypatch):
+    """The graph path on the CPU (first round eager, then warm-up, one capture with the state restored, replays;
+    a second generation with the same sampling replays the same graph, new sampling captures anew), with torch.cuda's
+    graph API replaced by a fake that re-runs the round on replay: the tokens of ar and of the eager round."""
+    _fake_cuda(monkeypatch)
     ar = ChainDecoder([ModelLevel(models["target"], "t")], max_seq_len=64).generate(PROMPT, 20).token_ids
     dec = _dual(models, "int4", 3)
     eager = _dual(models, "int4", 3).generate(PROMPT, 20, T09, seed=2).token_ids
@@ -435,19 +456,37 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
     assert dec.generate(PROMPT, 20, T09, seed=2).token_ids == eager and _FakeGraph.captures == 2
 
 
+def test_a_new_draft_vocabulary_captures_the_round_anew(models, monkeypatch):
+    """A captured round reads the head's draft-vocabulary rows by address: the same vocabulary replays the same
+    graph, a new one (new rows) captures anew; the tokens of ar throughout."""
+    _fake_cuda(monkeypatch)
+    ms = {"target": models["target"], "head_vocab": copy.deepcopy(models["head_vocab"])}
+    ms["head_vocab"].embed_tokens, ms["head_vocab"].lm_head = ms["target"].embed_tokens, ms["target"].lm_head
+    ar = ChainDecoder([ModelLevel(ms["target"], "t")], max_seq_len=64).generate(PROMPT, 20).token_ids
+    dec = _dual(ms, "head_vocab", 3)
+    rnd = dec.device_round
+    rnd.graphs, _FakeGraph.rnd = True, rnd
+    _FakeGraph.captures = 0
+    assert dec.generate(PROMPT, 20).token_ids == ar and dec.generate(PROMPT, 20).token_ids == ar
+    assert _FakeGraph.captures == 1
+    ms["head_vocab"].set_draft_vocab(32)
+    assert dec.generate(PROMPT, 20).token_ids == ar and _FakeGraph.captures == 2
+
+
 # -- CUDA: compiled, captured, replayed --------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("draft, tree", [("other", None), ("head", None), ("head", TREE), ("twin", TREE)],
-                         ids=["model", "head", "head-tree", "twin-tree"])
+@pytest.mark.parametrize("draft, tree", [("other", None), ("head", None), ("head", TREE), ("twin", TREE),
+                                         ("head_vocab", TREE)],
+                         ids=["model", "head", "head-tree", "twin-tree", "head-vocab-tree"])
 def test_cuda_round_is_one_graph_and_equals_ar(models, draft, tree, monkeypatch):
     """On CUDA (fp32) the default decoder takes the device round: one captured graph replayed every round after the
     first, one host read a round, the tokens of ar; a second generation replays the same graph."""
     ms = {n: copy.deepcopy(models[n]).cuda() for n in ("target", draft)}
-    if draft == "head":
-        ms["head"].embed_tokens, ms["head"].lm_head = ms["target"].embed_tokens, ms["target"].lm_head
+    if draft.startswith("head"):
+        ms[draft].embed_tokens, ms[draft].lm_head = ms["target"].embed_tokens, ms["target"].lm_head
     ar = ChainDecoder([ModelLevel(ms["target"], "t")], max_seq_len=64).generate(PROMPT, 24).token_ids
     dec = _dual(ms, draft, 4, device=None, tree=tree)
     rnd = dec.device_round

@@ -178,10 +178,18 @@ def _device_round(levels: list[Level], draft: DraftSpec | None, force: bool | No
             raise PolyspecError(f"device_round=True, but the device round cannot run this chain: {reason}")
         return None
     bottom = levels[-1]
-    models = levels[0].model, getattr(bottom, "model", getattr(bottom, "head", None))
-    if draft.tree is not None:
-        return TreeRound(*models, head=bottom.needs_features, shape=draft.tree)
-    return DeviceRound(*models, head=bottom.needs_features, k=draft.k)
+    target, low = levels[0].model, getattr(bottom, "model", getattr(bottom, "head", None))
+    # kept on the target between decoders (one a generation in bench and serve): its compiled code and captured graph
+    # serve every generation, DeviceRound.start re-syncing what changed
+    tree = draft.tree
+    key = (id(low), bottom.needs_features, draft.k if tree is None else (tree.top_k, tree.depth, tree.total_tokens))
+    kept = target.__dict__.setdefault("_device_rounds", {})
+    rnd = kept.get(key)
+    if rnd is None or rnd.draft is not low:
+        rnd = TreeRound(target, low, head=bottom.needs_features, shape=tree) if tree is not None else \
+            DeviceRound(target, low, head=bottom.needs_features, k=draft.k)
+        kept[key] = rnd
+    return rnd
 
 
 def _check_levels(levels: list[Level]) -> None:

@@ -195,10 +195,11 @@ class StaticRunner:
         self._layers_ok = None
 
     def _sync_cache(self, cache: Any) -> None:
-        # what a captured step reads by address: the cache, and a draft vocabulary's lm_head rows (the head caches
-        # them; a new vocabulary or a move rebuilds them)
+        # what a captured step reads by address and shape: the cache, and a draft vocabulary's lm_head rows (the head
+        # caches them; a new vocabulary or a move rebuilds them, maybe at the same address)
         rows = self.model._draft_lm_weight() if getattr(self.model, "draft_ids", None) is not None else None
-        key = (cache.k[0].data_ptr(), cache.k[0].shape, cache.k[0].dtype, None if rows is None else rows.data_ptr())
+        key = (cache.k[0].data_ptr(), cache.k[0].shape, cache.k[0].dtype,
+               None if rows is None else (rows.data_ptr(), rows.shape))
         if key == self._cache_key:
             return
         self.invalidate()

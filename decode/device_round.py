@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from polyspec.decode.cuda_graphs import RECOMPILE_LIMIT, LayerSlots, StepIndex, compile_wanted, static_step
+from polyspec.decode.cuda_graphs import RECOMPILE_LIMIT, LayerSlots, StepIndex, _none, compile_wanted, static_step
 from polyspec.decode.sampling import residual, warp
 from polyspec.decode.step_attention import SUPPORT, reference, step_attention
 
@@ -223,6 +223,10 @@ class DeviceRound:
     def device(self) -> torch.device:
         return self.target.inv_freq.device
 
+    # pickled / deep-copied models carry no round (its graph and buffers belong to this model's tensors)
+    def __reduce__(self):
+        return (_none, ())
+
     def widths(self) -> tuple[int, ...]:
         """The block widths the round's forwards use (causal masks and row indices are made once for each)."""
         return 1, self.k + 1
@@ -242,11 +246,12 @@ class DeviceRound:
         """A generation's state after the prefill: ``seq`` the prompt, ``feat`` the target's hidden state at its
         second-last position (a head's feature; None for a model draft)."""
         dev, k = self.device, self.k
-        # what a captured round reads by address: the caches, and a draft vocabulary's lm_head rows (cached by the
-        # head; the eager call here also fills that cache before anything is compiled)
+        # what a captured round reads by address and shape: the caches, and a draft vocabulary's lm_head rows (cached
+        # by the head, maybe rebuilt at the same address; the eager call here also fills that cache before anything is
+        # compiled)
         rows = self.draft._draft_lm_weight() if getattr(self.draft, "draft_ids", None) is not None else None
         key = (self.target._cache.k[0].data_ptr(), self.draft._cache.k[0].data_ptr(),
-               None if rows is None else rows.data_ptr())
+               None if rows is None else (rows.data_ptr(), rows.shape))
         if self.levels is None or self._key != key:
             widths = self.widths()
             self.levels = (_Level(self.target, False, widths), _Level(self.draft, self.head, widths))
@@ -256,7 +261,9 @@ class DeviceRound:
         if new != self.sampling:
             self._graph = self._fn = None
         self.sampling = new
-        buf = torch.zeros(capacity, dtype=torch.long, device=dev)
+        # sized by the cache's slots, not this decoder's max_seq_len, so that every generation on these caches has
+        # the state a captured round reads (the cache holds max_seq_len and more)
+        buf = torch.zeros(max(capacity, self.target._cache.k[0].shape[2] + k + 2), dtype=torch.long, device=dev)
         buf[:len(seq)] = torch.tensor(seq, dtype=torch.long)
         hid = self.target.args.hidden_size
         rows = torch.zeros(k + 1, hid, dtype=self.levels[0].dtype, device=dev)

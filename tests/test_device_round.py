@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from polyspec.chain_spec import DraftSpec, TreeShape
-from polyspec.decode import device_round
+from polyspec.decode import cuda_graphs, device_round
 from polyspec.decode.chain import ChainDecoder, SamplingParams
 from polyspec.decode.levels import HeadLevel, ModelLevel, TableLevel
 from polyspec.decode.model import ModelArgs, Transformer
@@ -443,8 +443,11 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
     graph API replaced by a fake that re-runs the round on replay: the tokens of ar and of the eager round."""
     _fake_cuda(monkeypatch)
     ar = ChainDecoder([ModelLevel(models["target"], "t")], max_seq_len=64).generate(PROMPT, 20).token_ids
-    dec = _dual(models, "int4", 3)
     eager = _dual(models, "int4", 3).generate(PROMPT, 20, T09, seed=2).token_ids
+    ms = {n: copy.deepcopy(models[n]) for n in ("target", "int4")}  # their rounds are this test's alone
+    for m in ms.values():  # as load_chain does on CUDA: caches kept between decoders (whose max_seq_len fits)
+        cuda_graphs.enable(m, graphs=False)
+    dec = _dual(ms, "int4", 3)
     rnd = dec.device_round
     rnd.graphs, _FakeGraph.rnd = True, rnd
     _FakeGraph.captures = _FakeGraph.replays = 0
@@ -454,13 +457,18 @@ def test_graph_capture_and_replay_control_flow_with_a_fake_cuda_api(models, monk
     graph = rnd._graph
     assert dec.generate(PROMPT, 20).token_ids == ar and rnd._graph is graph and _FakeGraph.captures == 1
     assert dec.generate(PROMPT, 20, T09, seed=2).token_ids == eager and _FakeGraph.captures == 2
+    # a decoder per generation (bench, serve), of another max_seq_len: the same round, its graph replayed
+    again = _dual(ms, "int4", 3, max_seq_len=48)
+    assert again.device_round is rnd and again.generate(PROMPT, 20, T09, seed=2).token_ids == eager
+    assert _FakeGraph.captures == 2 and _dual(ms, "int4", 2).device_round is not rnd
+    assert "_device_rounds" in ms["target"].__dict__ and not any(copy.deepcopy(ms["target"])._device_rounds.values())
 
 
 def test_a_new_draft_vocabulary_captures_the_round_anew(models, monkeypatch):
     """A captured round reads the head's draft-vocabulary rows by address: the same vocabulary replays the same
     graph, a new one (new rows) captures anew; the tokens of ar throughout."""
     _fake_cuda(monkeypatch)
-    ms = {"target": models["target"], "head_vocab": copy.deepcopy(models["head_vocab"])}
+    ms = {n: copy.deepcopy(models[n]) for n in ("target", "head_vocab")}
     ms["head_vocab"].embed_tokens, ms["head_vocab"].lm_head = ms["target"].embed_tokens, ms["target"].lm_head
     ar = ChainDecoder([ModelLevel(ms["target"], "t")], max_seq_len=64).generate(PROMPT, 20).token_ids
     dec = _dual(ms, "head_vocab", 3)

@@ -29,16 +29,18 @@ every device and in eager and compiled code, and no generator object inside the 
 
 What it supports (:func:`unsupported` says why not, and the decoder then keeps decode/chain.py's path): two levels,
 a polyspec Transformer target and a draft from a Transformer or an EAGLE-1/2 head (a draft vocabulary included; no
-EAGLE-3 auxiliary layers): linear blocks of k <= MAX_K tokens, or an EAGLE-2 tree at T = 0 (decode/device_tree.py; at T > 0
-a tree takes the host path); no prompt lookup, batch 1, every layer within the static step's declared support
+EAGLE-3 auxiliary layers): linear blocks of k <= MAX_K tokens, or an EAGLE-2 tree at T = 0 (decode/device_tree.py;
+at T > 0 a tree takes the host path); no prompt lookup, batch 1, every layer within the static step's declared support
 (decode.step_attention.SUPPORT); an EAGLE head needs a prompt of two tokens or more. Not yet: an int4 middle level
 (three levels), the tree at T > 0, prompt lookup (it searches the token history on the host).
 
 Where it runs: ``ChainDecoder(device_round=None)`` (the default) takes it on CUDA where it is supported, True forces it
 wherever it is supported (the CPU tests), False never; ``POLYSPEC_DEVICE_ROUND=0`` keeps it off, ``=1`` forces it.
 On CUDA the round is compiled (unless ``POLYSPEC_COMPILE_STEP=0``) and captured as one CUDA graph after a first eager
-round (which builds any int4 packed weights); on the CPU it runs eagerly. Attention is the static step's op
-(decode/step_attention.py) on CUDA and its reference without host-read lengths elsewhere (:class:`RoundSlots`).
+round (which builds any int4 packed weights); on the CPU it runs eagerly. The decoder keeps one round per draft model
+and k or tree shape on the target model (decode/chain.py), so every generation on the same caches replays one graph
+(:meth:`DeviceRound.start` re-syncs what changed). Attention is the static step's op (decode/step_attention.py) on
+CUDA and its reference without host-read lengths elsewhere (:class:`RoundSlots`).
 
 Tests (tests/test_device_round.py): a TorchDispatchMode counts host reads per round (one, at T = 0 and T > 0); the
 round compiles with ``fullgraph=True`` on the CPU and equals the eager round; greedy tokens equal ``ar`` and the

@@ -77,8 +77,8 @@ call_1() {
     step env "$(lim 30 60)" "$OUT/env.json" "$PY" lab/gpu/probe.py --versions-only --wheels .whl --json "$OUT/env.json"
     # (a) the tests marked gpu outside GRAPH_TESTS: the int4 kernels, the step's attention
     gpu_tests a_tests "$(lim 100 120)" "${tests[@]}"
-    step b_kernel_ab "$(lim 65 60)" "$OUT/b_kernel_ab.json" "$PY" lab/gpu/kernel_ab.py "${dry[@]}" --budget "$(lim 45 30)" \
-        --json "$OUT/b_kernel_ab.json"
+    step b_kernel_ab "$(lim 65 60)" "$OUT/b_kernel_ab.json" "$PY" lab/gpu/kernel_ab.py "${dry[@]}" \
+        --budget "$(lim 45 30)" --json "$OUT/b_kernel_ab.json"
     step c_shape_bench "$(lim 150 180)" "$OUT/c_shape_bench.json" "$PY" -m polyspec shape-bench "${shape[@]}" \
         --json "$OUT/c_shape_bench.json"
     step d_projection "$(lim 110 120)" "$OUT/d_projection.json" "$PY" lab/gpu/projection.py "${dry[@]}" \

@@ -21,7 +21,7 @@ KEYS = {
     1: {"env": {"versions", "stamp"}, "a_tests": {"counts", "tests", "failed", "skipped", "slowest"},
         "b_kernel_ab": {"results", "not_run", "shapes", "rows", "layers", "device"},
         "c_shape_bench": {"ar", "roofline", "forward_times", "int4_ratio", "stamp"},
-        "d_projection": {"T_ms", "paper_projection", "record", "replay", "build"}},
+        "d_projection": {"T_ms", "paper_projection", "record", "replay", "build", "draft_vocab"}},
     2: {"e_assemble": {"levels", "decode", "int4", "target"}, "f_bench_fp32": {"overall", "mismatches", "stamp"},
         "g_bench_bf16": {"overall", "mismatches", "stamp"},
         "h_tests": {"counts", "tests", "failed", "skipped", "slowest"}},

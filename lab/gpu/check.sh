@@ -81,7 +81,7 @@ call_1() {
         --budget "$(lim 45 30)" --json "$OUT/b_kernel_ab.json"
     step c_shape_bench "$(lim 150 180)" "$OUT/c_shape_bench.json" "$PY" -m polyspec shape-bench "${shape[@]}" \
         --json "$OUT/c_shape_bench.json"
-    step d_projection "$(lim 110 120)" "$OUT/d_projection.json" "$PY" lab/gpu/projection.py "${dry[@]}" \
+    step d_projection "$(lim 120 120)" "$OUT/d_projection.json" "$PY" lab/gpu/projection.py "${dry[@]}" \
         --json "$OUT/d_projection.json"
 }
 

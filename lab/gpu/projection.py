@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+DRAFT_VOCAB = 8192  # part 4's head vocabulary (a quarter of Llama-2's 32,000 tokens; at most a quarter of any)
 PAPER_L_TARGET = 9.5  # tokens per target verification over the int4 level (the paper's 7B chain)
 PAPER_L_INT4 = (3.5, 4.5)  # tokens per int4 verification of an EAGLE-2-level head
 MAX_WIDTH = 16  # static-step buckets: the target verifies mu + 1 .. mu + k + 1 tokens, <= 16 at the defaults
@@ -127,6 +128,28 @@ def forward_ms(models: dict[str, Any], widths: dict[str, list[int]], cache_len: 
                            prefix=cache_len - max(ws) - 1, repeats=repeats)
         out[name] = {int(w): v for w, v in ft["levels"][name]["ms"].items()}
     return out
+
+
+def vocab_part(models: dict[str, Any], cache_len: int, repeats: int, target_ms: float) -> dict[str, Any]:
+    """Part 4: the head restricted to a draft vocabulary (random training counts; decode.draft.vocab), its forward at
+    width 1 against the full-vocabulary head's and the target's: what the lm_head rows it skips are worth here."""
+    import copy
+
+    import torch
+
+    from polyspec.decode import cuda_graphs
+
+    full, target = models["draft"], models["target"]
+    head = copy.deepcopy(full)  # the copy has no runner; it shares the target's embedding and lm_head again
+    head.embed_tokens, head.lm_head = target.embed_tokens, target.lm_head
+    vocab = target.args.vocab_size
+    size = min(DRAFT_VOCAB, vocab // 4)
+    head.token_counts = torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(0))
+    head.set_draft_vocab(size)
+    if cuda_graphs.runner_of(full) is not None:
+        cuda_graphs.enable(head, graphs=True, max_width=MAX_WIDTH)
+    ms = forward_ms({"draft": head}, {"draft": [1]}, cache_len, repeats)["draft"][1]
+    return {"size": size, "vocab": vocab, "T_ms": ms, "ratio_to_target": ms / target_ms}
 
 
 def seq_len(prompt: int, new_tokens: int) -> int:
@@ -268,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         replay_part(report, models, ms, a, prompt, save)
     report["seconds"] = time.perf_counter() - t0
     save()
+    say("projection: the head with a draft vocabulary (last: the replay's results are saved)")
+    report["draft_vocab"] = vocab_part(models, seq_len(a.prompt_tokens, a.new_tokens), 5 if a.dry else 20,
+                                       ms["target"][1])
+    save()
     for c in report["paper_projection"]:
         print(f"Lemma 3.1, paper's L {c['L']}: {c['projected_speedup_vs_ar']:.2f}x ar")
     r = report["replay"]["chain"]
@@ -275,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['speedup_vs_ar_measured']:.2f}x ar, Lemma 3.1 {r['speedup_vs_ar_lemma']:.2f}x; measured / lemma "
           f"{r['measured_over_lemma']:.3f}; the decoder's passes {r['passes_ms_per_token']:.3f} ms a token, the host "
           f"{r['host_ms_per_token']:.3f}; follows the script: {r['follows_script']}")
+    v = report["draft_vocab"]
+    print(f"head at width 1: {ms['draft'][1]:.3f} ms, with a {v['size']}-token draft vocabulary {v['T_ms']:.3f} ms "
+          f"({v['ratio_to_target']:.3f} of the target's step)")
     return 0
 
 

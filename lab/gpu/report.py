@@ -67,11 +67,22 @@ def lines(out: Path) -> list[str]:
             if "host_ms_per_token" in ch:
                 rows.append(f"  replay per token: the decoder's passes {ch['passes_ms_per_token']:.3f} ms, the host "
                             f"{ch['host_ms_per_token']:.3f} ms, Lemma 3.1 {ch['lemma_ms_per_token']:.3f} ms")
+    rows += sweep_lines(load(out, "i_int4_sweep"))
     for name in ("e_assemble", "f_bench_fp32", "g_bench_bf16"):
         r = load(out, name)
         if r is not None:
             rows.append(f"{name} [{status(r)}]" + bench_line(r))
     return rows + tests_line(out, "h_tests", "h")
+
+
+def sweep_lines(i: dict[str, Any] | None) -> list[str]:
+    if i is None:
+        return []
+    rows = [f"i int4 plans [{status(i)}]" + (f": {i['not_run']}" if "not_run" in i else "")]
+    for r in i.get("results", []):
+        tail = r.get("error") or f"{r['ms_per_layer'] * 1e3:.2f} us, {r['GBps']:.0f} GB/s, err {r['rel_err']:.1e}"
+        rows.append(f"  {r['n']}x{r['k']} rows {r['rows']} {r['plan']}: {tail}")
+    return rows
 
 
 def tests_line(out: Path, name: str, letter: str) -> list[str]:

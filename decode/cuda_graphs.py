@@ -195,11 +195,8 @@ class StaticRunner:
         self._layers_ok = None
 
     def _sync_cache(self, cache: Any) -> None:
-        # what a captured step reads by address and shape: the cache, and a draft vocabulary's lm_head rows (the head
-        # caches them; a new vocabulary or a move rebuilds them, maybe at the same address)
-        rows = self.model._draft_lm_weight() if getattr(self.model, "draft_ids", None) is not None else None
-        key = (cache.k[0].data_ptr(), cache.k[0].shape, cache.k[0].dtype,
-               None if rows is None else (rows.data_ptr(), rows.shape))
+        # what a captured step reads by address and shape: the cache and a draft vocabulary's lm_head rows
+        key = (cache.k[0].data_ptr(), cache.k[0].shape, cache.k[0].dtype, draft_rows_key(self.model))
         if key == self._cache_key:
             return
         self.invalidate()
@@ -345,6 +342,16 @@ def static_step(model: nn.Module, ids: torch.Tensor, feats: torch.Tensor | None,
     for i, layer in enumerate(model._layers()):
         x = layer(x, None, None, None, store(ks[i], vs[i], index), i, 0)
     return model._out(x, last_only=False) if out else x
+
+
+def draft_rows_key(model: nn.Module) -> tuple | None:
+    """Where a head's draft-vocabulary lm_head rows lie (address and shape; None without a draft vocabulary): a graph
+    captured on them reads them there. The head caches the rows, rebuilds them for a new vocabulary or after a move,
+    maybe at the same address; the eager call here also fills that cache before anything is compiled."""
+    if getattr(model, "draft_ids", None) is None:
+        return None
+    rows = model._draft_lm_weight()
+    return rows.data_ptr(), rows.shape
 
 
 def _out_traceable(model: nn.Module) -> bool:

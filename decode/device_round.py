@@ -56,7 +56,15 @@ from typing import Any
 
 import torch
 
-from polyspec.decode.cuda_graphs import RECOMPILE_LIMIT, LayerSlots, StepIndex, _none, compile_wanted, static_step
+from polyspec.decode.cuda_graphs import (
+    RECOMPILE_LIMIT,
+    LayerSlots,
+    StepIndex,
+    _none,
+    compile_wanted,
+    draft_rows_key,
+    static_step,
+)
 from polyspec.decode.sampling import residual, warp
 from polyspec.decode.step_attention import SUPPORT, reference, step_attention
 
@@ -248,12 +256,8 @@ class DeviceRound:
         """A generation's state after the prefill: ``seq`` the prompt, ``feat`` the target's hidden state at its
         second-last position (a head's feature; None for a model draft)."""
         dev, k = self.device, self.k
-        # what a captured round reads by address and shape: the caches, and a draft vocabulary's lm_head rows (cached
-        # by the head, maybe rebuilt at the same address; the eager call here also fills that cache before anything is
-        # compiled)
-        rows = self.draft._draft_lm_weight() if getattr(self.draft, "draft_ids", None) is not None else None
-        key = (self.target._cache.k[0].data_ptr(), self.draft._cache.k[0].data_ptr(),
-               None if rows is None else (rows.data_ptr(), rows.shape))
+        # what a captured round reads by address: the caches and a draft vocabulary's lm_head rows
+        key = (self.target._cache.k[0].data_ptr(), self.draft._cache.k[0].data_ptr(), draft_rows_key(self.draft))
         if self.levels is None or self._key != key:
             widths = self.widths()
             self.levels = (_Level(self.target, False, widths), _Level(self.draft, self.head, widths))

@@ -125,7 +125,7 @@ def test_the_int4_sweep_plans_cover_k_once_and_start_with_the_shipped_plan():
 
     sweep = lab_module("gpu/int4_sweep.py")
     for (n, k), rows in ((s, r) for s in sweep.SHAPES for r in sweep.ROWS):
-        plans = sweep.plans(n, k, rows, 132)
+        plans = sweep.plans(n, k, 128, rows, 132)
         assert plans[0] == ("shipped", T.plan(n, k, 128, rows, 132)) and len(plans) > 3
         blocks = T.padded_k(k, 128) // (4 * plans[0][1].units)
         for label, p in plans:

@@ -23,9 +23,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import GROUP, int4_layers, walk_ms  # noqa: E402
-
 SHAPES = ((4096, 4096), (12288, 4096), (4096, 11008))  # o, the fused q/k/v, down
 ROWS = (1, 16)
 # (block_n, K splits), most promising first; 256 columns spill on sm_90 (255 registers, --compile-only, 2026-11-29)
@@ -33,23 +30,23 @@ VARIANTS = ((64, 4), (128, 4), (64, 2), (128, 2), (64, 8), (64, 1), (128, 1))
 LAYERS = 8
 
 
-def variant(base: Any, n: int, k: int, block_n: int, splits: int) -> Any:
+def variant(base: Any, k: int, group: int, block_n: int, splits: int) -> Any:
     """The shipped plan ``base`` with another column block and split count (each split a whole number of blocks)."""
     from polyspec.decode import int4_triton as T
 
-    blocks = T.padded_k(k, GROUP) // (4 * base.units)
+    blocks = T.padded_k(k, group) // (4 * base.units)
     per = -(-blocks // splits)
     return T.Plan(replace(base.tile, block_n=block_n), base.units, -(-blocks // per), per)
 
 
-def plans(n: int, k: int, rows: int, sms: int) -> list[tuple[str, Any]]:
+def plans(n: int, k: int, group: int, rows: int, sms: int) -> list[tuple[str, Any]]:
     """(label, plan): the shipped plan first, then each variant that differs from it."""
     from polyspec.decode import int4_triton as T
 
-    base = T.plan(n, k, GROUP, rows, sms)
+    base = T.plan(n, k, group, rows, sms)
     out = [("shipped", base)]
     for block_n, splits in VARIANTS:
-        p = variant(base, n, k, block_n, splits)
+        p = variant(base, k, group, block_n, splits)
         if p != base and all(p != q for _, q in out):
             out.append((f"n{block_n} s{p.splits}", p))
     return out
@@ -64,6 +61,7 @@ def describe(p: Any) -> dict[str, Any]:
 def timed_plan(lins: list[Any], xs: list[Any], n: int, p: Any, ref: Any, device: Any) -> dict[str, Any]:
     """One plan's ms per layer and GB/s over the walk, and its output's relative error against ``ref``."""
     import torch
+    from kernel_ab import GROUP, walk_ms  # this folder (the script's own, first on sys.path when run)
 
     from polyspec.decode import int4_triton as T
 
@@ -82,6 +80,7 @@ def timed_plan(lins: list[Any], xs: list[Any], n: int, p: Any, ref: Any, device:
 
 def sweep(device: Any, budget: float, save: Any, report: dict[str, Any]) -> None:
     import torch
+    from kernel_ab import GROUP, int4_layers
 
     t0 = time.perf_counter()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -94,7 +93,7 @@ def sweep(device: Any, budget: float, save: Any, report: dict[str, Any]) -> None
                 ref = lins[0](xs[0]).float()  # builds every layer's kernel tensors on first use
                 for lin, x in zip(lins[1:], xs[1:], strict=True):
                     lin(x)
-            for label, p in plans(n, k, rows, sms):
+            for label, p in plans(n, k, GROUP, rows, sms):
                 if time.perf_counter() - t0 > budget:
                     report["skipped"] = report.get("skipped", 0) + 1
                     continue
@@ -105,10 +104,12 @@ def sweep(device: Any, budget: float, save: Any, report: dict[str, Any]) -> None
 
 
 def compile_only() -> int:
+    from kernel_ab import GROUP
+
     from polyspec.decode import int4_triton as T
 
     for (n, k), rows in ((s, r) for r in ROWS for s in SHAPES):
-        for label, p in plans(n, k, rows, 132):
+        for label, p in plans(n, k, GROUP, rows, 132):
             res = T.ptxas_resources(T.compile_sm90(n, k, GROUP, rows, plan_=p)[0])
             print(f"{n}x{k} rows {rows} {label:9s} {describe(p)}: {res}")
     return 0

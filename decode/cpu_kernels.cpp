@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #ifdef _OPENMP
@@ -1161,27 +1162,36 @@ static inline int64_t group_size_of(const WF32&) { return 0; }
 static inline int64_t group_size_of(const WBF16&) { return 0; }
 static inline int64_t group_size_of(const WI4& w) { return w.gs; }
 
-// Rows 0..N-1 shared out among the threads in runs of whole SPLIT_ROWS units: f(b, e) for each run taken. The runs
-// shrink as the work does: each take is what is left over twice the threads (over the threads, OpenMP's guided
-// schedule, measured slower on the Cascade Lake VM; over four times them too), so a thread slowed by a busy neighbour
-// takes less instead of holding the other at the end. A row's arithmetic does not depend on which thread computes
-// it or beside which rows, so results are bitwise those of any other split.
+// Rows 0..N-1 shared out among the threads in whole SPLIT_ROWS units. Each thread owns a contiguous share and takes
+// its units in order, so its weights stream as one ascending run that the prefetch ahead carries from unit to unit
+// (runs that shrank as the work did each started cold: 1.03-1.05x the layers' time, docs/BENCHMARKS.md). A thread
+// done with its share takes what is left of the others', a unit at a time, so a thread slowed by a busy neighbour
+// holds the other up by a unit at most. A row's arithmetic does not depend on which thread computes it or beside
+// which rows, so results are bitwise those of any other split.
 template <typename F>
 static void share_rows(int64_t N, int threads, F&& f) {
     const int64_t units = (N + SPLIT_ROWS - 1) / SPLIT_ROWS;
-    std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(threads) if (threads > 1)
+    const int T = threads < units ? threads : (int)units;
+    if (T <= 1) {
+        f(0, N);
+        return;
+    }
+    struct alignas(64) Next {  // a share's next unit, one cache line each
+        std::atomic<int64_t> u;
+    };
+    std::unique_ptr<Next[]> next(new Next[T]);
+    for (int t = 0; t < T; t++) next[t].u.store(units * t / T, std::memory_order_relaxed);
+#pragma omp parallel num_threads(T)
     {
-        int nt = 1;
+        int me = 0;
 #ifdef _OPENMP
-        nt = omp_get_num_threads();
+        me = omp_get_thread_num();
 #endif
-        for (;;) {
-            const int64_t left = units - next.load(std::memory_order_relaxed);
-            const int64_t take = left > 2 * nt ? left / (2 * nt) : 1;
-            const int64_t u = next.fetch_add(take, std::memory_order_relaxed);
-            if (u >= units) break;
-            f(u * SPLIT_ROWS, (u + take) * SPLIT_ROWS < N ? (u + take) * SPLIT_ROWS : N);
+        for (int d = 0; d < T; d++) {  // its own share, then the others' (all of them where OpenMP gave fewer threads)
+            const int v = (me + d) % T;
+            const int64_t end = units * (v + 1) / T;
+            for (int64_t u; (u = next[v].u.fetch_add(1, std::memory_order_relaxed)) < end;)
+                f(u * SPLIT_ROWS, (u + 1) * SPLIT_ROWS < N ? (u + 1) * SPLIT_ROWS : N);
         }
     }
 }

@@ -29,10 +29,6 @@ import torch
 
 from polyspec.decode import cpu_kernels as ck
 
-ENTRY_POINTS = ("polyspec_layer_f32", "polyspec_layer_bf16", "polyspec_layer_i4", "polyspec_linear3_f32",
-                "polyspec_linear3_bf16w", "polyspec_linear_i4", "polyspec_dot_path", "polyspec_row_lanes",
-                "polyspec_head_step_bf16")
-
 
 def load_builds(paths: list[str]) -> dict[str, ctypes.CDLL]:
     """Each build with the argument types polyspec's own loader declares."""
@@ -40,9 +36,9 @@ def load_builds(paths: list[str]) -> dict[str, ctypes.CDLL]:
     builds = {}
     for tag, path in zip("AB", paths, strict=True):
         lib = ctypes.CDLL(str(Path(path).resolve()))
-        for name in (n for n in ENTRY_POINTS if hasattr(lib, n)):  # an older build may lack the newest ones
-            getattr(lib, name).argtypes = getattr(ref, name).argtypes
-            getattr(lib, name).restype = getattr(ref, name).restype
+        for name, fn in vars(ref).items():  # every entry point the loader declared (ctypes keeps them by name)
+            if name.startswith("polyspec_") and hasattr(lib, name):  # an older build may lack the newest ones
+                getattr(lib, name).argtypes, getattr(lib, name).restype = fn.argtypes, fn.restype
         builds[tag] = lib
     return builds
 

@@ -421,21 +421,46 @@ static inline void nk16_passes(int64_t M, F&& f) {
 }
 
 // x [M, K] -> per pass of G inputs from m0 (nk16_passes), per pair p: x[m0 + g][2p], x[m0 + g][2p + 1] for g < G
-// (0 past K), so a pass reads one ascending stream of 2G values per pair. In this thread's scratch.
+// (0 past K), so a pass reads one ascending stream of 2G values per pair. In this thread's scratch. Written pair by
+// pair, one ascending stream out of G in (a row at a time wrote every 2G-th pair of floats: at 8 rows the calling
+// thread's ~1 ms per forward while the others waited, docs/KERNELS.md).
 static const float* nk16_prepare(const float* x, int64_t M, int64_t K) {
-    const int64_t P = (K + 1) / 2;
+    const int64_t P = (K + 1) / 2, whole = K / 2;
     float* xi = scratch(7, M * 2 * P);
-    nk16_passes(M, [&](int64_t m0, int64_t G) {
-        float* d = xi + m0 * 2 * P;
-        for (int64_t g = 0; g < G; g++) {
-            const float* xr = x + (m0 + g) * K;
-            for (int64_t p = 0; p < P; p++) {
-                d[p * 2 * G + 2 * g] = xr[2 * p];
-                d[p * 2 * G + 2 * g + 1] = 2 * p + 1 < K ? xr[2 * p + 1] : 0.0f;
+    nk16_passes(M, [&](int64_t m0, int64_t g) {
+        by_pass<NK_PASS>(g, [&](auto G) {
+            float* d = xi + m0 * 2 * P;
+            const float* xr = x + m0 * K;
+            for (int64_t p = 0; p < whole; p++)
+                for (int i = 0; i < G; i++) memcpy(d + (p * G + i) * 2, xr + i * K + 2 * p, 2 * sizeof(float));
+            for (int i = 0; whole < P && i < G; i++) {  // odd K: the last input and a 0
+                d[(whole * G + i) * 2] = xr[i * K + K - 1];
+                d[(whole * G + i) * 2 + 1] = 0.0f;
             }
-        }
+        });
     });
     return xi;
+}
+
+// RL lanes of 16-row block words (pack_nk16: word 2p in the high half, 2p + 1 in the low) -> the fp32 values of the
+// words 2p (e) and 2p + 1 (o). With AVX512-BW each is one load that zeroes the low words: of the lanes as they are
+// (e), and of the lanes read 2 bytes early (o: each lane's low word lands in its high half; the word read from before
+// the lanes is masked off, so it is never touched). Without it, a load, a mask and a shift: on the half-width build
+// the shift took a multiply-add's port, and the loads ran its 8 rows' blocks at 0.93x the time (docs/KERNELS.md).
+static inline void widen_pairs(const uint32_t* src, vr& e, vr& o) {
+#if defined(__AVX512BW__) && !defined(POLYSPEC_HALF_WIDTH)
+    e = (vr)_mm512_castsi512_ps(_mm512_maskz_loadu_epi16(0xaaaaaaaau, src));
+    o = (vr)_mm512_castsi512_ps(_mm512_maskz_loadu_epi16(0xaaaaaaaau, (const char*)src - 2));
+#elif defined(__AVX512BW__) && defined(__AVX512VL__)
+    e = (vr)_mm256_castsi256_ps(_mm256_maskz_loadu_epi16(0xaaaa, src));
+    o = (vr)_mm256_castsi256_ps(_mm256_maskz_loadu_epi16(0xaaaa, (const char*)src - 2));
+#else
+    vru u;
+    memcpy(&u, src, sizeof(u));
+    const vru eu = u & ((vru){0} + 0xffff0000u), ou = u << 16;
+    memcpy(&e, &eu, sizeof(eu));
+    memcpy(&o, &ou, sizeof(ou));
+#endif
 }
 
 // B consecutive 16-row blocks (from wb) against G prepared inputs (xp): out[g * 16 B + row] without the bias.
@@ -445,18 +470,11 @@ static inline void nk16_dots(const float* xp, const uint32_t* wb, int64_t P, flo
     vr acc[V][G];
     for (int j = 0; j < V; j++)
         for (int g = 0; g < G; g++) acc[j][g] = (vr){0};
-    const vru high = (vru){0} + 0xffff0000u;
     for (int64_t p = 0; p < P; p++) {
         for (int b = 0; b < B; b++)  // each block's line PREFETCH_BYTES ahead (a pair is one 64-byte line of a block)
             __builtin_prefetch((const char*)(wb + (b * P + p) * 16) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
         vr we[V], wo[V];
-        for (int j = 0; j < V; j++) {
-            vru u;
-            memcpy(&u, wb + ((j * RL / 16) * P + p) * 16 + (j * RL) % 16, sizeof(u));
-            const vru e = u & high, o = u << 16;  // word 2p in the high half (pack_nk16)
-            memcpy(&we[j], &e, sizeof(e));
-            memcpy(&wo[j], &o, sizeof(o));
-        }
+        for (int j = 0; j < V; j++) widen_pairs(wb + ((j * RL / 16) * P + p) * 16 + (j * RL) % 16, we[j], wo[j]);
         const float* xq = xp + p * 2 * G;
         for (int g = 0; g < G; g++) {
             const vr xe = splat(xq[2 * g]);
@@ -808,13 +826,12 @@ static const uint32_t* nk16_prepare_dp(const float* x, int64_t M, int64_t K) {
     if ((int64_t)buf.size() < M * P) buf.resize(M * P);
     nk16_passes(M, [&](int64_t m0, int64_t G) {
         uint32_t* d = buf.data() + m0 * P;
-        for (int64_t g = 0; g < G; g++) {
-            const float* xr = x + (m0 + g) * K;
-            for (int64_t p = 0; p < P; p++) {
+        for (int64_t p = 0; p < P; p++)  // pair by pair: one ascending stream out (nk16_prepare)
+            for (int64_t g = 0; g < G; g++) {
+                const float* xr = x + (m0 + g) * K;
                 const uint32_t odd = 2 * p + 1 < K ? bf16_bits_rne(xr[2 * p + 1]) : 0;
                 d[p * G + g] = (uint32_t)bf16_bits_rne(xr[2 * p]) << 16 | odd;
             }
-        }
     });
     return buf.data();
 }

@@ -1184,13 +1184,14 @@ static inline int64_t group_size_of(const WI4& w) { return w.gs; }
 // (runs that shrank as the work did each started cold: 1.03-1.05x the layers' time, docs/BENCHMARKS.md). A thread
 // done with its share takes what is left of the others', a unit at a time, so a thread slowed by a busy neighbour
 // holds the other up by a unit at most. A row's arithmetic does not depend on which thread computes it or beside
-// which rows, so results are bitwise those of any other split.
-template <typename F>
-static void share_rows(int64_t N, int threads, F&& f) {
+// which rows, so results are bitwise those of any other split. Each thread taking part calls init() once, before its
+// first unit, and passes what it returns to f(own, begin, end).
+template <typename Init, typename F>
+static void share_rows(int64_t N, int threads, Init&& init, F&& f) {
     const int64_t units = (N + SPLIT_ROWS - 1) / SPLIT_ROWS;
     const int T = threads < units ? threads : (int)units;
     if (T <= 1) {
-        f(0, N);
+        f(init(), 0, N);
         return;
     }
     struct alignas(64) Next {  // a share's next unit, one cache line each
@@ -1204,13 +1205,57 @@ static void share_rows(int64_t N, int threads, F&& f) {
 #ifdef _OPENMP
         me = omp_get_thread_num();
 #endif
+        const auto own = init();
         for (int d = 0; d < T; d++) {  // its own share, then the others' (all of them where OpenMP gave fewer threads)
             const int v = (me + d) % T;
             const int64_t end = units * (v + 1) / T;
             for (int64_t u; (u = next[v].u.fetch_add(1, std::memory_order_relaxed)) < end;)
-                f(u * SPLIT_ROWS, (u + 1) * SPLIT_ROWS < N ? (u + 1) * SPLIT_ROWS : N);
+                f(own, u * SPLIT_ROWS, (u + 1) * SPLIT_ROWS < N ? (u + 1) * SPLIT_ROWS : N);
         }
     }
+}
+
+// The parts of a call's prepared input every thread reads, made once by the calling thread before the others start:
+// the vdpbf16ps paths' bf16 copies of x (in xs and xb, which the caller keeps).
+template <typename WT>
+static void shared_input(const float* x, const WT* ws, int64_t M, int64_t K, std::vector<float>& xs,
+                         std::vector<uint16_t>& xb, RowsInput& in) {
+    const int64_t gs = group_size_of(ws[0]);
+#ifdef POLYSPEC_I4VNNI
+    if (gs > 0 && any_blocked(ws)) qv_prepare(x, M, K, gs, in);  // int8 inputs for the blocked int4 rows
+#endif
+#ifdef POLYSPEC_DPBF16
+    if (gs > 0 && !all_blocked(ws)) {  // the int4 rows: x split into bf16 parts, with its group sums
+        xs.assign(M * ((K + gs - 1) / gs), 0.0f);
+        in.xb_row = i4b_prepare(x, M, K, gs, xb, xs.data());
+        in.xb = xb.data();
+        in.xs = xs.data();
+    }
+    if (dot_rows(ws[0]) && (g_bf16_dot || !all_blocked(ws))) {  // the dot rows: x rounded to bf16 once
+        in.xb_row = bf16_prepare(x, M, K, xb);
+        in.xb = xb.data();
+    }
+#endif
+    (void)x, (void)ws, (void)M, (void)K, (void)xs, (void)xb, (void)in, (void)gs;
+}
+
+// The copies of x each thread makes for itself in its own scratch (int8 groups, pairs order, blocks order): written
+// where they are read, so none of their lines moves between cores. Made once by the calling thread, they had cost it
+// ~0.5 ms of an 8-row forward while the others waited, and the others a cache miss per line (docs/KERNELS.md).
+template <typename WT>
+static RowsInput own_input(const float* x, const WT* ws, int64_t M, int64_t K, RowsInput in) {
+    const int64_t gs = group_size_of(ws[0]);
+#ifdef POLYSPEC_DPBF16
+    if (dot_rows(ws[0]) && !g_bf16_dot && any_blocked(ws)) in.xe = nk16_prepare_dp(x, M, K);  // vdpbf16ps blocks
+#else
+    if (gs > 0 && !all_blocked(ws)) in.xd = pairs_prepare(x, M, K);  // the portable int4 rows
+#endif
+    if (wide_rows(ws[0])) {  // bf16 weights widened: in passes (16-row blocks) and / or in pairs order (rows)
+        if (any_blocked(ws)) in.xi = nk16_prepare(x, M, K);
+        if (!all_blocked(ws)) in.xd = pairs_prepare(x, M, K);
+    }
+    (void)gs;
+    return in;
 }
 
 // Up to three weights side by side, y = [x w0^T | x w1^T | x w2^T] (+ biases), [M, n0 + n1 + n2] (q/k/v or gate/up in
@@ -1222,45 +1267,19 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
     std::vector<float> xs;
     std::vector<uint16_t> xb;
     RowsInput in = {nullptr, nullptr, nullptr, 0, nullptr};
-    const int64_t gs = group_size_of(ws[0]);
-#ifdef POLYSPEC_I4VNNI
-    if (gs > 0 && any_blocked(ws)) qv_prepare(x, M, K, gs, in);  // int8 inputs for the blocked int4 rows
-#endif
-    if (gs > 0 && !all_blocked(ws)) {  // int4: the input in pairs order (portable) or split into bf16 parts with its
-                                       // group sums, once
-#ifdef POLYSPEC_DPBF16
-        xs.assign(M * ((K + gs - 1) / gs), 0.0f);
-        in.xb_row = i4b_prepare(x, M, K, gs, xb, xs.data());
-        in.xb = xb.data();
-        in.xs = xs.data();
-#else
-        in.xd = pairs_prepare(x, M, K);
-#endif
-    }
-#ifdef POLYSPEC_DPBF16
-    if (dot_rows(ws[0])) {  // a bf16 input, rounded to bf16 once: for the dot rows and / or the vdpbf16ps blocks
-        const bool blocks = !g_bf16_dot && any_blocked(ws);
-        if (blocks) in.xe = nk16_prepare_dp(x, M, K);
-        if (!blocks || !all_blocked(ws)) {
-            in.xb_row = bf16_prepare(x, M, K, xb);
-            in.xb = xb.data();
-        }
-    }
-#endif
-    if (wide_rows(ws[0])) {  // bf16 weights widened: the input in pairs order or in passes (16-row blocks), once
-        if (any_blocked(ws)) in.xi = nk16_prepare(x, M, K);
-        if (!all_blocked(ws)) in.xd = pairs_prepare(x, M, K);
-    }
+    shared_input(x, ws, M, K, xs, xb, in);
     if (threads < 1) threads = 1;
     if (N * M < 64 * threads) threads = 1;
-    share_rows(N, threads, [&](int64_t b, int64_t e) {  // rows b..e-1 of the three weights side by side
-        int64_t off = 0;
-        for (int s = 0; s < 3; s++) {
-            const int64_t lo = b > off ? b - off : 0, hi = (e < off + ns[s] ? e : off + ns[s]) - off;
-            if (lo < hi) rows_w(x, in, ws[s], bs[s], M, K, N, lo, hi, y + off);
-            off += ns[s];
-        }
-    });
+    share_rows(
+        N, threads, [&] { return own_input(x, ws, M, K, in); },
+        [&](const RowsInput& own, int64_t b, int64_t e) {  // rows b..e-1 of the three weights side by side
+            int64_t off = 0;
+            for (int s = 0; s < 3; s++) {
+                const int64_t lo = b > off ? b - off : 0, hi = (e < off + ns[s] ? e : off + ns[s]) - off;
+                if (lo < hi) rows_w(x, own, ws[s], bs[s], M, K, N, lo, hi, y + off);
+                off += ns[s];
+            }
+        });
 }
 
 template <typename WT>

@@ -162,6 +162,21 @@ static inline void prefetch_ahead(const void* p) {
     __builtin_prefetch(c + 64, 0, POLYSPEC_PREFETCH_LOCALITY);
 }
 
+// A 16-row block's weight line at p: the line PREFETCH_BYTES ahead with the build's hint and, with a temporal hint,
+// the line PREFETCH_NEAR bytes ahead into L1 (prefetcht0). The far line reaches L2 in time, but each step's load
+// then waited on L2: with the near one the half-width build's bf16 target layers took 0.93-0.95x the time at 1-5 rows
+// and 0.98-1.02x at 8, the 16-lane build's 0.91-0.98x (Xeon 207 VM, docs/KERNELS.md). Not measured on AMD, whose
+// non-temporal hint (0) keeps the far prefetch alone.
+#ifndef POLYSPEC_PREFETCH_NEAR
+#define POLYSPEC_PREFETCH_NEAR 1024
+#endif
+static inline void prefetch_block_line(const void* p) {
+    __builtin_prefetch((const char*)p + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+#if POLYSPEC_PREFETCH_LOCALITY > 0
+    __builtin_prefetch((const char*)p + POLYSPEC_PREFETCH_NEAR, 0, 3);
+#endif
+}
+
 // Pins two loaded weight vectors in registers for the loop body. Without it GCC folds the load into every input
 // row's multiply (one weight load per input row instead of one per row: 2G loads per step where 2 do), and at
 // widths 2-5 the loads, not the multiplies, fill the load ports (docs/KERNELS.md, "The CPU fast path").
@@ -472,7 +487,7 @@ static inline void nk16_dots(const float* xp, const uint32_t* wb, int64_t P, flo
         for (int g = 0; g < G; g++) acc[j][g] = (vr){0};
     for (int64_t p = 0; p < P; p++) {
         for (int b = 0; b < B; b++)  // each block's line PREFETCH_BYTES ahead (a pair is one 64-byte line of a block)
-            __builtin_prefetch((const char*)(wb + (b * P + p) * 16) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+            prefetch_block_line(wb + (b * P + p) * 16);
         vr we[V], wo[V];
         for (int j = 0; j < V; j++) widen_pairs(wb + ((j * RL / 16) * P + p) * 16 + (j * RL) % 16, we[j], wo[j]);
         const float* xq = xp + p * 2 * G;
@@ -844,7 +859,7 @@ static inline void nk16_dots_dp(const uint32_t* xp, const uint32_t* wb, int64_t 
     for (int64_t p = 0; p < P; p++) {
         bh32 w[B];
         for (int b = 0; b < B; b++) {
-            __builtin_prefetch((const char*)(wb + (b * P + p) * 16) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+            prefetch_block_line(wb + (b * P + p) * 16);
             w[b] = (bh32)_mm512_loadu_si512(wb + (b * P + p) * 16);
         }
         for (int g = 0; g < G; g++) {
@@ -984,7 +999,7 @@ static inline void qv_dots(const RowsInput& in, const uint32_t* wb, const float*
             for (int g = 0; g < G; g++) acc[j][g] = (vri){0};
         const int64_t w1 = (grp + 1) * gs / KW < W ? (grp + 1) * gs / KW : W;
         for (int64_t w = grp * gs / KW; w < w1; w++) {
-            __builtin_prefetch((const char*)(wb + w * 16) + PREFETCH_BYTES, 0, POLYSPEC_PREFETCH_LOCALITY);
+            prefetch_block_line(wb + w * 16);
             vri lo[V], hi[V];
             for (int j = 0; j < V; j++) {
                 memcpy(&lo[j], wb + w * 16 + j * RL, sizeof(vri));

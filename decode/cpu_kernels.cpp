@@ -164,8 +164,8 @@ static inline void prefetch_ahead(const void* p) {
 
 // A 16-row block's weight line at p: the line PREFETCH_BYTES ahead with the build's hint and, with a temporal hint,
 // the line PREFETCH_NEAR bytes ahead into L1 (prefetcht0). The far line reaches L2 in time, but each step's load
-// then waited on L2: with the near one the half-width build's bf16 target layers took 0.93-0.95x the time at 1-5 rows
-// and 0.98-1.02x at 8, the 16-lane build's 0.91-0.98x (Xeon 207 VM, docs/KERNELS.md). Not measured on AMD, whose
+// then waited on L2: with the near one the half-width build's bf16 target layers took 0.93-0.96x the time at 1-5 rows
+// and 0.98-1.01x at 8, the 16-lane build's 0.91-0.98x (Xeon 207 VM, docs/BENCHMARKS.md). Not measured on AMD, whose
 // non-temporal hint (0) keeps the far prefetch alone.
 #ifndef POLYSPEC_PREFETCH_NEAR
 #define POLYSPEC_PREFETCH_NEAR 1024
@@ -437,8 +437,8 @@ static inline void nk16_passes(int64_t M, F&& f) {
 
 // x [M, K] -> per pass of G inputs from m0 (nk16_passes), per pair p: x[m0 + g][2p], x[m0 + g][2p + 1] for g < G
 // (0 past K), so a pass reads one ascending stream of 2G values per pair. In this thread's scratch. Written pair by
-// pair, one ascending stream out of G in (a row at a time wrote every 2G-th pair of floats: at 8 rows the calling
-// thread's ~1 ms per forward while the others waited, docs/KERNELS.md).
+// pair, one ascending stream out of G in (a row at a time wrote every 2G-th pair of floats: the half-width layers
+// took 1.06x the time at 8 rows, docs/BENCHMARKS.md).
 static const float* nk16_prepare(const float* x, int64_t M, int64_t K) {
     const int64_t P = (K + 1) / 2, whole = K / 2;
     float* xi = scratch(7, M * 2 * P);
@@ -461,7 +461,7 @@ static const float* nk16_prepare(const float* x, int64_t M, int64_t K) {
 // words 2p (e) and 2p + 1 (o). With AVX512-BW each is one load that zeroes the low words: of the lanes as they are
 // (e), and of the lanes read 2 bytes early (o: each lane's low word lands in its high half; the word read from before
 // the lanes is masked off, so it is never touched). Without it, a load, a mask and a shift: on the half-width build
-// the shift took a multiply-add's port, and the loads ran its 8 rows' blocks at 0.93x the time (docs/KERNELS.md).
+// the shift took a multiply-add's port: the step at 8 rows 0.96x the time (lab/step_mix.py, docs/BENCHMARKS.md).
 static inline void widen_pairs(const uint32_t* src, vr& e, vr& o) {
 #if defined(__AVX512BW__) && !defined(POLYSPEC_HALF_WIDTH)
     e = (vr)_mm512_castsi512_ps(_mm512_maskz_loadu_epi16(0xaaaaaaaau, src));
@@ -1255,8 +1255,8 @@ static void shared_input(const float* x, const WT* ws, int64_t M, int64_t K, std
 }
 
 // The copies of x each thread makes for itself in its own scratch (int8 groups, pairs order, blocks order): written
-// where they are read, so none of their lines moves between cores. Made once by the calling thread, they had cost it
-// ~0.5 ms of an 8-row forward while the others waited, and the others a cache miss per line (docs/KERNELS.md).
+// where they are read, so none of their lines moves between cores. Made once by the calling thread while the others
+// waited, they had cost the half-width layers 1.02x the time at 8 rows (docs/BENCHMARKS.md).
 template <typename WT>
 static RowsInput own_input(const float* x, const WT* ws, int64_t M, int64_t K, RowsInput in) {
     const int64_t gs = group_size_of(ws[0]);
@@ -1638,10 +1638,10 @@ static void silu_mul(const float* g, const float* u, int64_t n, float* a) {
 
 // gu = [x wg^T | x wu^T] (+ biases), [M, 2I], and act = SiLU(gate) * up, [M, I]: the threads share out units of
 // gate's and up's rows together, and each unit's activations are computed by the thread that computed both halves
-// (after the others had finished, on the calling thread alone, they had cost an 8-row forward ~0.3 ms).
+// (computed after all of gu, on the calling thread alone, the half-width layers took 1.016x the time at 8 rows).
 template <typename WT>
-static void gate_up(const float* x, const WT& wg, const WT& wu, const float* bg, const float* bu, int64_t M, int64_t K,
-                    int64_t I, float* gu, float* act, int threads) {
+static void gate_up(const float* x, const WT& wg, const WT& wu, const float* bg, const float* bu, int64_t M,
+                    int64_t K, int64_t I, float* gu, float* act, int threads) {
     const WT ws[3] = {wg, wu, wu};
     share_weight_rows(x, ws, M, K, I, 2 * I, threads, [&](const RowsInput& own, int64_t b, int64_t e) {
         rows_w(x, own, wg, bg, M, K, 2 * I, b, e, gu);

@@ -1,6 +1,8 @@
 """What the half-width blocks' step (16 rows x G inputs x one pair of k, 256-bit vectors) is made of, on this core:
 the step's instructions in inline assembly, then the same with parts taken out or NOPs added, each timed in one C
-program (best of 7 alternated passes over L1-resident data). Needs gcc and AVX-512VL (32 vector registers).
+program (best of 7 alternated passes over L1-resident data). Needs gcc and AVX-512VL (32 vector registers). "step"
+widens the weights as AVX512-BW builds do (two masked word loads, cpu_kernels.cpp's widen_pairs); "step, shift
+widening" as the others do (a load, a mask and a 16-bit shift).
 
     python lab/step_mix.py [--inputs 8]
 """
@@ -15,12 +17,14 @@ from pathlib import Path
 LOADS = ["vmovdqu32 (%[w]), %%ymm28", "vmovdqu32 32(%[w]), %%ymm29"]
 WIDEN = ["vpandd %%ymm31, %%ymm28, %%ymm24", "vpandd %%ymm31, %%ymm29, %%ymm25",
          "vpslld $16, %%ymm28, %%ymm26", "vpslld $16, %%ymm29, %%ymm27"]
+MASKED = ["vmovdqu16 (%[w]), %%ymm24%{%%k1%}%{z%}", "vmovdqu16 32(%[w]), %%ymm25%{%%k1%}%{z%}",
+          "vmovdqu16 -2(%[w]), %%ymm26%{%%k1%}%{z%}", "vmovdqu16 30(%[w]), %%ymm27%{%%k1%}%{z%}"]
 
 
-def step(g: int, broadcasts: bool = True, loads: bool = True, nops: int = 0) -> list[str]:
+def step(g: int, broadcasts: bool = True, loads: bool = True, nops: int = 0, shift: bool = False) -> list[str]:
     """The step's instructions (the kernel's order: even k for every input, then odd k); without broadcasts the
     multiplies read one fixed register, without loads the widening is dropped too; ``nops`` one-byte NOPs."""
-    out = (LOADS + WIDEN) if loads else []
+    out = ((LOADS + WIDEN) if shift else MASKED) if loads else []
     for h in range(2):
         for i in range(g):
             x = f"%%ymm{16 + (2 * i + h) % 8}" if broadcasts else "%%ymm30"
@@ -39,6 +43,7 @@ def program(variants: dict[str, list[str]]) -> str:
              "for (int i = 0; i < 16384; i++) { x[i] = 0.001f; w[i] = 0x3c003c00u; }",
              f"long n = 10000000; double t, s, best[{len(variants)}];",
              '__asm__ volatile("vpbroadcastd %0, %%ymm31\\n\\tvpxord %%ymm30, %%ymm30, %%ymm30" :: "r"(0xffff0000u));',
+             '__asm__ volatile("kmovw %0, %%k1" :: "r"(0xaaaa));',
              "for (int rep = 0; rep < 7; rep++) {"]
     for j, body in enumerate(variants.values()):
         asm = "\\n\\t".join(body)
@@ -54,7 +59,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--inputs", type=int, default=8)
     g = p.parse_args().inputs
-    variants = {"step": step(g), "no broadcasts": step(g, broadcasts=False),
+    variants = {"step": step(g), "step, shift widening": step(g, shift=True),
+                "no broadcasts": step(g, broadcasts=False),
                 "multiply-adds alone": step(g, broadcasts=False, loads=False),
                 f"multiply-adds + {2 * g} NOPs": step(g, broadcasts=False, loads=False, nops=2 * g),
                 "no multiply-adds (loads only)": [s for s in step(g) if not s.startswith("vfmadd")]}

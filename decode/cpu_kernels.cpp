@@ -1231,7 +1231,8 @@ static void share_rows(int64_t N, int threads, Init&& init, F&& f) {
 }
 
 // The parts of a call's prepared input every thread reads, made once by the calling thread before the others start:
-// the vdpbf16ps paths' bf16 copies of x (in xs and xb, which the caller keeps).
+// the blocked int4 rows' int8 groups (made by each thread for itself they cost the int4 level 1.02-1.04x the time)
+// and the vdpbf16ps paths' bf16 copies of x (in xs and xb, which the caller keeps).
 template <typename WT>
 static void shared_input(const float* x, const WT* ws, int64_t M, int64_t K, std::vector<float>& xs,
                          std::vector<uint16_t>& xb, RowsInput& in) {
@@ -1254,7 +1255,7 @@ static void shared_input(const float* x, const WT* ws, int64_t M, int64_t K, std
     (void)x, (void)ws, (void)M, (void)K, (void)xs, (void)xb, (void)in, (void)gs;
 }
 
-// The copies of x each thread makes for itself in its own scratch (int8 groups, pairs order, blocks order): written
+// The copies of x each thread makes for itself in its own scratch (pairs order, blocks order, bf16 pairs): written
 // where they are read, so none of their lines moves between cores. Made once by the calling thread while the others
 // waited, they had cost the half-width layers 1.02x the time at 8 rows (docs/BENCHMARKS.md).
 template <typename WT>

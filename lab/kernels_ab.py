@@ -6,6 +6,7 @@ than most kernel changes between runs minutes apart).
     python lab/kernels_ab.py layers CHAIN_DIR bfloat16 A.so B.so 128 intermediate  # the same for a chain's level
     python lab/kernels_ab.py decode CHAIN_DIR A.so B.so [REPEATS [module-head [MODES]]]  # whole generations
     python lab/kernels_ab.py rows A.so B.so                                    # bf16 weight rows, ns per row
+    python lab/kernels_ab.py attention A.so B.so          # the layer kernel's attention, T = 1, 2, 5, 8 rows
     python lab/kernels_ab.py torch A.so                   # A's bf16 rows against torch's F.linear (oneDNN), widths 1-16
     python lab/kernels_ab.py blocks CHAIN_DIR [LEVEL]     # one build, a level's forwards with and without 16-row blocks
     python lab/kernels_ab.py blocks-decode CHAIN_DIR [REPEATS [MODES]]  # whole generations, with and without them
@@ -242,6 +243,30 @@ def rows(a: str, b: str) -> None:
                   flush=True)
 
 
+def attention(a: str, b: str) -> None:
+    """The layer kernel's attention alone (polyspec_attention_bf16, both threads): SmolLM2's 9 query and 3 K/V heads
+    of 64, T rows after 128 cached positions under a causal mask, the builds alternated; us per call, and whether
+    both give the same bits."""
+    builds = load_builds([a, b])
+    h, kv, d, cap = 9, 3, 64, 256
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(kv, cap, d, generator=g).bfloat16() for _ in range(2))
+    for t in (1, 2, 5, 8):
+        n = 128 + t
+        q, mask = torch.randn(t, h * d, generator=g), torch.ones(t, n, dtype=torch.bool).tril(128).contiguous()
+        outs, secs = {tag: torch.empty(t, h * d) for tag in "AB"}, collections.defaultdict(list)
+        for _ in range(15):
+            for tag in "AB":
+                args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), cap, n, t, h, kv, d, mask.data_ptr(),
+                        torch.get_num_threads(), outs[tag].data_ptr())
+                t0 = time.perf_counter()
+                for _ in range(300):
+                    builds[tag].polyspec_attention_bf16(*args)
+                secs[tag].append((time.perf_counter() - t0) / 300)
+        ta, tb = (sorted(secs[tag])[7] * 1e6 for tag in "AB")
+        print(f"T={t}: A {ta:6.1f} us  B {tb:6.1f} us  B/A {tb / ta:.3f}  same bits {torch.equal(outs['A'], outs['B'])}")
+
+
 def torch_rows(a: str) -> None:
     """Build A's bf16 rows against torch's F.linear (oneDNN) on gate/up-shaped weights streaming from memory (40 x
     3,072 x 576 bf16, 140 MB), widths 1-16, both in every repetition, best of 7."""
@@ -265,5 +290,5 @@ def torch_rows(a: str) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     {"layers": layers, "decode": decode, "rows": rows, "torch": torch_rows, "blocks": blocks,
-     "blocks-decode": blocks_decode, "prompts": prompts}[sys.argv[1]](
+     "blocks-decode": blocks_decode, "prompts": prompts, "attention": attention}[sys.argv[1]](
         *sys.argv[2:])

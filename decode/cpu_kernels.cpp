@@ -71,7 +71,7 @@ static inline V load_bf16(const uint16_t* p) {
 #ifdef __AVX512F__
 // 16 bf16 values: one widening load and a shift. GCC's vector conversion of this shape split into two 8-lane widenings,
 // extracts and an insert, shuffles on the port of the second 512-bit multiply-add: attention over 8 rows of SmolLM2's
-// heads took 1.31x the time (docs/KERNELS.md).
+// heads took 1.31x the time (docs/BENCHMARKS.md).
 template <>
 inline v16f load_bf16<v16f>(const uint16_t* p) {
     const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));

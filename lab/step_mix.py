@@ -24,7 +24,7 @@ MASKED = ["vmovdqu16 (%[w]), %%ymm24%{%%k1%}%{z%}", "vmovdqu16 32(%[w]), %%ymm25
 def step(g: int, broadcasts: bool = True, loads: bool = True, nops: int = 0, shift: bool = False) -> list[str]:
     """The step's instructions (the kernel's order: even k for every input, then odd k); without broadcasts the
     multiplies read one fixed register, without loads the widening is dropped too; ``nops`` one-byte NOPs."""
-    out = ((LOADS + WIDEN) if shift else MASKED) if loads else []
+    out = list(((LOADS + WIDEN) if shift else MASKED) if loads else [])  # a copy: MASKED had grown with each call
     for h in range(2):
         for i in range(g):
             x = f"%%ymm{16 + (2 * i + h) % 8}" if broadcasts else "%%ymm30"
@@ -33,6 +33,10 @@ def step(g: int, broadcasts: bool = True, loads: bool = True, nops: int = 0, shi
             a, b = ("%%ymm24", "%%ymm25") if h == 0 else ("%%ymm26", "%%ymm27")
             out += [f"vfmadd231ps {a}, {x}, %%ymm{2 * i}", f"vfmadd231ps {b}, {x}, %%ymm{2 * i + 1}"]
     return out + ["nop"] * nops
+
+
+# the vector registers a step writes (the accumulators, broadcasts and weights), declared to the compiler
+CLOBBERS = ", ".join(f'"xmm{r}"' for r in range(30)) + ', "memory"'
 
 
 def program(variants: dict[str, list[str]]) -> str:
@@ -48,7 +52,7 @@ def program(variants: dict[str, list[str]]) -> str:
     for j, body in enumerate(variants.values()):
         asm = "\\n\\t".join(body)
         lines += [f't = now(); for (long i = 0; i < n; i++) __asm__ volatile("{asm}" :: [x]"r"(x + (i & 63) * 16),'
-                  ' [w]"r"(w + (i & 63) * 16) : "memory");',
+                  f' [w]"r"(w + (i & 63) * 16) : {CLOBBERS});',
                   f"s = (now() - t) / n * 1e9; if (rep == 0 || s < best[{j}]) best[{j}] = s;"]
     lines.append("}")
     lines += [f'printf("%-28s %6.2f ns\\n", "{name}", best[{j}]);' for j, name in enumerate(variants)]

@@ -1300,11 +1300,26 @@ static void share_weight_rows(const float* x, const WT* ws, int64_t M, int64_t K
     share_rows(N, threads, [&] { return own_input(x, ws, M, K, in); }, f);
 }
 
+// Each value of y [n] rounded in place to the nearest bf16 (ties to even; a NaN becomes the quiet NaN) and kept as
+// fp32: what .to(bfloat16).float() gives. Branch-free, so the compiler vectorises it.
+static void round_bf16_span(float* y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, y + i, sizeof(u));
+        const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : r;
+        memcpy(y + i, &u, sizeof(u));
+    }
+}
+
 // Up to three weights side by side, y = [x w0^T | x w1^T | x w2^T] (+ biases), [M, n0 + n1 + n2] (q/k/v in one
-// call). The concatenated rows are shared out among the threads.
+// call). The concatenated rows are shared out among the threads. round_out: each unit's outputs rounded to bf16
+// (round_bf16_span) by the thread that wrote them, while they are in its cache (a bf16 model's logits: a pass of its
+// own over them after the call had cost the half-width build's lm_head ~0.15 ms at 8 rows, one thread reading
+// lines the other wrote).
 template <typename WT>
 static void run3(const float* x, const WT* ws, const float* const* bs, const int64_t* ns, int64_t M, int64_t K,
-                 float* y, int threads) {
+                 float* y, int threads, bool round_out = false) {
     const int64_t N = ns[0] + ns[1] + ns[2];
     share_weight_rows(x, ws, M, K, N, N, threads, [&](const RowsInput& own, int64_t b, int64_t e) {
         int64_t off = 0;  // rows b..e-1 of the three weights side by side
@@ -1313,6 +1328,7 @@ static void run3(const float* x, const WT* ws, const float* const* bs, const int
             if (lo < hi) rows_w(x, own, ws[s], bs[s], M, K, N, lo, hi, y + off);
             off += ns[s];
         }
+        for (int64_t m = 0; round_out && m < M; m++) round_bf16_span(y + m * N + b, e - b);
     });
 }
 
@@ -1795,29 +1811,25 @@ void polyspec_linear3_f32(const float* x, const float* w0, const float* w1, cons
     run3(x, ws, bs, ns, M, K, y, threads);
 }
 
-// bf16 weights (their uint16 bits); fp32 input, biases and output: the caller widens the tiny [M, K] input and
-// rounds y. dot = 1: the input is bf16 (a bf16 model), so the vdpbf16ps rows take it where built (rounding it to
-// bf16 is exact); dot = 0: an fp32 input against widened weights (a 16-bit lm_head in an fp32 model).
-// blk0..blk2: each weight's 16-row blocks (polyspec_pack_nk16) or NULL.
+// bf16 weights (their uint16 bits); fp32 input, biases and output: the caller widens the tiny [M, K] input.
+// flags bit 0 (dot): the input is bf16 (a bf16 model), so the vdpbf16ps rows take it where built (rounding it to
+// bf16 is exact); clear: an fp32 input against widened weights (a 16-bit lm_head in an fp32 model). Bit 1: y rounded
+// to bf16 values (run3's round_out; a bf16 model's logits, kept as fp32). blk0..blk2: each weight's 16-row blocks
+// (polyspec_pack_nk16) or NULL.
 void polyspec_linear3_bf16w(const float* x, const uint16_t* w0, const uint16_t* w1, const uint16_t* w2,
                             const float* b0, const float* b1, const float* b2, int64_t n0, int64_t n1, int64_t n2,
-                            int64_t M, int64_t K, float* y, int threads, int dot, const uint32_t* blk0,
+                            int64_t M, int64_t K, float* y, int threads, int flags, const uint32_t* blk0,
                             const uint32_t* blk1, const uint32_t* blk2) {
-    const WBF16 ws[3] = {{w0, dot != 0, blk0}, {w1, dot != 0, blk1}, {w2, dot != 0, blk2}};
+    const bool dot = (flags & 1) != 0;
+    const WBF16 ws[3] = {{w0, dot, blk0}, {w1, dot, blk1}, {w2, dot, blk2}};
     const float* bs[3] = {b0, b1, b2};
     const int64_t ns[3] = {n0, n1, n2};
-    run3(x, ws, bs, ns, M, K, y, threads);
+    run3(x, ws, bs, ns, M, K, y, threads, (flags & 2) != 0);
 }
 
-// y [n] fp32, each value rounded in place to the nearest bf16 (ties to even; a NaN stays a NaN) and kept as fp32:
-// what .to(bfloat16).float() gives a bf16 model's lm_head output, without that round trip's two copies of the
-// logits (fresh pages every forward: ~0.13 ms a row on the 2-core VMs).
-void polyspec_round_bf16(float* y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t r = y[i] != y[i] ? 0x7fc00000u : (uint32_t)bf16_bits_rne(y[i]) << 16;
-        memcpy(y + i, &r, sizeof(r));
-    }
-}
+// y [n] fp32, each value rounded in place to the nearest bf16 (round_bf16_span): the reference the fused rounding
+// of polyspec_linear3_bf16w (flags bit 1) is tested against.
+void polyspec_round_bf16(float* y, int64_t n) { round_bf16_span(y, n); }
 
 // w [N, K] bf16 -> its 16-row blocks, out [ceil(N / 16)][ceil(K / 2)][16] 32-bit words (the layout rows_nk16 reads).
 void polyspec_pack_nk16(const uint16_t* w, int64_t N, int64_t K, uint32_t* out) {

@@ -536,10 +536,9 @@ def block_mask(start: int, t: int, tree_mask: torch.Tensor | None, device: torch
     draft appended in earlier forwards); every cached position before those is visible to every query.
     Returns None when every query may see every key (one token, no tree), so SDPA takes its fastest path.
     """
-    if tree_mask is None and t == 1:
-        return None
-    inner = tree_mask.to(device=device, dtype=torch.bool) if tree_mask is not None else \
-        torch.ones(t, t, dtype=torch.bool, device=device).tril()  # [T, K + T]
+    if tree_mask is None:  # one op, not three: a verification builds one per forward
+        return None if t == 1 else torch.ones(t, start + t, dtype=torch.bool, device=device).tril(start)
+    inner = tree_mask.to(device=device, dtype=torch.bool)  # [T, K + T]
     prefix = torch.ones(t, start + t - inner.shape[1], dtype=torch.bool, device=device)  # [T, start - K]
     return torch.cat((prefix, inner), dim=1)
 

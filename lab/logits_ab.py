@@ -1,5 +1,7 @@
-"""A bf16 target's logits two ways, alternated in one process: the kernel's bf16 result widened
-(``linear(...).float()``, before fb67b86) against ``fp32_out=True`` (rounded in place, no copies); bitwise equal.
+"""A bf16 target's logits three ways, alternated in one process, bitwise equal: the kernel's bf16 result widened
+(``linear(...).float()``, before fb67b86); the kernel's fp32 sums then rounded in place by a pass of their own
+(``polyspec_round_bf16``, fb67b86 until the fused rounding); ``fp32_out=True`` (each thread rounds the rows it
+computed, inside the call).
 
     python lab/logits_ab.py CHAIN [--widths 1 3 5 8] [--repeats 40]
 """
@@ -17,20 +19,34 @@ from polyspec.decode import cpu_kernels as ck
 from polyspec.decode.generate import load_chain
 
 
-def alternate(w: torch.Tensor, width: int, repeats: int) -> tuple[float, float]:
+def separate_pass(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The kernel's fp32 sums (flags: bf16 input only), then one rounding pass over all of them on this thread."""
+    xf, n = x.float().contiguous(), w.shape[0]
+    y = torch.empty(*x.shape[:-1], n)
+    ck._lib.polyspec_linear3_bf16w(xf.data_ptr(), w.data_ptr(), 0, 0, None, None, None, n, 0, 0,
+                                   xf.numel() // w.shape[1], w.shape[1], y.data_ptr(), torch.get_num_threads(), 1,
+                                   ck.blocks_ptr(w), None, None)
+    ck._lib.polyspec_round_bf16(y.data_ptr(), y.numel())
+    return y
+
+
+WAYS = {"widened": lambda x, w: ck.linear(x, w, None).float(), "separate pass": separate_pass,
+        "fp32_out": lambda x, w: ck.linear(x, w, None, fp32_out=True)}
+
+
+def alternate(w: torch.Tensor, width: int, repeats: int) -> dict[str, float]:
     """Median ms of each way over ``repeats`` alternations at ``width`` rows."""
     x = torch.randn(1, width, w.shape[1]).bfloat16()
-    if not torch.equal(ck.linear(x, w, None).float(), ck.linear(x, w, None, fp32_out=True)):
-        raise SystemExit("the two ways differ")
-    old, new = [], []
+    outs = [way(x, w) for way in WAYS.values()]
+    if not all(torch.equal(outs[0], o) for o in outs[1:]):
+        raise SystemExit("the ways differ")
+    secs: dict[str, list[float]] = {name: [] for name in WAYS}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        ck.linear(x, w, None).float()
-        t1 = time.perf_counter()
-        ck.linear(x, w, None, fp32_out=True)
-        old.append(t1 - t0)
-        new.append(time.perf_counter() - t1)
-    return statistics.median(old) * 1e3, statistics.median(new) * 1e3
+        for name, way in WAYS.items():
+            t0 = time.perf_counter()
+            way(x, w)
+            secs[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) * 1e3 for name, s in secs.items()}
 
 
 def main() -> None:
@@ -44,8 +60,8 @@ def main() -> None:
     w = chain.models[chain.order[0]].lm_head.weight
     with torch.inference_mode():
         for width in args.widths:
-            old, new = alternate(w, width, args.repeats)
-            print(f"width {width}: widened {old:.3f} ms, fp32_out {new:.3f} ms, saved {old - new:.3f} ms")
+            ms = alternate(w, width, args.repeats)
+            print(f"width {width}: " + ", ".join(f"{name} {t:.3f} ms" for name, t in ms.items()), flush=True)
 
 
 if __name__ == "__main__":

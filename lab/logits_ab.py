@@ -1,7 +1,8 @@
-"""A bf16 target's logits three ways, alternated in one process, bitwise equal: the kernel's bf16 result widened
-(``linear(...).float()``, before fb67b86); the kernel's fp32 sums then rounded in place by a pass of their own
-(``polyspec_round_bf16``, fb67b86 until the fused rounding); ``fp32_out=True`` (each thread rounds the rows it
-computed, inside the call).
+"""A bf16 target's logits four ways, alternated in one process (the order rotating), bitwise equal: through
+``polyspec.decode.cpu_kernels.linear``, the kernel's bf16 result widened (``linear(...).float()``, before fb67b86)
+and ``fp32_out=True``; through the bare entry point, the kernel's fp32 sums then rounded by a pass of their own
+(``polyspec_round_bf16``, fb67b86 until f28e3c0) and rounded by each thread as it computes its rows (flags bit 1,
+what ``fp32_out`` does since f28e3c0).
 
     python lab/logits_ab.py CHAIN [--widths 1 3 5 8] [--repeats 40]
 """
@@ -19,19 +20,21 @@ from polyspec.decode import cpu_kernels as ck
 from polyspec.decode.generate import load_chain
 
 
-def separate_pass(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The kernel's fp32 sums (flags: bf16 input only), then one rounding pass over all of them on this thread."""
+def bare(x: torch.Tensor, w: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The entry point itself on a bf16 input: rounded inside (``fused``) or by one pass after, on this thread."""
     xf, n = x.float().contiguous(), w.shape[0]
     y = torch.empty(*x.shape[:-1], n)
     ck._lib.polyspec_linear3_bf16w(xf.data_ptr(), w.data_ptr(), 0, 0, None, None, None, n, 0, 0,
-                                   xf.numel() // w.shape[1], w.shape[1], y.data_ptr(), torch.get_num_threads(), 1,
-                                   ck.blocks_ptr(w), None, None)
-    ck._lib.polyspec_round_bf16(y.data_ptr(), y.numel())
+                                   xf.numel() // w.shape[1], w.shape[1], y.data_ptr(), torch.get_num_threads(),
+                                   3 if fused else 1, ck.blocks_ptr(w), None, None)
+    if not fused:
+        ck._lib.polyspec_round_bf16(y.data_ptr(), y.numel())
     return y
 
 
-WAYS = {"widened": lambda x, w: ck.linear(x, w, None).float(), "separate pass": separate_pass,
-        "fp32_out": lambda x, w: ck.linear(x, w, None, fp32_out=True)}
+WAYS = {"widened": lambda x, w: ck.linear(x, w, None).float(),
+        "fp32_out": lambda x, w: ck.linear(x, w, None, fp32_out=True),
+        "bare, a pass after": lambda x, w: bare(x, w, False), "bare, fused": lambda x, w: bare(x, w, True)}
 
 
 def alternate(w: torch.Tensor, width: int, repeats: int) -> dict[str, float]:
@@ -41,10 +44,11 @@ def alternate(w: torch.Tensor, width: int, repeats: int) -> dict[str, float]:
     if not all(torch.equal(outs[0], o) for o in outs[1:]):
         raise SystemExit("the ways differ")
     secs: dict[str, list[float]] = {name: [] for name in WAYS}
-    for _ in range(repeats):
-        for name, way in WAYS.items():
+    names = list(WAYS)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each way after each other in turn
             t0 = time.perf_counter()
-            way(x, w)
+            WAYS[name](x, w)
             secs[name].append(time.perf_counter() - t0)
     return {name: statistics.median(s) * 1e3 for name, s in secs.items()}
 

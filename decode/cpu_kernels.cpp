@@ -1852,8 +1852,8 @@ void polyspec_linear3_bf16w(const float* x, const uint16_t* w0, const uint16_t* 
     run3(x, ws, bs, ns, M, K, y, threads, (flags & 2) != 0);
 }
 
-// y [n] fp32, each value rounded in place to the nearest bf16 (round_bf16_span): the reference the fused rounding
-// of polyspec_linear3_bf16w (flags bit 1) is tested against.
+// y [n] fp32, each value rounded in place to the nearest bf16 (round_bf16_span, what polyspec_linear3_bf16w's flags
+// bit 1 does inside the call): the tests check it against torch's on ties, infinities and NaNs.
 void polyspec_round_bf16(float* y, int64_t n) { round_bf16_span(y, n); }
 
 // w [N, K] bf16 -> its 16-row blocks, out [ceil(N / 16)][ceil(K / 2)][16] 32-bit words (the layout rows_nk16 reads).

@@ -422,7 +422,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.dtype == torch.float32:
         _lib.polyspec_linear3_f32(*args)
     else:  # a bf16 input (rounding it back to bf16 is exact) may take the vdpbf16ps rows; fp32_out: rounded there
-        _lib.polyspec_linear3_bf16w(*args, 0 if fp32 else 1 | (2 if fp32_out else 0), *blks)
+        _lib.polyspec_linear3_bf16w(*args, 0 if fp32 else (1 | (2 if fp32_out else 0)), *blks)
     if fp32 or fp32_out:
         return y
     return y.to(x.dtype)

@@ -6,6 +6,7 @@ than most kernel changes between runs minutes apart).
     python lab/kernels_ab.py layers CHAIN_DIR bfloat16 A.so B.so 128 intermediate  # the same for a chain's level
     python lab/kernels_ab.py decode CHAIN_DIR A.so B.so [REPEATS [module-head [MODES]]]  # whole generations
     python lab/kernels_ab.py rows A.so B.so                                    # bf16 weight rows, ns per row
+    python lab/kernels_ab.py shapes A.so B.so [WIDTHS]    # SmolLM2's projections on 16-row blocks, ns per step
     python lab/kernels_ab.py attention A.so B.so          # the layer kernel's attention, T = 1, 2, 5, 8 rows
     python lab/kernels_ab.py torch A.so                   # A's bf16 rows against torch's F.linear (oneDNN), widths 1-16
     python lab/kernels_ab.py blocks CHAIN_DIR [LEVEL]     # one build, a level's forwards with and without 16-row blocks
@@ -243,6 +244,39 @@ def rows(a: str, b: str) -> None:
                   flush=True)
 
 
+# SmolLM2's projections (rows, K, weights timed per call: 30 of a layer shape, as many as its layers, and 1 lm_head)
+SHAPES = {"q/k/v": (960, 576, 30), "o": (576, 576, 30), "gate/up": (3072, 576, 30), "down": (576, 1536, 30),
+          "lm_head": (49152, 576, 1)}
+
+
+def shapes(a: str, b: str, widths: str = "1,8") -> None:
+    """Each projection shape's weights on their 16-row blocks against WIDTHS bf16 input rows, on one thread and on two,
+    the builds alternated: ns per step (a 16-row block x a pair of k) per thread, median of 15. Finer than ``layers``,
+    whose forwards the VM's drift moves by ~1 %."""
+    builds = load_builds([a, b])
+    g = torch.Generator().manual_seed(0)
+    for name, (n, k, copies) in SHAPES.items():
+        ws = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for _ in range(copies)]
+        ck.make_blocks(ws, force=True)
+        calls = [(w.data_ptr(), ck.blocks_ptr(w)) for w in ws]
+        for m in (int(v) for v in widths.split(",")):
+            x, y = torch.randn(m, k, generator=g).bfloat16().float(), torch.empty(m, n)  # bf16 values: flags 1
+            for threads in (1, 2):
+                secs: dict[str, list[float]] = {"A": [], "B": []}
+                for rep in range(15):
+                    for tag in ("A", "B") if rep % 2 else ("B", "A"):
+                        fn = builds[tag].polyspec_linear3_bf16w
+                        t0 = time.perf_counter()
+                        for wp, bp in calls:  # the entry point itself: no Python around it but ctypes' ~2 us
+                            fn(x.data_ptr(), wp, 0, 0, None, None, None, n, 0, 0, m, k, y.data_ptr(), threads, 1,
+                               bp, None, None)
+                        secs[tag].append(time.perf_counter() - t0)
+                steps = copies * (n + 15) // 16 * ((k + 1) // 2) / threads
+                ta, tb = (sorted(secs[t])[7] / steps * 1e9 for t in "AB")
+                print(f"{name:8s} {m} rows, {threads} thread(s): A {ta:.3f} ns  B {tb:.3f} ns  B/A {tb / ta:.3f}",
+                      flush=True)
+
+
 def attention(a: str, b: str) -> None:
     """The layer kernel's attention alone (polyspec_attention_bf16, both threads): SmolLM2's 9 query and 3 K/V heads
     of 64, T rows after 128 cached positions under a causal mask, the builds alternated; us per call, and whether
@@ -290,5 +324,5 @@ def torch_rows(a: str) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     {"layers": layers, "decode": decode, "rows": rows, "torch": torch_rows, "blocks": blocks,
-     "blocks-decode": blocks_decode, "prompts": prompts, "attention": attention}[sys.argv[1]](
+     "blocks-decode": blocks_decode, "prompts": prompts, "attention": attention, "shapes": shapes}[sys.argv[1]](
         *sys.argv[2:])

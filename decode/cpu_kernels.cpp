@@ -1325,14 +1325,13 @@ static void share_weight_rows(const float* x, const WT* ws, int64_t M, int64_t K
     share_rows(N, threads, [&] { return own_input(x, ws, M, K, in); }, f);
 }
 
-// Each value of y [n] rounded in place to the nearest bf16 (ties to even; a NaN becomes the quiet NaN) and kept as
+// Each value of y [n] rounded in place to the nearest bf16 (bf16_bits_rne; a NaN becomes the quiet NaN) and kept as
 // fp32: what .to(bfloat16).float() gives. Branch-free, so the compiler vectorises it.
 static void round_bf16_span(float* y, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t u;
         memcpy(&u, y + i, sizeof(u));
-        const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-        u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : r;
+        u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : (uint32_t)bf16_bits_rne(y[i]) << 16;
         memcpy(y + i, &u, sizeof(u));
     }
 }

@@ -446,10 +446,24 @@ static inline void nk16_passes(int64_t M, F&& f) {
     }
 }
 
+typedef uint64_t v4q __attribute__((vector_size(32)));  // 4 pairs of floats
+
+// Pairs p..p+3 of 4 input rows (from x, K floats apart) -> for each pair the 4 rows' side by side, at d, d + ld, ...
+static inline void pairs_transpose4(const float* x, int64_t K, float* d, int64_t ld) {
+    v4q r[4];
+    for (int i = 0; i < 4; i++) memcpy(&r[i], x + i * K, sizeof(v4q));
+    v4q t0 = __builtin_shufflevector(r[0], r[1], 0, 4, 2, 6), t1 = __builtin_shufflevector(r[0], r[1], 1, 5, 3, 7);
+    v4q t2 = __builtin_shufflevector(r[2], r[3], 0, 4, 2, 6), t3 = __builtin_shufflevector(r[2], r[3], 1, 5, 3, 7);
+    const v4q o[4] = {__builtin_shufflevector(t0, t2, 0, 1, 4, 5), __builtin_shufflevector(t1, t3, 0, 1, 4, 5),
+                      __builtin_shufflevector(t0, t2, 2, 3, 6, 7), __builtin_shufflevector(t1, t3, 2, 3, 6, 7)};
+    for (int i = 0; i < 4; i++) memcpy(d + i * ld, &o[i], sizeof(v4q));
+}
+
 // x [M, K] -> per pass of G inputs from m0 (nk16_passes), per pair p: x[m0 + g][2p], x[m0 + g][2p + 1] for g < G
 // (0 past K), so a pass reads one ascending stream of 2G values per pair. In this thread's scratch. Written pair by
 // pair, one ascending stream out of G in (a row at a time wrote every 2G-th pair of floats: the half-width layers
-// took 1.06x the time at 8 rows, docs/BENCHMARKS.md).
+// took 1.06x the time at 8 rows, docs/BENCHMARKS.md); passes of 4 and 8 inputs 4 pairs at a time, transposed in
+// registers (8 at a time by pairs_transpose4 at K = 576: 0.30 us against 0.78 a pair at a time, in cache).
 static const float* nk16_prepare(const float* x, int64_t M, int64_t K) {
     const int64_t P = (K + 1) / 2, whole = K / 2;
     float* xi = scratch(7, M * 2 * P);
@@ -457,7 +471,15 @@ static const float* nk16_prepare(const float* x, int64_t M, int64_t K) {
         by_pass<NK_PASS>(g, [&](auto G) {
             float* d = xi + m0 * 2 * P;
             const float* xr = x + m0 * K;
-            for (int64_t p = 0; p < whole; p++)
+            int64_t p = 0;
+            if constexpr (G == 1) {  // one input: its pairs in order, the row as it is
+                memcpy(d, xr, whole * 2 * sizeof(float));
+                p = whole;
+            }
+            if constexpr (G % 4 == 0)  // 4 pairs of 4 inputs at a time, transposed in registers
+                for (; p + 4 <= whole; p += 4)
+                    for (int q = 0; q < G; q += 4) pairs_transpose4(xr + q * K + 2 * p, K, d + (p * G + q) * 2, 2 * G);
+            for (; p < whole; p++)
                 for (int i = 0; i < G; i++) memcpy(d + (p * G + i) * 2, xr + i * K + 2 * p, 2 * sizeof(float));
             for (int i = 0; whole < P && i < G; i++) {  // odd K: the last input and a 0
                 d[(whole * G + i) * 2] = xr[i * K + K - 1];
@@ -1494,6 +1516,52 @@ static inline v16f reduce16(const v16f* p) {
            __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// A K or V row of ND 16-lane chunks, as attention holds it: an fp32 cache's in order; a bf16 cache's with each 32
+// dims' words widened by one unpack with zeros per 16 (vpunpcklwd / vpunpckhwd, where a zero-extension and a shift
+// took two instructions), so chunk 2h holds dims 32h + {0-3, 8-11, 16-19, 24-27} and chunk 2h + 1 the others
+// (row_order puts a query's dims the same way, in_order puts an output's back).
+template <int ND>
+static inline void load_row(const float* p, v16f (&r)[ND]) {
+    for (int c = 0; c < ND; c++) r[c] = load_f32(p + 16 * c);
+}
+template <int ND>
+static inline void load_row(const uint16_t* p, v16f (&r)[ND]) {
+    for (int h = 0; h < ND / 2; h++) {
+#ifdef __AVX512BW__
+        const __m512i w = _mm512_loadu_si512(p + 32 * h), z = _mm512_setzero_si512();
+        r[2 * h] = (v16f)_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w));
+        r[2 * h + 1] = (v16f)_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w));
+#else  // the same per 128-bit lane, in two 256-bit halves
+        const __m256i w0 = _mm256_loadu_si256((const __m256i*)(p + 32 * h)), z = _mm256_setzero_si256();
+        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(p + 32 * h + 16));
+        const __m256i lo[2] = {_mm256_unpacklo_epi16(z, w0), _mm256_unpacklo_epi16(z, w1)};
+        const __m256i hi[2] = {_mm256_unpackhi_epi16(z, w0), _mm256_unpackhi_epi16(z, w1)};
+        memcpy(&r[2 * h], lo, sizeof(lo));
+        memcpy(&r[2 * h + 1], hi, sizeof(hi));
+#endif
+    }
+}
+
+template <typename C, int ND>
+static inline void row_order(v16f (&q)[ND]) {
+    if constexpr (std::is_same<C, uint16_t>::value)
+        for (int h = 0; h < ND / 2; h++) {
+            const v16f a = q[2 * h], b = q[2 * h + 1];
+            q[2 * h] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+            q[2 * h + 1] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+        }
+}
+
+template <typename C, int ND>
+static inline void in_order(v16f (&y)[ND]) {
+    if constexpr (std::is_same<C, uint16_t>::value)
+        for (int h = 0; h < ND / 2; h++) {
+            const v16f a = y[2 * h], b = y[2 * h + 1];
+            y[2 * h] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+            y[2 * h + 1] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        }
+}
+
 // Scores of G heads against keys [j0, j0 + 16) (lanes past L or masked: -inf), into sc[g * ld + j0 ...].
 template <int G, int ND, typename C>
 static inline void score_block(const v16f (&q)[G][ND], const C* kc, int64_t j0, int64_t L, const uint8_t* mr,
@@ -1510,7 +1578,7 @@ static inline void score_block(const v16f (&q)[G][ND], const C* kc, int64_t j0, 
             continue;
         }
         v16f k[ND];
-        for (int c = 0; c < ND; c++) k[c] = load_w<C>(kc + j * D + 16 * c);
+        load_row<ND>(kc + j * D, k);
         for (int g = 0; g < G; g++) {
             v16f acc = q[g][0] * k[0];
             for (int c = 1; c < ND; c++) acc += q[g][c] * k[c];
@@ -1534,6 +1602,7 @@ static void attend(const float* q0, const C* kc, const C* vc, int64_t L, const u
     v16f q[G][ND], mxv[G];
     for (int g = 0; g < G; g++) {
         for (int c = 0; c < ND; c++) q[g][c] = load_f32(q0 + g * D + 16 * c);
+        row_order<C, ND>(q[g]);
         mxv[g] = (v16f){0} - INFINITY;
     }
     for (int64_t j0 = 0; j0 < L; j0 += 16) score_block<G, ND, C>(q, kc, j0, L, mr, scale, sc, ld, mxv);
@@ -1547,6 +1616,7 @@ static void attend(const float* q0, const C* kc, const C* vc, int64_t L, const u
             v16f e = exp16(x - mx);
             e = x == -INFINITY ? (v16f){0} : e;
             memcpy(s + j0, &e, sizeof(e));
+            memcpy(s + G * ld + j0, &e, sizeof(e));  // P V's denominator reads this copy (below)
         }
         den[g] = 0.0f;  // summed in the P V loop below, in key order over the visible keys as a decode step sums
     }                   // them (a masked key's 0 added nothing): its add chain then overlaps P V's work
@@ -1556,19 +1626,19 @@ static void attend(const float* q0, const C* kc, const C* vc, int64_t L, const u
     for (int64_t j = 0; j < L; j++) {
         if (mr && !mr[j]) continue;
         v16f v[ND];
-        for (int c = 0; c < ND; c++) v[c] = load_w<C>(vc + j * D + 16 * c);
-        for (int g = 0; g < G; g++) {
+        load_row<ND>(vc + j * D, v);
+        for (int g = 0; g < G; g++) {  // p broadcast by its own load: read once for both, it took a shuffle a head
             const float p = sc[g * ld + j];
-            den[g] += p;
+            den[g] += sc[(G + g) * ld + j];
             for (int c = 0; c < ND; c++) acc[g][c] += p * v[c];
         }
     }
     for (int g = 0; g < G; g++) {
         const float r = 1.0f / den[g];
-        for (int c = 0; c < ND; c++) {
-            const v16f y = acc[g][c] * r;
-            memcpy(out + g * D + 16 * c, &y, sizeof(y));
-        }
+        v16f y[ND];
+        for (int c = 0; c < ND; c++) y[c] = acc[g][c] * r;
+        in_order<C, ND>(y);
+        memcpy(out + g * D, y, sizeof(y));
     }
 }
 
@@ -1662,7 +1732,7 @@ static void attention(const float* qkv, int64_t nqkv, const C* kcache, const C* 
     };
 #pragma omp parallel num_threads(at) if (at > 1)
     {
-        std::vector<float> sc(per * (L + 16));
+        std::vector<float> sc(2 * per * (L + 16));  // an item's scores, then its exponentials twice (attend)
         if (T > 16) {  // a prompt: causal rows grow, so deal the items out one by one
 #pragma omp for schedule(static, 1)
             for (int64_t it = 0; it < items; it++) item(it, sc.data());

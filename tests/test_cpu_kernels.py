@@ -227,6 +227,29 @@ def test_the_8_lane_builds_compute_what_the_16_lane_one_does(other_builds, monke
     assert torch.allclose(i4_a, i4_h, rtol=1e-5, atol=1e-5 * i4_a.abs().max().item())
 
 
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_every_build_attends_alike_over_a_bf16_cache(d, other_builds, monkeypatch):
+    """Attention over a bf16 cache (its K/V rows widened by unpacks, the query's dims permuted to match, the output's
+    put back: load_row): the AVX2 build (two 256-bit unpacks per 32 values) and the half-width build give bitwise the
+    16-lane build's result, which is close to SDPA's."""
+    if "avx512f" not in (ck._cpu_flags() or ""):
+        pytest.skip("compares against this CPU's AVX-512 builds")
+    from polyspec.decode.model import block_mask
+
+    h, kv, start, t, cap = 4, 2, 23, 6, 64
+    q = torch.randn(1, h, t, d, generator=_gen(90 + d)).bfloat16()
+    kc, vc = (torch.randn(1, kv, cap, d, generator=_gen(91 + i + d)).bfloat16() for i in range(2))
+    k, v = kc[:, :, :start + t], vc[:, :, :start + t]
+    mask = block_mask(start, t, None, q.device)
+    with torch.inference_mode():
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        wide = ck.attention(q, k, v, mask)
+        for kind in ("avx2", "half"):
+            out = _with_portable_build(other_builds / kind, monkeypatch, lambda: ck.attention(q, k, v, mask), kind)[0]
+            assert torch.equal(out, wide), kind
+    torch.testing.assert_close(wide.float(), ref, atol=2e-2, rtol=1e-2)
+
+
 def _blocked(w: torch.Tensor) -> torch.Tensor:
     """w with its 16-row blocks (as pack_weights gives a packed model's bf16 weights)."""
     assert ck.make_blocks([w], force=True) > 0 and ck.blocks_of(w) is not None

@@ -71,7 +71,7 @@ static inline V load_bf16(const uint16_t* p) {
 #ifdef __AVX512F__
 // 16 bf16 values: one widening load and a shift. GCC's vector conversion of this shape split into two 8-lane widenings,
 // extracts and an insert, shuffles on the port of the second 512-bit multiply-add: attention over 8 rows of SmolLM2's
-// heads took 1.31x the time (docs/BENCHMARKS.md).
+// heads took 1.31x the time when it widened its K/V rows so (docs/BENCHMARKS.md).
 template <>
 inline v16f load_bf16<v16f>(const uint16_t* p) {
     const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
@@ -1519,7 +1519,7 @@ static inline v16f reduce16(const v16f* p) {
 // A K or V row of ND 16-lane chunks, as attention holds it: an fp32 cache's in order; a bf16 cache's with each 32
 // dims' words widened by one unpack with zeros per 16 (vpunpcklwd / vpunpckhwd, where a zero-extension and a shift
 // took two instructions), so chunk 2h holds dims 32h + {0-3, 8-11, 16-19, 24-27} and chunk 2h + 1 the others
-// (row_order puts a query's dims the same way, in_order puts an output's back).
+// (row_order puts a query's dims the same way and an output's back).
 template <int ND>
 static inline void load_row(const float* p, v16f (&r)[ND]) {
     for (int c = 0; c < ND; c++) r[c] = load_f32(p + 16 * c);
@@ -1542,23 +1542,22 @@ static inline void load_row(const uint16_t* p, v16f (&r)[ND]) {
     }
 }
 
-template <typename C, int ND>
-static inline void row_order(v16f (&q)[ND]) {
+// A vector's dims as load_row leaves a cache of type C's rows (a query's, before its scores), or back in order
+// (an output's, after P V); fp32 caches need neither.
+template <typename C, bool back, int ND>
+static inline void row_order(v16f (&v)[ND]) {
     if constexpr (std::is_same<C, uint16_t>::value)
         for (int h = 0; h < ND / 2; h++) {
-            const v16f a = q[2 * h], b = q[2 * h + 1];
-            q[2 * h] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-            q[2 * h + 1] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-        }
-}
-
-template <typename C, int ND>
-static inline void in_order(v16f (&y)[ND]) {
-    if constexpr (std::is_same<C, uint16_t>::value)
-        for (int h = 0; h < ND / 2; h++) {
-            const v16f a = y[2 * h], b = y[2 * h + 1];
-            y[2 * h] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-            y[2 * h + 1] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+            const v16f a = v[2 * h], b = v[2 * h + 1];
+            if constexpr (back) {
+                v[2 * h] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+                v[2 * h + 1] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30,
+                                                       31);
+            } else {
+                v[2 * h] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+                v[2 * h + 1] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                                       31);
+            }
         }
 }
 
@@ -1602,7 +1601,7 @@ static void attend(const float* q0, const C* kc, const C* vc, int64_t L, const u
     v16f q[G][ND], mxv[G];
     for (int g = 0; g < G; g++) {
         for (int c = 0; c < ND; c++) q[g][c] = load_f32(q0 + g * D + 16 * c);
-        row_order<C, ND>(q[g]);
+        row_order<C, false>(q[g]);
         mxv[g] = (v16f){0} - INFINITY;
     }
     for (int64_t j0 = 0; j0 < L; j0 += 16) score_block<G, ND, C>(q, kc, j0, L, mr, scale, sc, ld, mxv);
@@ -1637,7 +1636,7 @@ static void attend(const float* q0, const C* kc, const C* vc, int64_t L, const u
         const float r = 1.0f / den[g];
         v16f y[ND];
         for (int c = 0; c < ND; c++) y[c] = acc[g][c] * r;
-        in_order<C, ND>(y);
+        row_order<C, true>(y);
         memcpy(out + g * D, y, sizeof(y));
     }
 }

@@ -2,7 +2,8 @@
 the step's instructions in inline assembly, then the same with parts taken out or NOPs added, each timed in one C
 program (best of 7 alternated passes over L1-resident data). Needs gcc and AVX-512VL (32 vector registers). "step"
 widens the weights as AVX512-BW builds do (two masked word loads, cpu_kernels.cpp's widen_pairs); "step, shift
-widening" as the others do (a load, a mask and a 16-bit shift).
+widening" as the others do (a load, a mask and a 16-bit shift); "vpexpandw" by word expansions (VBMI2); "2 blocks x G
+inputs" 32 rows per step, each broadcast feeding 4 weight vectors (4G multiply-adds, "m-a").
 
     python lab/step_mix.py [--inputs 8]
 """
@@ -19,6 +20,8 @@ WIDEN = ["vpandd %%ymm31, %%ymm28, %%ymm24", "vpandd %%ymm31, %%ymm29, %%ymm25",
          "vpslld $16, %%ymm28, %%ymm26", "vpslld $16, %%ymm29, %%ymm27"]
 MASKED = ["vmovdqu16 (%[w]), %%ymm24%{%%k1%}%{z%}", "vmovdqu16 32(%[w]), %%ymm25%{%%k1%}%{z%}",
           "vmovdqu16 -2(%[w]), %%ymm26%{%%k1%}%{z%}", "vmovdqu16 30(%[w]), %%ymm27%{%%k1%}%{z%}"]
+# AVX512-VBMI2: 8 consecutive words into the lanes' high halves (a layout with each vector's words side by side)
+EXPAND = [f"vpexpandw {16 * i}(%[w]), %%ymm{24 + i}%{{%%k1%}}%{{z%}}" for i in range(4)]
 
 
 def step(g: int, broadcasts: bool = True, loads: bool = True, nops: int = 0, shift: bool = False) -> list[str]:
@@ -33,6 +36,18 @@ def step(g: int, broadcasts: bool = True, loads: bool = True, nops: int = 0, shi
             a, b = ("%%ymm24", "%%ymm25") if h == 0 else ("%%ymm26", "%%ymm27")
             out += [f"vfmadd231ps {a}, {x}, %%ymm{2 * i}", f"vfmadd231ps {b}, {x}, %%ymm{2 * i + 1}"]
     return out + ["nop"] * nops
+
+
+def two_blocks(g: int) -> list[str]:
+    """32 rows (two blocks, 4 weight vectors) against g <= 6 inputs: 4g multiply-adds per input pair of k, each
+    widened weight vector used by g inputs and each broadcast by 4 vectors (the 16-row step: 8 and 2)."""
+    out = []
+    for h in range(2):
+        out += [f"vmovdqu16 {32 * j - 2 * h}(%[w]), %%ymm{24 + j}%{{%%k1%}}%{{z%}}" for j in range(4)]
+        for i in range(g):
+            out.append(f"vbroadcastss {4 * (2 * i + h)}(%[x]), %%ymm{28 + i % 2}")
+            out += [f"vfmadd231ps %%ymm{24 + j}, %%ymm{28 + i % 2}, %%ymm{4 * i + j}" for j in range(4)]
+    return out
 
 
 # the vector registers a step writes (the accumulators, broadcasts and weights), declared to the compiler
@@ -67,7 +82,11 @@ def main() -> None:
                 "no broadcasts": step(g, broadcasts=False),
                 "multiply-adds alone": step(g, broadcasts=False, loads=False),
                 f"multiply-adds + {2 * g} NOPs": step(g, broadcasts=False, loads=False, nops=2 * g),
-                "no multiply-adds (loads only)": [s for s in step(g) if not s.startswith("vfmadd")]}
+                "no multiply-adds (loads only)": [s for s in step(g) if not s.startswith("vfmadd")],
+                "step + two prefetches": step(g) + ["prefetcht2 1024(%[w])", "prefetcht0 512(%[w])"],
+                "2 blocks x 6 inputs (48 m-a)": two_blocks(6), "2 blocks x 2 inputs (16 m-a)": two_blocks(2)}
+    if "avx512_vbmi2" in Path("/proc/cpuinfo").read_text():
+        variants["step, vpexpandw widening"] = EXPAND + step(g)[4:]
     with tempfile.TemporaryDirectory() as d:
         src, exe = Path(d) / "mix.c", Path(d) / "mix"
         src.write_text(program(variants))

@@ -2,8 +2,8 @@
 the step's instructions in inline assembly, then the same with parts taken out or NOPs added, each timed in one C
 program (best of 7 alternated passes over L1-resident data). Needs gcc and AVX-512VL (32 vector registers). "step"
 widens the weights as AVX512-BW builds do (two masked word loads, cpu_kernels.cpp's widen_pairs); "step, shift
-widening" as the others do (a load, a mask and a 16-bit shift); "vpexpandw" by word expansions (VBMI2); "2 blocks x G
-inputs" 32 rows per step, each broadcast feeding 4 weight vectors (4G multiply-adds, "m-a").
+widening" as the others do (a load, a mask and a 16-bit shift); "vpexpandw" by word expansions (VBMI2); "R rows x G
+inputs" R / 8 weight vectors per step, each broadcast feeding all of them (R / 4 x G multiply-adds, "m-a").
 
     python lab/step_mix.py [--inputs 8]
 """
@@ -38,15 +38,15 @@ def step(g: int, broadcasts: bool = True, loads: bool = True, nops: int = 0, shi
     return out + ["nop"] * nops
 
 
-def two_blocks(g: int) -> list[str]:
-    """32 rows (two blocks, 4 weight vectors) against g <= 6 inputs: 4g multiply-adds per input pair of k, each
-    widened weight vector used by g inputs and each broadcast by 4 vectors (the 16-row step: 8 and 2)."""
+def wide_step(g: int, v: int) -> list[str]:
+    """v 8-row weight vectors (v = 2: the 16-row step; 3: 24 rows; 4: two blocks) against g inputs, v * g <= 24:
+    2vg multiply-adds per input pair of k, each widened vector used by g inputs and each broadcast by v vectors."""
     out = []
     for h in range(2):
-        out += [f"vmovdqu16 {32 * j - 2 * h}(%[w]), %%ymm{24 + j}%{{%%k1%}}%{{z%}}" for j in range(4)]
+        out += [f"vmovdqu16 {32 * j - 2 * h}(%[w]), %%ymm{24 + j}%{{%%k1%}}%{{z%}}" for j in range(v)]
         for i in range(g):
             out.append(f"vbroadcastss {4 * (2 * i + h)}(%[x]), %%ymm{28 + i % 2}")
-            out += [f"vfmadd231ps %%ymm{24 + j}, %%ymm{28 + i % 2}, %%ymm{4 * i + j}" for j in range(4)]
+            out += [f"vfmadd231ps %%ymm{24 + j}, %%ymm{28 + i % 2}, %%ymm{v * i + j}" for j in range(v)]
     return out
 
 
@@ -84,7 +84,8 @@ def main() -> None:
                 f"multiply-adds + {2 * g} NOPs": step(g, broadcasts=False, loads=False, nops=2 * g),
                 "no multiply-adds (loads only)": [s for s in step(g) if not s.startswith("vfmadd")],
                 "step + two prefetches": step(g) + ["prefetcht2 1024(%[w])", "prefetcht0 512(%[w])"],
-                "2 blocks x 6 inputs (48 m-a)": two_blocks(6), "2 blocks x 2 inputs (16 m-a)": two_blocks(2)}
+                "24 rows x 8 inputs (48 m-a)": wide_step(8, 3), "32 rows x 6 inputs (48 m-a)": wide_step(6, 4),
+                "32 rows x 2 inputs (16 m-a)": wide_step(2, 4)}
     if "avx512_vbmi2" in Path("/proc/cpuinfo").read_text():
         variants["step, vpexpandw widening"] = EXPAND + step(g)[4:]
     with tempfile.TemporaryDirectory() as d:

@@ -21,7 +21,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -2022,6 +2024,40 @@ int polyspec_layer_i4(float* x, const void* const* ptrs, int64_t gs, float eps, 
     return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
 }
 
+// The layers of a causal block in one call (decode/model.py: a decode step, a verification, a prompt's chunk):
+// layer l runs as polyspec_layer_<kind> would with plans[l] and its caches kc[l], vc[l], in turn on x [T, H] fp32
+// (kind 0: bf16, 1: f32, 2: int4 of group size gs). RoPE from the table rope [2, S, D] (cos, sin) at positions
+// start .. start + T - 1; each row sees the cache and the block's rows up to its own. One call where a loop over the
+// layers in Python paid ~20 us a layer for its own data, which each layer's weight stream leaves cold. Returns 0, or
+// 16 * l + the refusal code of layer l.
+int polyspec_layers(int kind, int64_t gs, float* x, const void* const* const* plans, int64_t L, float eps, int64_t T,
+                    int64_t H, int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* rope, void* const* kc,
+                    void* const* vc, int64_t S, int64_t start, int threads) {
+    if (kind < 0 || kind > 2 || start < 0 || start + T > S) return 2;
+    std::vector<uint8_t> mask;
+    if (T > 1) {  // all of the cache, then causal within the block (model.block_mask)
+        mask.assign(T * (start + T), 1);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = start + t + 1; j < start + T; j++) mask[t * (start + T) + j] = 0;
+    }
+    const float *cos_ = rope + start * D, *sin_ = rope + (S + start) * D;
+    const uint8_t* m = T > 1 ? mask.data() : nullptr;
+    for (int64_t l = 0; l < L; l++) {
+        int rc = 0;
+        if (kind == 0)
+            rc = polyspec_layer_bf16(x, plans[l], eps, T, H, nh, nkv, D, I, cos_, sin_, (uint16_t*)kc[l],
+                                     (uint16_t*)vc[l], S, start, m, threads);
+        else if (kind == 1)
+            rc = polyspec_layer_f32(x, plans[l], eps, T, H, nh, nkv, D, I, cos_, sin_, (float*)kc[l], (float*)vc[l],
+                                    S, start, m, threads);
+        else
+            rc = polyspec_layer_i4(x, plans[l], gs, eps, T, H, nh, nkv, D, I, cos_, sin_, (float*)kc[l],
+                                   (float*)vc[l], S, start, m, threads);
+        if (rc != 0) return (int)(16 * l + rc);
+    }
+    return 0;
+}
+
 // Attention alone for a block of T query rows (a prompt run through torch's matmuls): q [T, nh * D] fp32 (RoPE
 // applied), the K/V cache (bf16 or fp32; kv heads S rows apart) holding positions 0 .. L - 1, mask [T, L] (NULL: all
 // visible) -> out [T, nh * D] fp32, the layer kernel's own attention (a row's result is the same as in a step).
@@ -2037,18 +2073,33 @@ int polyspec_attention_f32(const float* q, const float* k, const float* v, int64
 
 // The draft head's step (decode/head.py, EagleHead with bf16 weights; one call where the module path makes ~25 torch
 // ops and four kernel calls): rows t < T of x = fc(concat(embed[ids[t]], feat[t])) rounded to bf16, one bf16 decoder
-// layer (causal within the block, or under tree_mask [T, start + T]: a draft tree's; cos_/sin_ hold each row's own
-// position), hidden = its output rounded to bf16 (the head's predicted features), then the lm rows' logits of the
-// last out_rows rows, rounded to bf16. The module path's roundings, in the same kernels (run1, layer), so the
-// results are bitwise the module's (tests/test_cpu_kernels.py). Returns 0, or the layer's refusal code (1: shapes;
-// 3: out_rows).
+// layer (causal within the block, or under tree_mask [T, start + T]: a draft tree's), hidden = its output rounded to
+// bf16 (the head's predicted features), then the lm rows' logits of the last out_rows rows, rounded to bf16. RoPE
+// from the table rope [2, S, D] (cos, sin) at positions start.. or, for a tree, positions[T]. With vocab_ids [V] (a
+// draft vocabulary: the lm rows are those tokens') logits is [out_rows, full_V], every other token -inf; without,
+// [out_rows, V]. The module path's roundings, in the same kernels (run1, layer), so the results are bitwise the
+// module's (tests/test_cpu_kernels.py). Returns 0, or the layer's refusal code (1: shapes; 3: out_rows; 4: a
+// position outside the table).
 int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uint16_t* feat, int64_t T, int64_t H,
                             const uint16_t* fc_w, const float* fc_b, const void* const* layer_ptrs, float eps,
-                            int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* cos_, const float* sin_,
-                            uint16_t* kcache, uint16_t* vcache, int64_t S, int64_t start, const uint8_t* tree_mask,
-                            const uint16_t* lm_w, int64_t V, int64_t out_rows, uint16_t* hidden, float* logits,
-                            int threads, const uint32_t* fc_blk, const uint32_t* lm_blk) {
+                            int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* rope,
+                            const int64_t* positions, uint16_t* kcache, uint16_t* vcache, int64_t S, int64_t start,
+                            const uint8_t* tree_mask, const uint16_t* lm_w, int64_t V, const int64_t* vocab_ids,
+                            int64_t full_V, int64_t out_rows, uint16_t* hidden, float* logits, int threads,
+                            const uint32_t* fc_blk, const uint32_t* lm_blk) {
     if (out_rows < 0 || out_rows > T) return 3;
+    std::vector<float> cs;  // a tree's rows' cos then sin [2, T, D]; a plain block reads the table's rows in place
+    const float *cos_ = rope + start * D, *sin_ = rope + (S + start) * D;
+    if (positions) {
+        cs.resize(2 * T * D);
+        for (int64_t t = 0; t < T; t++) {
+            if (positions[t] < 0 || positions[t] >= S) return 4;
+            memcpy(&cs[t * D], rope + positions[t] * D, D * sizeof(float));
+            memcpy(&cs[(T + t) * D], rope + (S + positions[t]) * D, D * sizeof(float));
+        }
+        cos_ = cs.data();
+        sin_ = cs.data() + T * D;
+    }
     std::vector<float> x2(T * 2 * H), x(T * H);
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < H; i++) {
@@ -2071,8 +2122,15 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
         x[i] = bf16_to_f32(hidden[i]);
     }
     if (out_rows > 0) {
-        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, true, lm_blk}, nullptr, V, out_rows, H, logits, threads);
-        round_to_bf16(logits, out_rows * V);
+        std::vector<float> sub(vocab_ids ? out_rows * V : 0);
+        float* y = vocab_ids ? sub.data() : logits;
+        run1(x.data() + (T - out_rows) * H, WBF16{lm_w, true, lm_blk}, nullptr, V, out_rows, H, y, threads);
+        round_to_bf16(y, out_rows * V);
+        if (vocab_ids) {  // the draft vocabulary's logits among all tokens' (every other one -inf)
+            std::fill(logits, logits + out_rows * full_V, -std::numeric_limits<float>::infinity());
+            for (int64_t r = 0; r < out_rows; r++)
+                for (int64_t j = 0; j < V; j++) logits[r * full_V + vocab_ids[j]] = y[r * V + j];
+        }
     }
     return 0;
 }

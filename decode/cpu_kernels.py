@@ -216,9 +216,13 @@ def _declare(lib: ctypes.CDLL) -> None:
                                             + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                             + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
                                             + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
-                                            + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
-                                            + [ctypes.c_void_p] * 2)
+                                            + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2
+                                            + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
     lib.polyspec_head_step_bf16.restype = ctypes.c_int
+    lib.polyspec_layers.argtypes = ([ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_float] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
+                                    + [ctypes.c_int64] * 2 + [ctypes.c_int])
+    lib.polyspec_layers.restype = ctypes.c_int
     for name in ("polyspec_attention_bf16", "polyspec_attention_f32"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_void_p,
                                                                                         ctypes.c_int,
@@ -732,6 +736,80 @@ def run_layers(plans: list[LayerPlan], x: torch.Tensor, cos: torch.Tensor, sin: 
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+_KINDS = {"bf16": 0, "f32": 1, "i4": 2}  # polyspec_layers' kind codes
+
+
+class LayerBlock:
+    """What :func:`run_block` needs to run a model's layers over a causal block in one kernel call: the layers'
+    plans (their pointer tables in one array), the caches' per-layer pointers, and the RoPE table [2, S, D] for the
+    cache's S positions (fp32 of the values ``rope_cos_sin`` gives in the compute dtype). Built by
+    :func:`layer_block`, which checks on every use that each plan is still its layer's and no watched weight changed
+    in place (the checks :func:`layer_plan` makes per layer)."""
+
+    __slots__ = ("plans", "code", "group_size", "eps", "sizes", "ptrs", "kc", "vc", "rope", "watched", "versions")
+
+    def __init__(self, plans: list[LayerPlan], cache, rope: torch.Tensor):
+        first = plans[0]
+        self.plans = plans
+        self.code, self.group_size, self.eps = _KINDS[first.kind], first.group_size, first.eps
+        self.sizes = (first.heads, first.kv_heads, first.head_dim, first.intermediate)
+        self.ptrs = (ctypes.c_void_p * len(plans))(*(ctypes.addressof(p.ptrs) for p in plans))
+        self.kc = (ctypes.c_void_p * len(plans))(*(k.data_ptr() for k in cache.k[:len(plans)]))
+        self.vc = (ctypes.c_void_p * len(plans))(*(v.data_ptr() for v in cache.v[:len(plans)]))
+        self.rope = rope
+        pairs = [pair for p in plans for pair in p.versions]
+        self.watched, self.versions = [t for t, _ in pairs], [v for _, v in pairs]
+
+    def __deepcopy__(self, memo):  # a copied cache has its own memory: it builds its own blocks
+        return None
+
+    def __reduce__(self):  # ctypes pointers do not pickle
+        return (type(None), ())
+
+
+def layer_block(layers: list[torch.nn.Module], cache, x: torch.Tensor, inv_freq: torch.Tensor,
+                max_rows: int) -> LayerBlock | None:
+    """The :class:`LayerBlock` of ``layers`` over ``cache`` (a model.StaticKVCache; kept in its ``layer_blocks``)
+    for blocks like ``x``, or None where one call does not apply: an input :func:`block_supported` refuses (with at
+    most ``max_rows`` rows), a layer without a plan, plans of different kinds or shapes, a kind that does not take
+    x's dtype, int4 reference mode."""
+    blocks = getattr(cache, "layer_blocks", None)
+    if blocks is None or not block_supported(x, x, cache, None, max_rows) or _int4_reference():
+        return None
+    k0 = cache.k[0]
+    key = (id(layers[0]), len(layers), k0.data_ptr(), cache.v[0].data_ptr(), x.dtype)
+    block = blocks.get(key)
+    if block is not None and all(layer.__dict__.get("_cpu_plan") is p
+                                 for layer, p in zip(layers, block.plans, strict=True)) \
+            and [t._version for t in block.watched] == block.versions:
+        return block
+    blocks.pop(key, None)
+    plans = [layer_plan(layer) for layer in layers]
+    if any(p is None for p in plans) or len({(p.kind, p.group_size, p.eps, p.heads, p.kv_heads, p.head_dim,
+                                              p.intermediate) for p in plans}) != 1:
+        return None
+    if x.dtype != (torch.bfloat16 if plans[0].kind == "bf16" else torch.float32):
+        return None
+    from polyspec.decode.model import rope_cos_sin
+
+    cos, sin = rope_cos_sin(inv_freq.cpu(), torch.arange(k0.shape[2]), x.dtype)
+    block = blocks[key] = LayerBlock(plans, cache, torch.stack((cos, sin)).float().contiguous())
+    return block
+
+
+def run_block(block: LayerBlock, x: torch.Tensor, cache, start: int) -> torch.Tensor:
+    """:func:`run_layers` over a causal block at cache position ``start`` in one kernel call (the same layers'
+    arithmetic, so bitwise its result): x [1, T, H] -> the block's output, same dtype; writes the layers' K/V."""
+    out = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous().clone()
+    t, h = out.shape[1], out.shape[2]
+    rc = _lib.polyspec_layers(block.code, block.group_size, out.data_ptr(), block.ptrs, len(block.plans), block.eps,
+                              t, h, *block.sizes, block.rope.data_ptr(), block.kc, block.vc, cache.k[0].shape[2],
+                              start, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"run_block: the kernel refused the shapes of layer {rc // 16} (code {rc % 16})")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
     """softmax(q k^T / sqrt(D), masked) v through the layer kernel's attention (model.attend's contract: q [1, h, T, D],
     k/v [1, kv, L, D] views of a KV cache or tensors of their own, mask bool [T, L] or None), or None where it does not
@@ -764,7 +842,8 @@ class HeadStep:
     """The bf16 tensors of an EAGLE head's decode step that :func:`head_step` reads (decode/head.py builds it):
     the target's embedding [V, H], fc [H, 2H] and its bias as fp32, the layer's plan, the lm rows [Vd, H], and the
     RoPE table [2, S, D] (cos, sin per position, fp32 of the bf16 values the module path computes); fc's and the lm
-    rows' 16-row blocks where they have them (:func:`blocks_of`: the module path then reads them too)."""
+    rows' 16-row blocks where they have them (:func:`blocks_of`: the module path then reads them too); with a draft
+    vocabulary, its token ids [Vd] (int64: the lm rows' tokens) and the full vocabulary's size."""
 
     embed: torch.Tensor
     fc_weight: torch.Tensor
@@ -774,6 +853,8 @@ class HeadStep:
     rope: torch.Tensor
     fc_blocks: torch.Tensor | None = None
     lm_blocks: torch.Tensor | None = None
+    vocab_ids: torch.Tensor | None = None
+    vocab_size: int = 0
 
 
 def head_step(step: HeadStep, ids: torch.Tensor, features: torch.Tensor, cache, start: int,
@@ -781,23 +862,23 @@ def head_step(step: HeadStep, ids: torch.Tensor, features: torch.Tensor, cache, 
               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """An EAGLE head's step in one kernel call (cpu_kernels.cpp's head_step_bf16): token ids [T] (int64), features
     [T, H] bf16, the head's bf16 cache (positions start .. start + T - 1 written) -> (hidden [T, H] bf16, logits of
-    the last ``out_rows`` rows over the lm rows [out_rows, Vd] fp32), bitwise what the module path gives. A draft
-    tree's rows: ``positions`` [T] (int64, each below the rope table's length) and ``mask`` [T, start + T] bool (the
-    model's block_mask); default: positions start.., causal within the block. The caller checked
-    :func:`available`, the shapes and dtypes (decode/head.py, ``EagleHead._kernel_step``)."""
+    the last ``out_rows`` rows [out_rows, V] fp32: over the lm rows, or with a draft vocabulary over every token, -inf
+    outside it), bitwise what the module path gives. A draft tree's rows: ``positions`` [T] (int64, each below the
+    rope table's length) and ``mask`` [T, start + T] bool (the model's block_mask); default: positions start..,
+    causal within the block. The caller checked :func:`available`, the shapes and dtypes (decode/head.py,
+    ``EagleHead._kernel_step``)."""
     t, h = features.shape
-    plan = step.plan
+    plan, vocab = step.plan, step.vocab_ids
     hidden = torch.empty((t, h), dtype=torch.bfloat16)
-    logits = torch.empty((out_rows, step.lm_weight.shape[0]), dtype=torch.float32)
+    logits = torch.empty((out_rows, step.lm_weight.shape[0] if vocab is None else step.vocab_size),
+                         dtype=torch.float32)
     k, v = cache.k[0], cache.v[0]
-    rope = step.rope[:, start] if positions is None else step.rope.index_select(1, positions)  # [2, (T,) D]
-    cos, sin = rope[0], rope[1]
-    mask = None if mask is None else mask.contiguous()  # bool: one byte per entry, as run_layers passes it
     rc = _lib.polyspec_head_step_bf16(
         ids.data_ptr(), step.embed.data_ptr(), features.data_ptr(), t, h, step.fc_weight.data_ptr(),
         step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,
-        cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start,
-        None if mask is None else mask.data_ptr(), step.lm_weight.data_ptr(), step.lm_weight.shape[0], out_rows,
+        step.rope.data_ptr(), None if positions is None else positions.data_ptr(), k.data_ptr(), v.data_ptr(),
+        k.shape[2], start, None if mask is None else mask.data_ptr(), step.lm_weight.data_ptr(),
+        step.lm_weight.shape[0], None if vocab is None else vocab.data_ptr(), step.vocab_size, out_rows,
         hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
         *(None if b is None else b.data_ptr() for b in (step.fc_blocks, step.lm_blocks)))
     if rc != 0:

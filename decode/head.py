@@ -129,6 +129,7 @@ class EagleHead(CachedDecoder):
         """Keep the ``size`` most frequent tokens of ``token_counts`` in the inference logits (ties: lower id first);
         None or 0: the full vocabulary."""
         self.__dict__.pop("_draft_weight", None)
+        self.__dict__.pop("_kernel_step_cache", None)  # its lm rows and vocabulary ids
         if not size:
             self.draft_ids = None
             return
@@ -262,11 +263,12 @@ class EagleHead(CachedDecoder):
             if int(positions.min()) < 0 or int(positions.max()) >= step.rope.shape[1]:
                 return None
             mask = block_mask(start, t, tree_mask, torch.device("cpu"))
-        feats = features[0].to(torch.bfloat16).contiguous()
-        hidden, sub = cpu_kernels.head_step(step, ids[0].contiguous(), feats, cache, start, 1 if last_only else t,
-                                            positions, mask)
+        feats = features[0] if features.dtype == torch.bfloat16 and features.is_contiguous() else \
+            features[0].to(torch.bfloat16).contiguous()
+        hidden, logits = cpu_kernels.head_step(step, ids[0].contiguous(), feats, cache, start, 1 if last_only else t,
+                                               positions, None if mask is None else mask.contiguous())
         cache.length = start + t
-        return self._full_logits(sub[None]), (hidden[-1:] if last_only else hidden)[None]
+        return logits[None], (hidden[-1:] if last_only else hidden)[None]
 
     def _head_step(self, cache) -> cpu_kernels.HeadStep | None:
         """The tensors cpu_kernels.head_step reads (cached while the weights, the draft vocabulary and the cache
@@ -289,9 +291,11 @@ class EagleHead(CachedDecoder):
         step = None
         if ok:
             cos, sin = rope_cos_sin(self.inv_freq, torch.arange(k.shape[2]), torch.bfloat16)
+            vocab = None if self.draft_ids is None else self.draft_ids.to("cpu", torch.int64).contiguous()
             step = cpu_kernels.HeadStep(emb.detach(), fc.weight.detach(), fc.bias.detach().float().contiguous(),
                                         plan, lm.detach(), torch.stack((cos, sin)).float().contiguous(),
-                                        cpu_kernels.blocks_of(fc.weight), cpu_kernels.blocks_of(lm))
+                                        cpu_kernels.blocks_of(fc.weight), cpu_kernels.blocks_of(lm), vocab,
+                                        self.args.vocab_size)
         self.__dict__["_kernel_step_cache"] = (key, step)
         return step
 

@@ -288,6 +288,7 @@ class StaticKVCache:
         self.length = 0
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size
+        self.layer_blocks: dict = {}  # cpu_kernels.layer_block's tables over this cache (a segment's view shares it)
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write layer ``layer``'s block k/v [B, kv, T, D] at positions start .. start + T - 1; return the keys and
@@ -684,12 +685,17 @@ class CachedDecoder(nn.Module):
         rows = cpu_kernels.rows_limit(start, tree_mask is not None, blocked)
         if blocked and t > rows:
             return self._run_chunks(x, layers, rows)
+        block = cpu_kernels.layer_block(layers, cache, x, self.inv_freq, rows) if plain else None
+        if block is not None:  # the common case on the CPU: every layer in one kernel call
+            x = cpu_kernels.run_block(block, x, cache, start)
+            cache.length = start + t
+            return x
         positions = self._positions(t, start, position_offsets, x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D] each
         mask = block_mask(start, t, tree_mask, x.device)
         plans = [cpu_kernels.layer_plan(layer) for layer in layers] \
             if cpu_kernels.block_supported(x, cos, cache, mask, rows) else []
-        if plans and all(p is not None for p in plans):  # the common case: every layer in one kernel call each
+        if plans and all(p is not None for p in plans):  # every layer in one kernel call each
             x = cpu_kernels.run_layers(plans, x, cos, sin, mask, cache, start)
         else:
             for i, layer in enumerate(layers):

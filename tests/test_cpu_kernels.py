@@ -941,13 +941,20 @@ def test_the_bf16_rows_are_measured_once_per_library(other_builds, monkeypatch):
         _with_portable_build(other_builds, monkeypatch, ck.state, kind="bf16-emulated")
 
 
+def _spy_layer_kernel(monkeypatch, widths: list[int]) -> None:
+    """Record the width of every block the layer kernel runs (a causal block's layers in one call, run_block, or
+    layer by layer, run_layers)."""
+    run, block = ck.run_layers, ck.run_block
+    monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: widths.append(x.shape[1]) or run(plans, x, *a, **k))
+    monkeypatch.setattr(ck, "run_block", lambda b, x, *a, **k: widths.append(x.shape[1]) or block(b, x, *a, **k))
+
+
 def test_which_forwards_take_the_kernels_by_width(models, monkeypatch):
     """cpu_kernels.rows_limit: a prompt at an empty cache takes the kernels up to MAX_ROWS rows, a verification (a
     block at a non-empty cache) up to VERIFY_ROWS; a batched forward's rows are sequences and keep MAX_ROWS."""
     t = Transformer.from_pretrained(models["llama"]).eval().to(torch.bfloat16)
     widths: list[int] = []
-    run = ck.run_layers
-    monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: widths.append(x.shape[1]) or run(plans, x, *a, **k))
+    _spy_layer_kernel(monkeypatch, widths)
     ids = torch.randint(0, 512, (60,), generator=_gen(40))
     with torch.inference_mode():
         t.setup_cache(128)
@@ -981,8 +988,7 @@ def test_a_prompt_over_blocked_weights_takes_the_kernels_in_verification_blocks(
         return
     assert ck.blocked_layers(list(model.layers)) and not ck.blocked_layers(list(bare.layers))
     widths: list[int] = []
-    run = ck.run_layers
-    monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: widths.append(x.shape[1]) or run(plans, x, *a, **k))
+    _spy_layer_kernel(monkeypatch, widths)
     ids = torch.randint(0, 512, (2 * ck.VERIFY_ROWS + 23,), generator=_gen(12))
     with torch.inference_mode():
         model.setup_cache(192)
@@ -1022,8 +1028,7 @@ def test_bf16_greedy_tree_wider_than_a_prompt_block_equals_ar(models, monkeypatc
     t = Transformer.from_pretrained(models["llama"]).eval().to(torch.bfloat16)
     twin = copy.deepcopy(t)
     calls: list[int] = []
-    run = ck.run_layers
-    monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: calls.append(x.shape[1]) or run(plans, x, *a, **k))
+    _spy_layer_kernel(monkeypatch, calls)
     tp = DraftSpec(tree=TreeShape(top_k=4, depth=3, total_tokens=40))
     for prompt in ([5, 17, 230, 9, 77], [3, 8, 400, 12], [44, 2, 9, 310, 7, 21]):
         ar = ChainDecoder([ModelLevel(t, "t")], max_seq_len=96).generate(prompt, 24).token_ids

@@ -133,13 +133,9 @@ def _kernel(model, monkeypatch) -> tuple[torch.Tensor, ...]:
     layers = model._layers()
     assert all(ck.layer_plan(layer) is not None for layer in layers)
     calls = []
-    real = ck.run_layers
-
-    def counted(plans, *a, **kw):
-        calls.append(len(plans))
-        return real(plans, *a, **kw)
-
-    monkeypatch.setattr(ck, "run_layers", counted)
+    real, block = ck.run_layers, ck.run_block
+    monkeypatch.setattr(ck, "run_layers", lambda plans, *a, **k: calls.append(len(plans)) or real(plans, *a, **k))
+    monkeypatch.setattr(ck, "run_block", lambda b, *a, **k: calls.append(len(b.plans)) or block(b, *a, **k))
     out = _script(model)
     assert calls == [len(layers)] * len(BLOCKS)
     return out
@@ -179,6 +175,45 @@ def test_reference_kernel_and_static_step_agree(arch, level, monkeypatch):
     ref = _reference(model, monkeypatch)
     _close(_kernel(model, monkeypatch), ref, _tol(level, "kernel"))
     _close(_reference(model, monkeypatch, static=True), ref, _tol(level, "static"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ["fp32", "bf16", "int4"])
+def test_a_causal_blocks_layers_in_one_call_equal_them_one_by_one(level, monkeypatch):
+    """cpu_kernels.run_block (every layer of a causal block in one kernel call: RoPE from a table, the mask made in
+    C) gives bitwise the logits, hidden states and cache of a kernel call per layer (run_layers), and every causal
+    forward at a cache takes it. Over bf16 weights in 16-row blocks, a weight changed in place between two forwards
+    on one cache is seen by both paths alike (the block is rebuilt, not stale)."""
+    model = _model("smollm2", level)
+    by_layer = copy.deepcopy(model)
+    if level == "bf16":
+        for m in (model, by_layer):
+            assert ck.make_blocks([w.weight for w in m.modules() if type(w).__name__ == "Linear"], force=True) > 0
+    taken = []
+    real = ck.run_block
+    monkeypatch.setattr(ck, "run_block", lambda b, *a, **k: taken.append(len(b.plans)) or real(b, *a, **k))
+    one_call = _script(model)
+    assert taken == [len(model.layers)] * sum(mask is None for _, mask, _ in BLOCKS)
+    with monkeypatch.context() as mp:
+        mp.setattr(ck, "layer_block", lambda *a, **k: None)
+        assert all(torch.equal(a, b) for a, b in zip(one_call, _script(by_layer), strict=True))
+        if level != "bf16":
+            return
+        outs = [_changed_between_forwards(by_layer)]
+    outs.append(_changed_between_forwards(model))
+    assert torch.equal(*outs) and len(taken) == 5 + 2
+
+
+def _changed_between_forwards(model: torch.nn.Module) -> torch.Tensor:
+    """A prompt, a weight of layer 1 scaled in place, a decode step on the same cache: that step's logits."""
+    ids = torch.arange(9) * 7 % VOCAB
+    model.setup_cache(32)
+    with torch.inference_mode():
+        model(ids[:8])
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    with torch.inference_mode():
+        return model(ids[8:])[0]
 
 
 def test_every_model_type_is_covered():
@@ -225,7 +260,8 @@ def test_a_feature_the_kernel_does_not_declare_takes_the_reference_layer(monkeyp
         fast = copy.deepcopy(model)
         assert all(ck.layer_plan(layer) is None for layer in fast.layers)
         assert no_mlp_bias.missing(fast.layers[0]) == {"mlp_bias"}
-        mp.setattr(ck, "run_layers", lambda *a, **k: pytest.fail("the kernel ran an undeclared layer"))
+        for name in ("run_layers", "run_block"):
+            mp.setattr(ck, name, lambda *a, **k: pytest.fail("the kernel ran an undeclared layer"))
         _close(_script(fast), ref, 1e-5)
     fresh = copy.deepcopy(model)
     assert ck.layer_plan(fresh.layers[0]) is not None

@@ -2058,6 +2058,54 @@ int polyspec_layers(int kind, int64_t gs, float* x, const void* const* const* pl
     return 0;
 }
 
+// A bf16 model's final RMSNorm on the CPU (decode/model.py, Transformer._out whenever the kernels are on, so every
+// forward of the model, in one call or not, normalises alike): per row of x [T, H] (a bf16-rounded residual, as fp32)
+// r = 1 / sqrt(mean(x^2) + eps), the sum of squares in double as in the layers' norms, and y = bf16(w * bf16(x * r)):
+// the module's two roundings (x32.to(bf16), then the bf16 product with the weight w, given as fp32).
+static void final_norm_bf16(const float* x, const float* w, float eps, int64_t T, int64_t H, uint16_t* y) {
+    for (int64_t t = 0; t < T; t++) {
+        const float* xr = x + t * H;
+        const float r = 1.0f / sqrtf((float)(sum_squares(xr, H) / (double)H) + eps);
+        for (int64_t h = 0; h < H; h++) y[t * H + h] = f32_to_bf16(w[h] * bf16_to_f32(f32_to_bf16(xr[h] * r)));
+    }
+}
+
+void polyspec_final_norm_bf16(const uint16_t* x, const float* w, float eps, int64_t T, int64_t H, uint16_t* y) {
+    std::vector<float> xf(T * H);
+    for (int64_t i = 0; i < T * H; i++) xf[i] = bf16_to_f32(x[i]);
+    final_norm_bf16(xf.data(), w, eps, T, H, y);
+}
+
+// A bf16 model's forward over a causal block in one call (decode/model.py, Transformer.forward: a decode step, a
+// verification): the embedding rows of ids widened, the layers as polyspec_layers (kind 0), the residual rounded to
+// bf16, the final norm (final_norm_bf16) into hidden [T, H], and the lm_head's logits of rows from .. T - 1, rounded
+// to bf16, into logits [T - from, V] (fp32), as kernel_linear computes them. Each step of the module path is one
+// kernel call or torch op over the same values, so the results are bitwise its (tests/test_layer_parity.py); one call
+// saves their Python, which a target forward's weight stream leaves cold. Returns 0, polyspec_layers' code, 3 (from),
+// or 5 (a token id outside the embedding's n_embed rows).
+int polyspec_forward_bf16(const int64_t* ids, const uint16_t* embed, int64_t n_embed, int64_t T, int64_t H,
+                          const void* const* const* plans, int64_t L, float eps, int64_t nh, int64_t nkv, int64_t D,
+                          int64_t I, const float* rope, void* const* kc, void* const* vc, int64_t S, int64_t start,
+                          const float* norm_w, float norm_eps, const uint16_t* lm_w, const uint32_t* lm_blk,
+                          int64_t V, int64_t from, uint16_t* hidden, float* logits, int threads) {
+    if (from < 0 || from >= T) return 3;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= n_embed) return 5;
+    std::vector<float> x(T * H);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < H; i++) x[t * H + i] = bf16_to_f32(embed[ids[t] * H + i]);
+    const int rc = polyspec_layers(0, 0, x.data(), plans, L, eps, T, H, nh, nkv, D, I, rope, kc, vc, S, start, threads);
+    if (rc != 0) return rc;
+    round_to_bf16(x.data(), T * H);
+    final_norm_bf16(x.data(), norm_w, norm_eps, T, H, hidden);
+    for (int64_t i = from * H; i < T * H; i++) x[i] = bf16_to_f32(hidden[i]);
+    const WBF16 ws[3] = {{lm_w, true, lm_blk}, {lm_w, true, lm_blk}, {lm_w, true, lm_blk}};
+    const float* bs[3] = {nullptr, nullptr, nullptr};
+    const int64_t ns[3] = {V, 0, 0};
+    run3(x.data() + from * H, ws, bs, ns, T - from, H, logits, threads, true);
+    return 0;
+}
+
 // Attention alone for a block of T query rows (a prompt run through torch's matmuls): q [T, nh * D] fp32 (RoPE
 // applied), the K/V cache (bf16 or fp32; kv heads S rows apart) holding positions 0 .. L - 1, mask [T, L] (NULL: all
 // visible) -> out [T, nh * D] fp32, the layer kernel's own attention (a row's result is the same as in a step).
@@ -2079,8 +2127,9 @@ int polyspec_attention_f32(const float* q, const float* k, const float* v, int64
 // draft vocabulary: the lm rows are those tokens') logits is [out_rows, full_V], every other token -inf; without,
 // [out_rows, V]. The module path's roundings, in the same kernels (run1, layer), so the results are bitwise the
 // module's (tests/test_cpu_kernels.py). Returns 0, or the layer's refusal code (1: shapes; 3: out_rows; 4: a
-// position outside the table).
-int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uint16_t* feat, int64_t T, int64_t H,
+// position outside the table; 5: a token id outside the embedding's n_embed rows).
+int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, int64_t n_embed, const uint16_t* feat,
+                            int64_t T, int64_t H,
                             const uint16_t* fc_w, const float* fc_b, const void* const* layer_ptrs, float eps,
                             int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* rope,
                             const int64_t* positions, uint16_t* kcache, uint16_t* vcache, int64_t S, int64_t start,
@@ -2088,6 +2137,8 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, const uin
                             int64_t full_V, int64_t out_rows, uint16_t* hidden, float* logits, int threads,
                             const uint32_t* fc_blk, const uint32_t* lm_blk) {
     if (out_rows < 0 || out_rows > T) return 3;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= n_embed) return 5;
     std::vector<float> cs;  // a tree's rows' cos then sin [2, T, D]; a plain block reads the table's rows in place
     const float *cos_ = rope + start * D, *sin_ = rope + (S + start) * D;
     if (positions) {

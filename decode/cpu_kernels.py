@@ -212,7 +212,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.polyspec_linear_q8v.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p,
                                                                                      ctypes.c_int]
     lib.polyspec_linear_q8v.restype = ctypes.c_int
-    lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.polyspec_head_step_bf16.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p]
+                                            + [ctypes.c_int64] * 2
                                             + [ctypes.c_void_p] * 3 + [ctypes.c_float]
                                             + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
                                             + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
@@ -223,6 +224,15 @@ def _declare(lib: ctypes.CDLL) -> None:
                                      ctypes.c_float] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
                                     + [ctypes.c_int64] * 2 + [ctypes.c_int])
     lib.polyspec_layers.restype = ctypes.c_int
+    lib.polyspec_final_norm_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_int64] * 2 + [
+        ctypes.c_void_p]
+    lib.polyspec_final_norm_bf16.restype = None
+    lib.polyspec_forward_bf16.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p,
+                                          ctypes.c_int64, ctypes.c_float] + [ctypes.c_int64] * 4
+                                          + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                                          + [ctypes.c_void_p, ctypes.c_float] + [ctypes.c_void_p] * 2
+                                          + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+    lib.polyspec_forward_bf16.restype = ctypes.c_int
     for name in ("polyspec_attention_bf16", "polyspec_attention_f32"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_void_p,
                                                                                         ctypes.c_int,
@@ -688,14 +698,17 @@ def block_supported(x: torch.Tensor, cos: torch.Tensor, cache, mask: torch.Tenso
     [1, T, H] of a LAYER_SUPPORT dtype on the CPU, T at most ``max_rows`` (:func:`rows_limit`) and LAYER_SUPPORT's
     widest, a batch-1 KV cache of the same dtype, a bool mask or none, no autograd, no tracer or compiler, the
     library loaded."""
-    if not _ready() or cache is None:
+    if not x.is_cpu or x.dim() != 3 or x.shape[0] != 1 or (mask is not None and mask.dtype != torch.bool):
         return False
-    if x.dtype not in LAYER_SUPPORT.activations or not x.is_cpu or x.dim() != 3 or x.shape[0] != 1 \
-            or not 0 < x.shape[1] <= min(max_rows, LAYER_SUPPORT.max_rows):
+    return _block_ok(x.dtype, x.shape[1], cache, max_rows)
+
+
+def _block_ok(dtype: torch.dtype, t: int, cache, max_rows: int) -> bool:
+    """block_supported for a block of ``t`` rows of ``dtype`` on the CPU without a mask."""
+    if not _ready() or cache is None or dtype not in LAYER_SUPPORT.activations \
+            or not 0 < t <= min(max_rows, LAYER_SUPPORT.max_rows):
         return False
-    if cache.batch_size != 1 or cache.k[0].dtype != x.dtype or not cache.k[0].is_cpu:
-        return False
-    if mask is not None and mask.dtype != torch.bool:
+    if cache.batch_size != 1 or cache.k[0].dtype != dtype or not cache.k[0].is_cpu:
         return False
     if torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
@@ -767,17 +780,17 @@ class LayerBlock:
         return (type(None), ())
 
 
-def layer_block(layers: list[torch.nn.Module], cache, x: torch.Tensor, inv_freq: torch.Tensor,
+def layer_block(layers: list[torch.nn.Module], cache, dtype: torch.dtype, t: int, inv_freq: torch.Tensor,
                 max_rows: int) -> LayerBlock | None:
     """The :class:`LayerBlock` of ``layers`` over ``cache`` (a model.StaticKVCache; kept in its ``layer_blocks``)
-    for blocks like ``x``, or None where one call does not apply: an input :func:`block_supported` refuses (with at
-    most ``max_rows`` rows), a layer without a plan, plans of different kinds or shapes, a kind that does not take
-    x's dtype, int4 reference mode."""
+    for a causal block of ``t`` rows of ``dtype``, or None where one call does not apply: a block
+    :func:`block_supported` refuses (more than ``max_rows`` rows, ...), a layer without a plan, plans of different
+    kinds or shapes, a kind that does not take the dtype, int4 reference mode."""
     blocks = getattr(cache, "layer_blocks", None)
-    if blocks is None or not block_supported(x, x, cache, None, max_rows) or _int4_reference():
+    if blocks is None or not _block_ok(dtype, t, cache, max_rows) or _int4_reference():
         return None
     k0 = cache.k[0]
-    key = (id(layers[0]), len(layers), k0.data_ptr(), cache.v[0].data_ptr(), x.dtype)
+    key = (id(layers[0]), len(layers), k0.data_ptr(), cache.v[0].data_ptr(), dtype)
     block = blocks.get(key)
     if block is not None and all(layer.__dict__.get("_cpu_plan") is p
                                  for layer, p in zip(layers, block.plans, strict=True)) \
@@ -788,11 +801,11 @@ def layer_block(layers: list[torch.nn.Module], cache, x: torch.Tensor, inv_freq:
     if any(p is None for p in plans) or len({(p.kind, p.group_size, p.eps, p.heads, p.kv_heads, p.head_dim,
                                               p.intermediate) for p in plans}) != 1:
         return None
-    if x.dtype != (torch.bfloat16 if plans[0].kind == "bf16" else torch.float32):
+    if dtype != (torch.bfloat16 if plans[0].kind == "bf16" else torch.float32):
         return None
     from polyspec.decode.model import rope_cos_sin
 
-    cos, sin = rope_cos_sin(inv_freq.cpu(), torch.arange(k0.shape[2]), x.dtype)
+    cos, sin = rope_cos_sin(inv_freq.cpu(), torch.arange(k0.shape[2]), dtype)
     block = blocks[key] = LayerBlock(plans, cache, torch.stack((cos, sin)).float().contiguous())
     return block
 
@@ -808,6 +821,56 @@ def run_block(block: LayerBlock, x: torch.Tensor, cache, start: int) -> torch.Te
     if rc != 0:
         raise ValueError(f"run_block: the kernel refused the shapes of layer {rc // 16} (code {rc % 16})")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def final_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor | None:
+    """A bf16 model's final RMSNorm on the kernel (cpu_kernels.cpp, final_norm_bf16) for x [..., H] bf16 on the CPU
+    without autograd, or None (the module's own forward then runs). Transformer._out takes it whenever it applies,
+    so every forward of a model normalises alike: in one call (:func:`run_forward`) or not, a verification's rows
+    get a decode step's hidden states and logits."""
+    w = norm.weight
+    if not (_ready() and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.is_cpu and w.is_cpu) \
+            or x.shape[-1] != w.shape[0] or torch.is_grad_enabled() or torch.jit.is_tracing() \
+            or torch.compiler.is_compiling() or _load() is None:
+        return None
+    xc = x.contiguous()
+    y = torch.empty(xc.shape, dtype=torch.bfloat16)
+    _lib.polyspec_final_norm_bf16(xc.data_ptr(), _norm_weight(norm).data_ptr(), float(norm.eps),
+                                  xc.numel() // w.shape[0], w.shape[0], y.data_ptr())
+    return y
+
+
+def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+    """The norm's bf16 weight as fp32 (cached on the module while its data and version stay)."""
+    w = norm.weight
+    key = (w.data_ptr(), version(w))
+    cached = norm.__dict__.get("_kernel_weight")
+    if cached is None or cached[0] != key:
+        cached = norm.__dict__["_kernel_weight"] = (key, w.detach().float().contiguous())
+    return cached[1]
+
+
+def run_forward(block: LayerBlock, ids: torch.Tensor, embed: torch.Tensor, norm: torch.nn.Module,
+                lm_weight: torch.Tensor, cache, start: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 model's forward over a causal block in one kernel call (cpu_kernels.cpp's forward_bf16): token ids
+    [1, T] (int64, contiguous) at cache position ``start`` -> (logits [1, T - first, V] fp32 of rows first .. T - 1,
+    final-norm'd hidden [1, T, H] bf16), bitwise what :func:`run_block`, :func:`final_norm` and
+    :func:`kernel_linear` give one after another. The caller checked the weights (bf16, CPU, contiguous; an lm_head
+    without bias) and got ``block`` from :func:`layer_block`."""
+    t, (v, h) = ids.shape[1], lm_weight.shape
+    hidden = torch.empty((1, t, h), dtype=torch.bfloat16)
+    logits = torch.empty((1, t - first, v), dtype=torch.float32)
+    rc = _lib.polyspec_forward_bf16(ids.data_ptr(), embed.data_ptr(), embed.shape[0], t, h, block.ptrs,
+                                    len(block.plans), block.eps, *block.sizes, block.rope.data_ptr(), block.kc,
+                                    block.vc, cache.k[0].shape[2], start, _norm_weight(norm).data_ptr(),
+                                    float(norm.eps), lm_weight.data_ptr(), blocks_ptr(lm_weight), v, first,
+                                    hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+    if rc == 5:
+        raise PolyspecError(f"token ids must lie in 0..{embed.shape[0] - 1} (the embedding's rows), got "
+                            f"{ids.tolist()[0]}")
+    if rc != 0:
+        raise ValueError(f"run_forward: the kernel refused the shapes (code {rc})")
+    return logits, hidden
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -857,10 +920,10 @@ class HeadStep:
     vocab_size: int = 0
 
 
-def head_step(step: HeadStep, ids: torch.Tensor, features: torch.Tensor, cache, start: int,
+def head_step(step: HeadStep, ids: list[int], features: torch.Tensor, cache, start: int,
               out_rows: int, positions: torch.Tensor | None = None,
               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """An EAGLE head's step in one kernel call (cpu_kernels.cpp's head_step_bf16): token ids [T] (int64), features
+    """An EAGLE head's step in one kernel call (cpu_kernels.cpp's head_step_bf16): T token ids, features
     [T, H] bf16, the head's bf16 cache (positions start .. start + T - 1 written) -> (hidden [T, H] bf16, logits of
     the last ``out_rows`` rows [out_rows, V] fp32: over the lm rows, or with a draft vocabulary over every token, -inf
     outside it), bitwise what the module path gives. A draft tree's rows: ``positions`` [T] (int64, each below the
@@ -874,13 +937,15 @@ def head_step(step: HeadStep, ids: torch.Tensor, features: torch.Tensor, cache, 
                          dtype=torch.float32)
     k, v = cache.k[0], cache.v[0]
     rc = _lib.polyspec_head_step_bf16(
-        ids.data_ptr(), step.embed.data_ptr(), features.data_ptr(), t, h, step.fc_weight.data_ptr(),
-        step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,
+        (ctypes.c_int64 * t)(*ids), step.embed.data_ptr(), step.embed.shape[0], features.data_ptr(), t, h,
+        step.fc_weight.data_ptr(), step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,
         step.rope.data_ptr(), None if positions is None else positions.data_ptr(), k.data_ptr(), v.data_ptr(),
         k.shape[2], start, None if mask is None else mask.data_ptr(), step.lm_weight.data_ptr(),
         step.lm_weight.shape[0], None if vocab is None else vocab.data_ptr(), step.vocab_size, out_rows,
         hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
         *(None if b is None else b.data_ptr() for b in (step.fc_blocks, step.lm_blocks)))
+    if rc == 5:
+        raise PolyspecError(f"token ids {ids} must lie in 0..{step.embed.shape[0] - 1} (the embedding's rows)")
     if rc != 0:
         raise ValueError(f"head_step: the kernel refused the shapes (code {rc})")
     return hidden, logits

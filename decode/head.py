@@ -265,10 +265,29 @@ class EagleHead(CachedDecoder):
             mask = block_mask(start, t, tree_mask, torch.device("cpu"))
         feats = features[0] if features.dtype == torch.bfloat16 and features.is_contiguous() else \
             features[0].to(torch.bfloat16).contiguous()
-        hidden, logits = cpu_kernels.head_step(step, ids[0].contiguous(), feats, cache, start, 1 if last_only else t,
+        hidden, logits = cpu_kernels.head_step(step, ids[0].tolist(), feats, cache, start, 1 if last_only else t,
                                                positions, None if mask is None else mask.contiguous())
         cache.length = start + t
         return logits[None], (hidden[-1:] if last_only else hidden)[None]
+
+    def decode_step(self, tokens: list[int], features: torch.Tensor, last_only: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`forward` of a causal block at the cache's end (a draft step, a catch-up block) on the one-call
+        kernel step without forward's tensor reshaping: token ids, features [T, H] bf16 -> (logits [T, V], hidden
+        [T, H]; the last row of each with ``last_only``), or None where the kernel step does not apply (forward's
+        own path then runs). Each torch op costs tens of microseconds here: a target forward between two draft
+        steps leaves the interpreter's and torch's own data cold."""
+        cache, t = self._cache, len(tokens)
+        if cache is None or not 0 < t <= cpu_kernels.MAX_ROWS or "_static_runner" in self.__dict__ \
+                or torch.is_grad_enabled() \
+                or features.dtype != torch.bfloat16 or not features.is_cpu or not features.is_contiguous():
+            return None
+        step, start = self._head_step(cache), cache.length
+        if step is None or start + t > step.rope.shape[1] or features.shape != (t, step.fc_weight.shape[1] // 2):
+            return None
+        hidden, logits = cpu_kernels.head_step(step, tokens, features, cache, start, 1 if last_only else t)
+        cache.length = start + t
+        return logits, (hidden[-1:] if last_only else hidden)
 
     def _head_step(self, cache) -> cpu_kernels.HeadStep | None:
         """The tensors cpu_kernels.head_step reads (cached while the weights, the draft vocabulary and the cache

@@ -203,6 +203,10 @@ class HeadLevel:
             got = None if features is None else list(features.shape)
             raise PolyspecError(f"HeadLevel {self.name!r}: needs one feature row per token ({len(tokens)}), got {got}")
         self.head.truncate(start_pos - 1)
+        step = getattr(self.head, "decode_step", None)
+        out = step(tokens, features, last_only) if step is not None else None
+        if out is not None:
+            return out
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         w = next(self.head.parameters())
         feats = features.to(device=w.device, dtype=w.dtype)  # [T, H]

@@ -685,7 +685,8 @@ class CachedDecoder(nn.Module):
         rows = cpu_kernels.rows_limit(start, tree_mask is not None, blocked)
         if blocked and t > rows:
             return self._run_chunks(x, layers, rows)
-        block = cpu_kernels.layer_block(layers, cache, x, self.inv_freq, rows) if plain else None
+        block = cpu_kernels.layer_block(layers, cache, x.dtype, t, self.inv_freq, rows) \
+            if plain and x.is_cpu else None
         if block is not None:  # the common case on the CPU: every layer in one kernel call
             x = cpu_kernels.run_block(block, x, cache, start)
             cache.length = start + t
@@ -808,6 +809,8 @@ class Transformer(CachedDecoder):
         else:
             runner = self.__dict__.get("_static_runner")  # polyspec.decode.cuda_graphs: static steps / CUDA graphs
             out = runner.forward(ids, None, tree_mask, position_offsets, last_only) if runner is not None else None
+        if out is None and tree_mask is None and position_offsets is None:
+            out = self._forward_in_one_call(ids, last_only, logits_from, rows)
         if out is None:
             x = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets)
             out = self._out(x, last_only, logits_from, rows)
@@ -817,6 +820,27 @@ class Transformer(CachedDecoder):
     def _layers(self) -> list[nn.Module]:
         return list(self.layers)
 
+    def _forward_in_one_call(self, ids: torch.Tensor, last_only: bool, logits_from: int,
+                             rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """forward's result for a causal block of one sequence at the cache's end from one kernel call
+        (cpu_kernels.run_forward: the layers, the final norm and the lm_head of a bf16 model on the CPU), or None
+        where it does not apply (then the layers, the norm and the lm_head run one after another)."""
+        cache, t = self._cache, ids.shape[1]
+        emb, lm, norm = self.embed_tokens.weight, self.lm_head, self.norm
+        if cache is None or ids.shape[0] != 1 or type(lm) is not Linear or lm.bias is not None \
+                or not (emb.dtype == lm.weight.dtype == norm.weight.dtype == torch.bfloat16) \
+                or not (emb.is_cpu and emb.is_contiguous() and lm.weight.is_contiguous() and ids.is_contiguous()):
+            return None
+        start = cache.length
+        self._check_block(1, t, start, None)
+        block = cpu_kernels.layer_block(list(self.layers), cache, torch.bfloat16, t, self.inv_freq, rows)
+        if block is None:
+            return None
+        first = t - 1 if last_only else min(logits_from, t - 1)
+        logits, hidden = cpu_kernels.run_forward(block, ids, emb, norm, lm.weight, cache, start, first)
+        cache.length = start + t
+        return logits, (hidden[:, -1:] if last_only else hidden)
+
     def _embed(self, ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         """ids [B, T] -> layer input [B, T, H] in the compute dtype."""
         return self.embed_tokens(ids.to(self.embed_tokens.weight.device)).to(self._compute_dtype())
@@ -825,7 +849,8 @@ class Transformer(CachedDecoder):
              max_rows: int = cpu_kernels.MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
         """Last layer's output [B, T, H] -> (logits [B, T - logits_from, V] float32, final-norm'd hidden [B, T, H])
         (last_only: the last row of each). ``max_rows``: the forward's cpu_kernels.rows_limit."""
-        hidden = self.norm(x)  # [B, T, H]
+        hidden = cpu_kernels.final_norm(x, self.norm)  # a bf16 model on the CPU: as run_forward normalises
+        hidden = self.norm(x) if hidden is None else hidden  # [B, T, H]
         if last_only:
             hidden = hidden[:, -1:]
         rows = hidden[:, min(logits_from, hidden.shape[1] - 1):] if logits_from > 0 else hidden

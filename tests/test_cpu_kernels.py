@@ -941,12 +941,47 @@ def test_the_bf16_rows_are_measured_once_per_library(other_builds, monkeypatch):
         _with_portable_build(other_builds, monkeypatch, ck.state, kind="bf16-emulated")
 
 
+def test_the_final_norm_is_the_modules_up_to_one_rounding():
+    """cpu_kernels.final_norm (a bf16 model's final RMSNorm whenever the kernels are on) rounds like the module (to
+    bf16 after normalising, again after the weight) and differs from it only where its 1 / sqrt in fp32 from a
+    double sum of squares lands the rounding on the other side: at most one bf16 step, on few values."""
+    from polyspec.decode.model import RMSNorm
+
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(576, generator=_gen(50)))
+    x = (3 * torch.randn(2, 7, 576, generator=_gen(51))).to(torch.bfloat16)
+    with torch.inference_mode():
+        got, ref = ck.final_norm(x, norm), norm(x)
+        assert ck.final_norm(x.float(), norm) is None  # fp32 activations: the module
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    step = ref.float().abs() * 2 ** -7
+    assert bool(((got.float() - ref.float()).abs() <= step * 1.01).all())
+    assert (got != ref).float().mean().item() < 0.02
+
+
+def test_a_token_id_outside_the_embedding_is_one_clear_error(tmp_path):
+    """The one-call forward and head step read embedding rows by token id in C: an id past the vocabulary is refused
+    there (no read outside the table) with one clear error, not an IndexError from deep inside."""
+    fast, _, target = _twin_bf16_heads(tmp_path, 52, 0)
+    target.setup_cache(32)
+    vocab = target.args.vocab_size
+    with torch.inference_mode():
+        with pytest.raises(PolyspecError, match=f"0..{vocab - 1}"):
+            target(torch.tensor([3, vocab]))
+        with pytest.raises(PolyspecError, match=f"0..{vocab - 1}"):
+            fast.decode_step([vocab + 5], torch.zeros(1, target.args.hidden_size, dtype=torch.bfloat16), True)
+        assert target._cache.length == 0 and fast._cache.length == 0
+
+
 def _spy_layer_kernel(monkeypatch, widths: list[int]) -> None:
-    """Record the width of every block the layer kernel runs (a causal block's layers in one call, run_block, or
-    layer by layer, run_layers)."""
-    run, block = ck.run_layers, ck.run_block
+    """Record the width of every block the layer kernel runs (a bf16 model's whole forward in one call, run_forward;
+    a causal block's layers in one call, run_block; or layer by layer, run_layers)."""
+    run, block, forward = ck.run_layers, ck.run_block, ck.run_forward
     monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: widths.append(x.shape[1]) or run(plans, x, *a, **k))
     monkeypatch.setattr(ck, "run_block", lambda b, x, *a, **k: widths.append(x.shape[1]) or block(b, x, *a, **k))
+    monkeypatch.setattr(ck, "run_forward", lambda b, ids, *a, **k: widths.append(ids.shape[1]) or forward(b, ids, *a,
+                                                                                                        **k))
 
 
 def test_which_forwards_take_the_kernels_by_width(models, monkeypatch):
@@ -1118,6 +1153,35 @@ def test_the_head_step_in_one_call_equals_the_module_path(tmp_path, draft_vocab)
         fp32.setup_cache(64)
         fp32(ids[:2], feats[:2].float())
         assert len(taken) == 8  # the fp32 copy took the module path
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 100], ids=["full-vocab", "draft-vocab"])
+def test_a_draft_level_step_takes_the_kernel_step_and_equals_the_module_path(tmp_path, draft_vocab):
+    """A HeadLevel's forwards (a prompt's catch-up, draft steps, the blocks after accepted tokens, a rewind) go to the
+    head's decode_step, straight to the one-call kernel step, and give bitwise the module path's logits, predicted
+    features and cache; fp32 features (which the kernel step does not take) get forward's path and its result."""
+    from polyspec.decode.levels import HeadLevel
+
+    fast, module, target = _twin_bf16_heads(tmp_path, 41, draft_vocab)
+    module._kernel_step = module.decode_step = lambda *a, **k: None  # the module path
+    levels = (HeadLevel(fast, "fast"), HeadLevel(module, "module"))
+    ids = torch.randint(0, 512, (40,), generator=_gen(43)).tolist()
+    feats = torch.randn(40, target.args.hidden_size, generator=_gen(44)).to(torch.bfloat16)
+    taken = []
+    real = ck.head_step
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "head_step", lambda *a, **k: taken.append(1) or real(*a, **k))
+        pos = 1
+        for t, last, rewind in [(9, False, 0), (1, True, 0), (1, True, 0), (3, True, 2), (1, False, 0)]:
+            pos -= rewind
+            a, b = (lv.forward(ids[pos:pos + t], pos, feats[pos:pos + t], last_only=last) for lv in levels)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (pos, t, last)
+            pos += t
+        assert len(taken) == 5
+        a, b = (lv.forward(ids[pos:pos + 2], pos, feats[pos:pos + 2].float()) for lv in levels)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and len(taken) == 6
+    caches = (fast._cache.k + fast._cache.v, module._cache.k + module._cache.v)
+    assert all(torch.equal(x[..., :pos + 1, :], y[..., :pos + 1, :]) for x, y in zip(*caches, strict=True))
 
 
 def test_the_head_step_under_a_draft_trees_mask_equals_the_module_path(tmp_path):

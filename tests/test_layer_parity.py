@@ -136,6 +136,8 @@ def _kernel(model, monkeypatch) -> tuple[torch.Tensor, ...]:
     real, block = ck.run_layers, ck.run_block
     monkeypatch.setattr(ck, "run_layers", lambda plans, *a, **k: calls.append(len(plans)) or real(plans, *a, **k))
     monkeypatch.setattr(ck, "run_block", lambda b, *a, **k: calls.append(len(b.plans)) or block(b, *a, **k))
+    forward = ck.run_forward
+    monkeypatch.setattr(ck, "run_forward", lambda b, *a, **k: calls.append(len(b.plans)) or forward(b, *a, **k))
     out = _script(model)
     assert calls == [len(layers)] * len(BLOCKS)
     return out
@@ -180,18 +182,20 @@ def test_reference_kernel_and_static_step_agree(arch, level, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("level", ["fp32", "bf16", "int4"])
 def test_a_causal_blocks_layers_in_one_call_equal_them_one_by_one(level, monkeypatch):
-    """cpu_kernels.run_block (every layer of a causal block in one kernel call: RoPE from a table, the mask made in
-    C) gives bitwise the logits, hidden states and cache of a kernel call per layer (run_layers), and every causal
-    forward at a cache takes it. Over bf16 weights in 16-row blocks, a weight changed in place between two forwards
-    on one cache is seen by both paths alike (the block is rebuilt, not stale)."""
+    """A causal block's layers in one kernel call (cpu_kernels.run_block: RoPE from a table, the mask made in C; for a
+    bf16 model run_forward, with the embedding, the final norm and the lm_head) give bitwise the logits, hidden states
+    and cache of a kernel call per layer (run_layers) and the norm and lm_head after it, and every causal forward at
+    a cache takes them. Over bf16 weights in 16-row blocks, a weight changed in place between two forwards on one
+    cache is seen by both paths alike (the block is rebuilt, not stale)."""
     model = _model("smollm2", level)
     by_layer = copy.deepcopy(model)
     if level == "bf16":
         for m in (model, by_layer):
             assert ck.make_blocks([w.weight for w in m.modules() if type(w).__name__ == "Linear"], force=True) > 0
     taken = []
-    real = ck.run_block
-    monkeypatch.setattr(ck, "run_block", lambda b, *a, **k: taken.append(len(b.plans)) or real(b, *a, **k))
+    for name in ("run_block", "run_forward"):  # the layers alone, or (a bf16 model) its whole forward
+        real = getattr(ck, name)
+        monkeypatch.setattr(ck, name, lambda b, *a, real=real, **k: taken.append(len(b.plans)) or real(b, *a, **k))
     one_call = _script(model)
     assert taken == [len(model.layers)] * sum(mask is None for _, mask, _ in BLOCKS)
     with monkeypatch.context() as mp:
@@ -260,7 +264,7 @@ def test_a_feature_the_kernel_does_not_declare_takes_the_reference_layer(monkeyp
         fast = copy.deepcopy(model)
         assert all(ck.layer_plan(layer) is None for layer in fast.layers)
         assert no_mlp_bias.missing(fast.layers[0]) == {"mlp_bias"}
-        for name in ("run_layers", "run_block"):
+        for name in ("run_layers", "run_block", "run_forward"):
             mp.setattr(ck, name, lambda *a, **k: pytest.fail("the kernel ran an undeclared layer"))
         _close(_script(fast), ref, 1e-5)
     fresh = copy.deepcopy(model)

@@ -139,7 +139,8 @@ class ChainDecoder:
         run = _Run(self, sampling, torch.Generator().manual_seed(int(seed)), frozenset(int(e) for e in eos_token_ids),
                    limit=len(prompt) + max_new_tokens, on_tokens=on_tokens)
         t0 = time.perf_counter()
-        seq = run.decode(prompt)
+        with torch.inference_mode():  # once, not per level forward (decode/levels.py, _inference)
+            seq = run.decode(prompt)
         seconds = time.perf_counter() - t0
         new = seq[len(prompt):]
         level_stats = run.finish_stats()

@@ -172,9 +172,9 @@ def test_verify_block_first_token_has_the_verifier_law_and_wrong_residual_does_n
 
 
 def test_argmax_rows_is_torch_argmax_on_ties_nans_and_infinities():
-    """argmax_rows (numpy's argmax on the CPU) returns exactly torch.argmax's indices: the first of equal maxima, the
-    first NaN, +inf over finite values, 0 for a row of -inf; for bf16 and fp32 rows, one row or many, and strided
-    views."""
+    """argmax_rows (the kernel library's argmax on the CPU, numpy's for strided rows) returns exactly torch.argmax's
+    indices: the first of equal maxima, the first NaN, +inf over finite values, 0 for a row of -inf; for bf16 and fp32
+    rows, one row or many, rows of any length, and strided views."""
     from polyspec.decode.sampling import argmax_rows
 
     nan, inf = float("nan"), float("inf")
@@ -182,7 +182,16 @@ def test_argmax_rows_is_torch_argmax_on_ties_nans_and_infinities():
                          [2.0, nan, 7.0, nan], [-1.0, -1.0, -2.0, -1.0]])
     g = torch.Generator().manual_seed(3)
     wide = torch.randint(0, 5, (7, 49152), generator=g).float()  # many ties among the maxima
-    for x in (rows, rows[:1], rows[::2], rows.bfloat16(), wide, wide[:, ::3], wide.bfloat16()):
+    odd = torch.randn(6, 49157, generator=g)  # the maxima, NaNs and infinities far in, and in the rows' tails
+    odd[0, 20001] = odd[0, 30000] = nan
+    odd[1, 40000] = odd[1, 17] = inf
+    odd[2, 49155] = 50.0
+    odd[3, 49156] = nan
+    odd[4] = 0.0
+    odd[4, :3] = -1.0
+    odd[4, 3] = -0.0  # equal to the +0.0 after it: the first zero wins
+    odd[5, 33] = odd[5, 49150] = 60.0
+    for x in (rows, rows[:1], rows[::2], rows.bfloat16(), wide, wide[:, ::3], wide.bfloat16(), odd, odd[1:, 5:]):
         got = argmax_rows(x)
         assert got.dtype == torch.long and torch.equal(got, torch.argmax(x.float(), dim=-1)), x.shape
 

@@ -2106,47 +2106,6 @@ int polyspec_forward_bf16(const int64_t* ids, const uint16_t* embed, int64_t n_e
     return 0;
 }
 
-// The first index of each row's maximum, a NaN counting as the maximum (torch.argmax's rule): x [M, V] fp32, rows ld
-// apart -> out [M] (decode/sampling.py, argmax_rows: greedy decoding's one reduction per row, ~0.1 ms through numpy
-// after a forward has left its code cold). Two passes: the row's maximum and whether it holds a NaN, then the first
-// index equal to it (or the first NaN); -0.0 and +0.0 are equal maxima, so the first of them wins as in torch.
-static int64_t argmax_row(const float* r, int64_t V) {
-    float mx = -std::numeric_limits<float>::infinity();
-    bool nan = false;
-    int64_t i = 0;
-#ifdef __AVX512F__
-    __m512 m = _mm512_set1_ps(mx);
-    __mmask16 u = 0;
-    for (; i + 16 <= V; i += 16) {
-        const __m512 v = _mm512_loadu_ps(r + i);
-        u |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        m = _mm512_max_ps(m, v);
-    }
-    mx = _mm512_reduce_max_ps(m);
-    nan = u != 0;
-#endif
-    for (; i < V; i++) {
-        nan |= r[i] != r[i];
-        mx = r[i] > mx ? r[i] : mx;
-    }
-    int64_t j = 0;
-#ifdef __AVX512F__
-    const __m512 want = _mm512_set1_ps(mx);
-    for (; j + 16 <= V; j += 16) {
-        const __m512 v = _mm512_loadu_ps(r + j);
-        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, want, _CMP_EQ_OQ);
-        if (hit) return j + __builtin_ctz((unsigned)hit);
-    }
-#endif
-    for (; j < V; j++)
-        if (nan ? r[j] != r[j] : r[j] == mx) return j;
-    return 0;
-}
-
-void polyspec_argmax_rows(const float* x, int64_t M, int64_t V, int64_t ld, int64_t* out) {
-    for (int64_t m = 0; m < M; m++) out[m] = argmax_row(x + m * ld, V);
-}
-
 // Attention alone for a block of T query rows (a prompt run through torch's matmuls): q [T, nh * D] fp32 (RoPE
 // applied), the K/V cache (bf16 or fp32; kv heads S rows apart) holding positions 0 .. L - 1, mask [T, L] (NULL: all
 // visible) -> out [T, nh * D] fp32, the layer kernel's own attention (a row's result is the same as in a step).

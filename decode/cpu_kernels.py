@@ -238,8 +238,6 @@ def _declare_one_calls(lib: ctypes.CDLL) -> None:
     lib.polyspec_final_norm_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_int64] * 2 + [
         ctypes.c_void_p]
     lib.polyspec_final_norm_bf16.restype = None
-    lib.polyspec_argmax_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-    lib.polyspec_argmax_rows.restype = None
     lib.polyspec_forward_bf16.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p,
                                           ctypes.c_int64, ctypes.c_float] + [ctypes.c_int64] * 4
                                           + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
@@ -829,17 +827,6 @@ def run_block(block: LayerBlock, x: torch.Tensor, cache, start: int) -> torch.Te
     if rc != 0:
         raise ValueError(f"run_block: the kernel refused the shapes of layer {rc // 16} (code {rc % 16})")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """torch.argmax(x, dim=-1) (the first maximum; a NaN counts as one) of fp32 rows x [M, V] on the CPU, each row
-    contiguous, by the kernel (cpu_kernels.cpp, argmax_row), or None where it does not apply."""
-    if not (_ready() and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
-            and x.shape[1] > 0) or _load() is None:
-        return None
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    _lib.polyspec_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
-    return out
 
 
 def final_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor | None:

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from polyspec.decode import cpu_kernels
 from polyspec.errors import PolyspecError
 
 
@@ -136,13 +135,9 @@ def _host_array(x: torch.Tensor) -> Any:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [m, V] -> the hot index of each row's warp at T = 0 [m] (long): the first maximal index (a NaN counts
-    as the maximum, as in torch.argmax). On the CPU the kernel library's argmax (cpu_kernels.argmax_rows), else
-    numpy's vectorised one finds it: torch's took 0.3 ms for 3 rows of SmolLM2's 49,152 logits on the Cascade Lake
-    VM, paid every round, against 0.02 ms."""
+    as the maximum, as in torch.argmax). On the CPU numpy's vectorised argmax finds it: torch's took 0.3 ms for 3
+    rows of SmolLM2's 49,152 logits on the Cascade Lake VM, paid every round, against 0.02 ms."""
     x = logits.detach().float()
-    hot = cpu_kernels.argmax_rows(x)  # one kernel call: numpy's took ~0.1 ms after a forward left its code cold
-    if hot is not None:
-        return hot
     a = _host_array(x)
     if a is None:
         return torch.argmax(x, dim=-1)

@@ -172,9 +172,9 @@ def test_verify_block_first_token_has_the_verifier_law_and_wrong_residual_does_n
 
 
 def test_argmax_rows_is_torch_argmax_on_ties_nans_and_infinities():
-    """argmax_rows (the kernel library's argmax on the CPU, numpy's for strided rows) returns exactly torch.argmax's
-    indices: the first of equal maxima, the first NaN, +inf over finite values, 0 for a row of -inf; for bf16 and fp32
-    rows, one row or many, rows of any length, and strided views."""
+    """argmax_rows (numpy's argmax on the CPU) returns exactly torch.argmax's indices: the first of equal maxima, the
+    first NaN, +inf over finite values, 0 for a row of -inf; for bf16 and fp32 rows, one row or many, rows of any
+    length, and strided views."""
     from polyspec.decode.sampling import argmax_rows
 
     nan, inf = float("nan"), float("inf")

@@ -1,7 +1,8 @@
 """Where a decoder layer's time goes, phase by phase: builds a copy of decode/cpu_kernels.cpp whose layer() adds each
 phase's wall time to a counter (steady_clock between the phases, on the calling thread), runs a chain level's layers
 through it at each width after a cached prefix, and prints ms per forward (all layers) for each phase, their sum,
-and the rest (Python and ctypes between the layers' calls); and the whole forward's time (with the lm_head). For
+and the rest (outside layer(): the block's one call and its Python, the C between the layers); and the whole
+forward's time (with the lm_head). For
 each projection, the two threads' time in its parallel region (share_rows): waking, copying its input (own_input),
 working on units of rows, and idle at the end (waiting for the other's last unit).
 

@@ -856,24 +856,23 @@ def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
     return cached[1]
 
 
-def run_forward(block: LayerBlock, ids: torch.Tensor, embed: torch.Tensor, norm: torch.nn.Module,
+def run_forward(block: LayerBlock, ids: list[int], embed: torch.Tensor, norm: torch.nn.Module,
                 lm_weight: torch.Tensor, cache, start: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bf16 model's forward over a causal block in one kernel call (cpu_kernels.cpp's forward_bf16): token ids
-    [1, T] (int64, contiguous) at cache position ``start`` -> (logits [1, T - first, V] fp32 of rows first .. T - 1,
-    final-norm'd hidden [1, T, H] bf16), bitwise what :func:`run_block`, :func:`final_norm` and
-    :func:`kernel_linear` give one after another. The caller checked the weights (bf16, CPU, contiguous; an lm_head
-    without bias) and got ``block`` from :func:`layer_block`."""
-    t, (v, h) = ids.shape[1], lm_weight.shape
-    hidden = torch.empty((1, t, h), dtype=torch.bfloat16)
-    logits = torch.empty((1, t - first, v), dtype=torch.float32)
-    rc = _lib.polyspec_forward_bf16(ids.data_ptr(), embed.data_ptr(), embed.shape[0], t, h, block.ptrs,
+    """A bf16 model's forward over a causal block in one kernel call (cpu_kernels.cpp's forward_bf16): T token ids
+    at cache position ``start`` -> (logits [T - first, V] fp32 of rows first .. T - 1, final-norm'd hidden [T, H]
+    bf16), bitwise what :func:`run_block`, :func:`final_norm` and :func:`kernel_linear` give one after another. The
+    caller checked the weights (bf16, CPU, contiguous; an lm_head without bias) and got ``block`` from
+    :func:`layer_block`."""
+    t, (v, h) = len(ids), lm_weight.shape
+    hidden = torch.empty((t, h), dtype=torch.bfloat16)
+    logits = torch.empty((t - first, v), dtype=torch.float32)
+    rc = _lib.polyspec_forward_bf16((ctypes.c_int64 * t)(*ids), embed.data_ptr(), embed.shape[0], t, h, block.ptrs,
                                     len(block.plans), block.eps, *block.sizes, block.rope.data_ptr(), block.kc,
                                     block.vc, cache.k[0].shape[2], start, _norm_weight(norm).data_ptr(),
                                     float(norm.eps), lm_weight.data_ptr(), blocks_ptr(lm_weight), v, first,
                                     hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
     if rc == 5:
-        raise PolyspecError(f"token ids must lie in 0..{embed.shape[0] - 1} (the embedding's rows), got "
-                            f"{ids.tolist()[0]}")
+        raise PolyspecError(f"token ids must lie in 0..{embed.shape[0] - 1} (the embedding's rows), got {ids}")
     if rc != 0:
         raise ValueError(f"run_forward: the kernel refused the shapes (code {rc})")
     return logits, hidden

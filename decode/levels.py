@@ -143,10 +143,14 @@ class ModelLevel:
     def forward(self, tokens: list[int], start_pos: int, features: torch.Tensor | None = None, *,
                 last_only: bool = False, logit_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.model.truncate(start_pos)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         kw = {}
         if self._logits_from and logit_rows is not None and logit_rows < len(tokens):
             kw["logits_from"] = len(tokens) - logit_rows
+        step = getattr(self.model, "decode_step", None) if self._aux is None else None
+        out = step(tokens, last_only, **kw) if step is not None else None
+        if out is not None:
+            return out
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         if self._last_only:
             return self._run(ids, last_only=last_only, **kw)
         return self._run(ids, **kw)

@@ -823,23 +823,35 @@ class Transformer(CachedDecoder):
     def _forward_in_one_call(self, ids: torch.Tensor, last_only: bool, logits_from: int,
                              rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """forward's result for a causal block of one sequence at the cache's end from one kernel call
-        (cpu_kernels.run_forward: the layers, the final norm and the lm_head of a bf16 model on the CPU), or None
-        where it does not apply (then the layers, the norm and the lm_head run one after another)."""
-        cache, t = self._cache, ids.shape[1]
+        (:meth:`decode_step`), or None where it does not apply (then the layers, the norm and the lm_head run one
+        after another)."""
+        if ids.shape[0] != 1:
+            return None
+        out = self.decode_step(ids[0].tolist(), last_only, logits_from, rows)
+        return None if out is None else (out[0][None], out[1][None])
+
+    def decode_step(self, tokens: list[int], last_only: bool = False, logits_from: int = 0,
+                    rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """forward's result for a causal block of token ids at the cache's end ([n, V] logits, [T, H] hidden) from one
+        kernel call (cpu_kernels.run_forward: embedding, layers, final norm and lm_head of a bf16 model on the CPU),
+        without forward's tensor reshaping, or None where it does not apply (forward's other paths then run). Each
+        torch op costs tens of microseconds here: the forward's weight stream leaves their code cold."""
+        cache, t = self._cache, len(tokens)
         emb, lm, norm = self.embed_tokens.weight, self.lm_head, self.norm
-        if cache is None or ids.shape[0] != 1 or type(lm) is not Linear or lm.bias is not None \
-                or not (emb.dtype == lm.weight.dtype == norm.weight.dtype == torch.bfloat16) \
-                or not (emb.is_cpu and emb.is_contiguous() and lm.weight.is_contiguous() and ids.is_contiguous()):
+        if cache is None or t == 0 or "_static_runner" in self.__dict__ or type(lm) is not Linear \
+                or lm.bias is not None or not (emb.dtype == lm.weight.dtype == norm.weight.dtype == torch.bfloat16) \
+                or not (emb.is_cpu and emb.is_contiguous() and lm.weight.is_contiguous()):
             return None
         start = cache.length
         self._check_block(1, t, start, None)
+        rows = cpu_kernels.rows_limit(start, False) if rows is None else rows
         block = cpu_kernels.layer_block(list(self.layers), cache, torch.bfloat16, t, self.inv_freq, rows)
         if block is None:
             return None
         first = t - 1 if last_only else min(logits_from, t - 1)
-        logits, hidden = cpu_kernels.run_forward(block, ids, emb, norm, lm.weight, cache, start, first)
+        logits, hidden = cpu_kernels.run_forward(block, tokens, emb, norm, lm.weight, cache, start, first)
         cache.length = start + t
-        return logits, (hidden[:, -1:] if last_only else hidden)
+        return logits, (hidden[-1:] if last_only else hidden)
 
     def _embed(self, ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         """ids [B, T] -> layer input [B, T, H] in the compute dtype."""

@@ -980,8 +980,7 @@ def _spy_layer_kernel(monkeypatch, widths: list[int]) -> None:
     run, block, forward = ck.run_layers, ck.run_block, ck.run_forward
     monkeypatch.setattr(ck, "run_layers", lambda plans, x, *a, **k: widths.append(x.shape[1]) or run(plans, x, *a, **k))
     monkeypatch.setattr(ck, "run_block", lambda b, x, *a, **k: widths.append(x.shape[1]) or block(b, x, *a, **k))
-    monkeypatch.setattr(ck, "run_forward", lambda b, ids, *a, **k: widths.append(ids.shape[1]) or forward(b, ids, *a,
-                                                                                                        **k))
+    monkeypatch.setattr(ck, "run_forward", lambda b, ids, *a, **k: widths.append(len(ids)) or forward(b, ids, *a, **k))
 
 
 def test_which_forwards_take_the_kernels_by_width(models, monkeypatch):
@@ -1182,6 +1181,35 @@ def test_a_draft_level_step_takes_the_kernel_step_and_equals_the_module_path(tmp
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and len(taken) == 6
     caches = (fast._cache.k + fast._cache.v, module._cache.k + module._cache.v)
     assert all(torch.equal(x[..., :pos + 1, :], y[..., :pos + 1, :]) for x, y in zip(*caches, strict=True))
+
+
+def test_a_target_level_step_takes_the_one_call_forward_and_equals_forward(tmp_path):
+    """A bf16 ModelLevel's forwards (a prompt, steps, verifications with logit_rows, a rewind) go to the model's
+    decode_step (one kernel call, no tensor reshaping) and give bitwise what Transformer.forward's other paths give a
+    twin (decode_step off: the layers in one call, then the norm and the lm_head), cache included."""
+    from polyspec.decode.levels import ModelLevel
+
+    _, _, target = _twin_bf16_heads(tmp_path, 45, 0)
+    twin = copy.deepcopy(target)
+    twin.decode_step = lambda *a, **k: None
+    levels = (ModelLevel(target, "one call"), ModelLevel(twin, "forward"))
+    for lv in levels:
+        lv.setup(64)
+    ids = torch.randint(0, 512, (40,), generator=_gen(46)).tolist()
+    taken = []
+    real = ck.run_forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "run_forward", lambda *a, **k: taken.append(1) or real(*a, **k))
+        pos = 0
+        for t, last, rows, rewind in [(9, True, None, 0), (1, True, None, 0), (5, False, 5, 0), (3, False, 2, 2),
+                                      (1, False, None, 0)]:
+            pos -= rewind
+            a, b = (lv.forward(ids[pos:pos + t], pos, last_only=last, logit_rows=rows) for lv in levels)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (pos, t, last, rows)
+            pos += t
+    assert len(taken) == 5
+    caches = (target._cache.k + target._cache.v, twin._cache.k + twin._cache.v)
+    assert all(torch.equal(x[..., :pos, :], y[..., :pos, :]) for x, y in zip(*caches, strict=True))
 
 
 def test_the_head_step_under_a_draft_trees_mask_equals_the_module_path(tmp_path):

@@ -40,7 +40,7 @@ def generations(chain, paths: dict, limit: int) -> None:
         for i, q in enumerate(questions if timed else questions[:1]):
             ids = encode_prompt(chain.tokenizer, q.turns[0])
             for name, mode in runs[i % len(runs):] + runs[:i % len(runs)]:
-                ck.layer_block, M.Transformer._forward_in_one_call = paths[name]
+                ck.layer_block, M.Transformer.decode_step = paths[name]
                 dec = build_decoder(chain, mode, max_seq_len=cache_size(chain, len(ids), 96))
                 t0 = time.perf_counter()
                 r = dec.generate(ids, 96, SamplingParams(), eos_token_ids=eos_ids(chain.tokenizer))
@@ -67,25 +67,25 @@ def main() -> None:
     model = chain.models[chain.order[0]]
     ids = torch.randint(0, model.args.vocab_size, (a.prefix + max(a.widths),), generator=torch.Generator().manual_seed(0))
     model.setup_cache(a.prefix + max(a.widths) + 1)
-    layer_block, one_call = ck.layer_block, M.Transformer._forward_in_one_call
+    layer_block, one_call = ck.layer_block, M.Transformer.decode_step
     paths = {"per layer": (_off, _off), "layers in one call": (layer_block, _off),
              "forward in one call": (layer_block, one_call)}
     if a.generate:
         generations(chain, paths, a.limit)
-        ck.layer_block, M.Transformer._forward_in_one_call = layer_block, one_call
+        ck.layer_block, M.Transformer.decode_step = layer_block, one_call
         return
     names, ms = list(paths), {name: {w: [] for w in a.widths} for name in paths}
     with torch.inference_mode():
         model(ids[:a.prefix])
         for rep in range(a.repeats):
             for name in names[rep % 3:] + names[:rep % 3]:
-                ck.layer_block, M.Transformer._forward_in_one_call = paths[name]
+                ck.layer_block, M.Transformer.decode_step = paths[name]
                 for w in a.widths:
                     model.truncate(a.prefix)
                     t0 = time.perf_counter()
                     model(ids[a.prefix:a.prefix + w])
                     ms[name][w].append((time.perf_counter() - t0) * 1e3)
-    ck.layer_block, M.Transformer._forward_in_one_call = layer_block, one_call
+    ck.layer_block, M.Transformer.decode_step = layer_block, one_call
     med = {name: {w: statistics.median(v) for w, v in by_w.items()} for name, by_w in ms.items()}
     for w in a.widths:
         base = med["per layer"][w]

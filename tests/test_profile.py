@@ -1,6 +1,7 @@
 """Profiling a tiny random chain (target <- RTN int4 <- random EAGLE head): forward costs, acceptance, verdicts,
 the decision, stamped tables and plots; plus the pure verdict / interpolation maths."""
 
+import dataclasses
 import json
 import math
 import time
@@ -473,6 +474,11 @@ def test_runners_up_and_the_fastest_measured_dual_is_kept():
     alts = runners_up(rows, rows[0], 2)
     assert [r.label for r in alts] == ["k=1 lookup=6", "tree"]
     assert runners_up(rows, rows[0], 0) == []
+    # the grid's fastest measured dual joins them where the prediction ranks it lower (and only then)
+    timed = [dataclasses.replace(r, measured_tokens_per_second=tps) for r, tps in zip(rows, (96, 97, 95, 50, 99), strict=True)]
+    assert [r.label for r in runners_up(timed, timed[0], 2)] == ["k=1 lookup=6", "tree", "k=1"]
+    assert [r.label for r in runners_up(timed, timed[4], 2)] == ["k=2 lookup=6", "k=1 lookup=6"]
+    assert runners_up(timed, timed[0], 0) == []
     run = lambda label, tps: SimpleNamespace(label=label, tokens_per_second=tps)  # noqa: E731
     c = _Choice(chosen=rows[0], best_dual=rows[0], chain_draft=DraftSpec(k=1), mu=4, other_duals=alts)
     final = {"ar": run("ar", 100.0), "dual": run("dual k=2", 140.0), "dual_alt0": run("dual k=1", 150.0),

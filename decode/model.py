@@ -825,7 +825,7 @@ class Transformer(CachedDecoder):
         """forward's result for a causal block of one sequence at the cache's end from one kernel call
         (:meth:`decode_step`), or None where it does not apply (then the layers, the norm and the lm_head run one
         after another)."""
-        if ids.shape[0] != 1:
+        if ids.shape[0] != 1 or not ids.is_cpu or not self.embed_tokens.weight.is_cpu:  # tolist() would sync a GPU
             return None
         out = self.decode_step(ids[0].tolist(), last_only, logits_from, rows)
         return None if out is None else (out[0][None], out[1][None])

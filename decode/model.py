@@ -825,7 +825,8 @@ class Transformer(CachedDecoder):
         """forward's result for a causal block of one sequence at the cache's end from one kernel call
         (:meth:`decode_step`), or None where it does not apply (then the layers, the norm and the lm_head run one
         after another)."""
-        if ids.shape[0] != 1 or not ids.is_cpu or not self.embed_tokens.weight.is_cpu:  # tolist() would sync a GPU
+        if ids.shape[0] != 1 or not ids.is_cpu or not self.embed_tokens.weight.is_cpu \
+                or torch.compiler.is_compiling() or torch.jit.is_tracing():  # (tolist() would sync a GPU, break a graph)
             return None
         out = self.decode_step(ids[0].tolist(), last_only, logits_from, rows)
         return None if out is None else (out[0][None], out[1][None])

@@ -2024,6 +2024,18 @@ int polyspec_layer_i4(float* x, const void* const* ptrs, int64_t gs, float eps, 
     return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
 }
 
+// A causal block's attention mask [T, start + T] (model.block_mask): all of the cache, then causal within the block;
+// empty for one row (every key visible: layer() takes no mask then).
+static std::vector<uint8_t> causal_mask(int64_t T, int64_t start) {
+    std::vector<uint8_t> mask;
+    if (T > 1) {
+        mask.assign(T * (start + T), 1);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = start + t + 1; j < start + T; j++) mask[t * (start + T) + j] = 0;
+    }
+    return mask;
+}
+
 // The layers of a causal block in one call (decode/model.py: a decode step, a verification, a prompt's chunk):
 // layer l runs as polyspec_layer_<kind> would with plans[l] and its caches kc[l], vc[l], in turn on x [T, H] fp32
 // (kind 0: bf16, 1: f32, 2: int4 of group size gs). RoPE from the table rope [2, S, D] (cos, sin) at positions
@@ -2034,12 +2046,7 @@ int polyspec_layers(int kind, int64_t gs, float* x, const void* const* const* pl
                     int64_t H, int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* rope, void* const* kc,
                     void* const* vc, int64_t S, int64_t start, int threads) {
     if (kind < 0 || kind > 2 || start < 0 || start + T > S) return 2;
-    std::vector<uint8_t> mask;
-    if (T > 1) {  // all of the cache, then causal within the block (model.block_mask)
-        mask.assign(T * (start + T), 1);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = start + t + 1; j < start + T; j++) mask[t * (start + T) + j] = 0;
-    }
+    const std::vector<uint8_t> mask = causal_mask(T, start);
     const float *cos_ = rope + start * D, *sin_ = rope + (S + start) * D;
     const uint8_t* m = T > 1 ? mask.data() : nullptr;
     for (int64_t l = 0; l < L; l++) {
@@ -2159,12 +2166,7 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, int64_t n
         }
     run1(x2.data(), WBF16{fc_w, true, fc_blk}, fc_b, H, T, 2 * H, x.data(), threads);
     round_to_bf16(x.data(), T * H);
-    std::vector<uint8_t> mask;
-    if (T > 1 && !tree_mask) {  // all of the cache, then causal within the block (model.block_mask)
-        mask.assign(T * (start + T), 1);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = start + t + 1; j < start + T; j++) mask[t * (start + T) + j] = 0;
-    }
+    const std::vector<uint8_t> mask = tree_mask ? std::vector<uint8_t>() : causal_mask(T, start);
     const int rc = layer(x.data(), bf16_layer_weights(layer_ptrs), eps, T, H, nh, nkv, D, I, cos_, sin_, kcache,
                          vcache, S, start, tree_mask ? tree_mask : T > 1 ? mask.data() : nullptr, threads);
     if (rc != 0) return rc;

@@ -856,6 +856,11 @@ def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
     return cached[1]
 
 
+def _token_ids_error(ids: list[int], embed: torch.Tensor) -> PolyspecError:
+    """The one error for token ids the one-call kernels refused (code 5: a row outside the embedding)."""
+    return PolyspecError(f"token ids must lie in 0..{embed.shape[0] - 1} (the embedding's rows), got {ids}")
+
+
 def run_forward(block: LayerBlock, ids: list[int], embed: torch.Tensor, norm: torch.nn.Module,
                 lm_weight: torch.Tensor, cache, start: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A bf16 model's forward over a causal block in one kernel call (cpu_kernels.cpp's forward_bf16): T token ids
@@ -872,7 +877,7 @@ def run_forward(block: LayerBlock, ids: list[int], embed: torch.Tensor, norm: to
                                     float(norm.eps), lm_weight.data_ptr(), blocks_ptr(lm_weight), v, first,
                                     hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
     if rc == 5:
-        raise PolyspecError(f"token ids must lie in 0..{embed.shape[0] - 1} (the embedding's rows), got {ids}")
+        raise _token_ids_error(ids, embed)
     if rc != 0:
         raise ValueError(f"run_forward: the kernel refused the shapes (code {rc})")
     return logits, hidden
@@ -943,14 +948,15 @@ def head_step(step: HeadStep, ids: list[int], features: torch.Tensor, cache, sta
     k, v = cache.k[0], cache.v[0]
     rc = _lib.polyspec_head_step_bf16(
         (ctypes.c_int64 * t)(*ids), step.embed.data_ptr(), step.embed.shape[0], features.data_ptr(), t, h,
-        step.fc_weight.data_ptr(), step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads, plan.head_dim, plan.intermediate,
+        step.fc_weight.data_ptr(), step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads,
+        plan.head_dim, plan.intermediate,
         step.rope.data_ptr(), None if positions is None else positions.data_ptr(), k.data_ptr(), v.data_ptr(),
         k.shape[2], start, None if mask is None else mask.data_ptr(), step.lm_weight.data_ptr(),
         step.lm_weight.shape[0], None if vocab is None else vocab.data_ptr(), step.vocab_size, out_rows,
         hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
         *(None if b is None else b.data_ptr() for b in (step.fc_blocks, step.lm_blocks)))
     if rc == 5:
-        raise PolyspecError(f"token ids {ids} must lie in 0..{step.embed.shape[0] - 1} (the embedding's rows)")
+        raise _token_ids_error(ids, step.embed)
     if rc != 0:
         raise ValueError(f"head_step: the kernel refused the shapes (code {rc})")
     return hidden, logits

@@ -826,17 +826,17 @@ class Transformer(CachedDecoder):
         (:meth:`decode_step`), or None where it does not apply (then the layers, the norm and the lm_head run one
         after another)."""
         if ids.shape[0] != 1 or not ids.is_cpu or not self.embed_tokens.weight.is_cpu \
-                or torch.compiler.is_compiling() or torch.jit.is_tracing():  # (tolist() would sync a GPU, break a graph)
+                or torch.compiler.is_compiling() or torch.jit.is_tracing():  # tolist() would sync a GPU, break a graph
             return None
         out = self.decode_step(ids[0].tolist(), last_only, logits_from, rows)
         return None if out is None else (out[0][None], out[1][None])
 
     def decode_step(self, tokens: list[int], last_only: bool = False, logits_from: int = 0,
                     rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """forward's result for a causal block of token ids at the cache's end ([n, V] logits, [T, H] hidden) from one
-        kernel call (cpu_kernels.run_forward: embedding, layers, final norm and lm_head of a bf16 model on the CPU),
-        without forward's tensor reshaping, or None where it does not apply (forward's other paths then run). Each
-        torch op costs tens of microseconds here: the forward's weight stream leaves their code cold."""
+        """forward's result for a causal block of token ids at the cache's end ([n, V] logits, [T, H] hidden) from
+        one kernel call (cpu_kernels.run_forward: embedding, layers, final norm and lm_head of a bf16 model on the
+        CPU), without forward's tensor reshaping, or None where it does not apply (forward's other paths then run).
+        Each torch op costs tens of microseconds here: the forward's weight stream leaves their code cold."""
         cache, t = self._cache, len(tokens)
         emb, lm, norm = self.embed_tokens.weight, self.lm_head, self.norm
         if cache is None or t == 0 or "_static_runner" in self.__dict__ or type(lm) is not Linear \

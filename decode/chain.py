@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from polyspec.chain_spec import DraftSpec
-from polyspec.decode import device_round
+from polyspec.decode import cpu_kernels, device_round
 from polyspec.decode.device_round import DeviceRound
 from polyspec.decode.device_tree import TreeRound
 from polyspec.decode.drafting import Tree, make_drafter
@@ -139,7 +139,8 @@ class ChainDecoder:
         run = _Run(self, sampling, torch.Generator().manual_seed(int(seed)), frozenset(int(e) for e in eos_token_ids),
                    limit=len(prompt) + max_new_tokens, on_tokens=on_tokens)
         t0 = time.perf_counter()
-        with torch.inference_mode():  # once, not per level forward (decode/levels.py, _inference)
+        # once, not per level forward (decode/levels.py, _inference); no weight changes while it runs
+        with torch.inference_mode(), cpu_kernels.weights_frozen():
             seq = run.decode(prompt)
         seconds = time.perf_counter() - t0
         new = seq[len(prompt):]

@@ -220,6 +220,43 @@ def _changed_between_forwards(model: torch.nn.Module) -> torch.Tensor:
         return model(ids[8:])[0]
 
 
+@needs_kernels
+def test_within_a_frozen_span_a_block_is_checked_once(monkeypatch):
+    """Inside cpu_kernels.weights_frozen (a generation) a cached block is checked against its layers once, not per
+    forward; outside one every forward checks it, so a weight changed in place after the span is seen (the block is
+    rebuilt). ChainDecoder.generate runs inside one span."""
+    model = _model("smollm2", "bf16")  # in 16-row blocks: a weight changed in place makes the block stale
+    assert ck.make_blocks([w.weight for w in model.modules() if type(w).__name__ == "Linear"], force=True) > 0
+    checks = []
+    real = ck._block_current
+    monkeypatch.setattr(ck, "_block_current", lambda *a: checks.append(1) or real(*a))
+    ids = torch.arange(12) * 5 % VOCAB
+    model.setup_cache(32)
+    with torch.inference_mode(), ck.weights_frozen():
+        for i in range(6):  # the first forward builds the block: current by construction
+            model(ids[i:i + 1])
+    assert checks == []
+    with torch.inference_mode():
+        model(ids[6:7])
+        model(ids[7:8])
+    assert len(checks) == 2
+    block = next(iter(model._cache.layer_blocks.values()))
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    with torch.inference_mode():
+        model(ids[8:9])
+    assert next(iter(model._cache.layer_blocks.values())) is not block
+
+    from polyspec.decode.chain import ChainDecoder
+    from polyspec.decode.levels import ModelLevel
+
+    spans = []
+    monkeypatch.setattr(ck, "weights_frozen", lambda real=ck.weights_frozen: spans.append(1) or real())
+    checks.clear()
+    result = ChainDecoder([ModelLevel(model, "t")], max_seq_len=64).generate([1, 2, 3], 8)
+    assert len(result.token_ids) == 8 and spans == [1] and checks == []
+
+
 def test_every_model_type_is_covered():
     from polyspec.decode.model import SUPPORTED_MODEL_TYPES
 

@@ -8,12 +8,14 @@ calls, which each forward's weight stream leaves cold (~20 us a layer).
     python lab/forward_paths.py CHAIN --generate [--limit 2]   # whole generations of ar and the chain's default
 
 ``--generate``: builtin first turns (``--limit`` per category of MT-bench, HumanEval and held-out ShareGPT), 96 new
-tokens, every path generating each prompt in both modes in turn (the order rotating), after one untimed pass.
+tokens, every path generating each prompt in both modes in turn (the order rotating), after one untimed pass; a
+fourth path, the whole forward in one call with its layer block checked per forward (no ``weights_frozen`` span).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -40,7 +42,7 @@ def generations(chain, paths: dict, limit: int) -> None:
         for i, q in enumerate(questions if timed else questions[:1]):
             ids = encode_prompt(chain.tokenizer, q.turns[0])
             for name, mode in runs[i % len(runs):] + runs[:i % len(runs)]:
-                ck.layer_block, M.Transformer.decode_step = paths[name]
+                ck.layer_block, M.Transformer.decode_step, ck.weights_frozen = paths[name]
                 dec = build_decoder(chain, mode, max_seq_len=cache_size(chain, len(ids), 96))
                 t0 = time.perf_counter()
                 r = dec.generate(ids, 96, SamplingParams(), eos_token_ids=eos_ids(chain.tokenizer))
@@ -67,19 +69,20 @@ def main() -> None:
     model = chain.models[chain.order[0]]
     ids = torch.randint(0, model.args.vocab_size, (a.prefix + max(a.widths),), generator=torch.Generator().manual_seed(0))
     model.setup_cache(a.prefix + max(a.widths) + 1)
-    layer_block, one_call = ck.layer_block, M.Transformer.decode_step
-    paths = {"per layer": (_off, _off), "layers in one call": (layer_block, _off),
-             "forward in one call": (layer_block, one_call)}
+    layer_block, one_call, frozen = ck.layer_block, M.Transformer.decode_step, ck.weights_frozen
+    paths = {"per layer": (_off, _off, frozen), "layers in one call": (layer_block, _off, frozen),
+             "forward in one call": (layer_block, one_call, frozen)}
     if a.generate:
+        paths["checked per forward"] = (layer_block, one_call, contextlib.nullcontext)
         generations(chain, paths, a.limit)
-        ck.layer_block, M.Transformer.decode_step = layer_block, one_call
+        ck.layer_block, M.Transformer.decode_step, ck.weights_frozen = layer_block, one_call, frozen
         return
     names, ms = list(paths), {name: {w: [] for w in a.widths} for name in paths}
     with torch.inference_mode():
         model(ids[:a.prefix])
         for rep in range(a.repeats):
             for name in names[rep % 3:] + names[:rep % 3]:
-                ck.layer_block, M.Transformer.decode_step = paths[name]
+                ck.layer_block, M.Transformer.decode_step = paths[name][:2]
                 for w in a.widths:
                     model.truncate(a.prefix)
                     t0 = time.perf_counter()

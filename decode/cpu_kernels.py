@@ -121,7 +121,6 @@ def weights_frozen():
         _frozen.scope = outer
 
 
-
 def _env_enabled() -> bool:
     return os.environ.get("POLYSPEC_CPU_KERNELS", "1").strip().lower() not in {"0", "false", "off", "no"}
 

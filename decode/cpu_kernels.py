@@ -832,7 +832,7 @@ def layer_block(layers: list[torch.nn.Module], cache, dtype: torch.dtype, t: int
 
     cos, sin = rope_cos_sin(inv_freq.cpu(), torch.arange(k0.shape[2]), dtype)
     block = blocks[key] = LayerBlock(plans, cache, torch.stack((cos, sin)).float().contiguous())
-    block.checked = getattr(_frozen, "scope", 0)
+    block.checked = scope
     return block
 
 

@@ -56,8 +56,7 @@ class ProfileSettings:
     tree: DraftSpec | None = None  # a tree candidate (its shape, its draft.lookup) to weigh against linear drafts
     lookups: tuple[int, ...] = ()  # draft.lookup values tried with every k, and prompt lookup alone at each
     eos_ids: frozenset[int] = frozenset()
-    confirm_duals: int = 0  # runner-up duals (by prediction; and the grid's fastest measured) the final runs measure
-    # too; the fastest measured is kept
+    confirm_duals: int = 0  # runner-up duals (predicted; the grid's fastest) the final runs measure; the fastest kept
     vocab: int = 0  # the draft head's vocabulary (draft.vocab) in every configuration
 
     def draft(self, **kw: Any) -> DraftSpec:

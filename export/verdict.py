@@ -140,7 +140,7 @@ def runners_up(rows: Sequence[GridRow], best: GridRow, n: int, modes: tuple[str,
     cands = [r for r in rows if r.mode in modes and r.predicted_time_per_token_s is not None and r is not best]
     out = sorted(cands, key=lambda r: r.predicted_time_per_token_s)[:n]
     fastest = max(cands, key=lambda r: r.measured_tokens_per_second, default=None)
-    if n > 0 and fastest is not None and fastest.measured_tokens_per_second > (best.measured_tokens_per_second or 0) \
+    if n > 0 and fastest is not None and fastest.measured_tokens_per_second > best.measured_tokens_per_second \
             and all(fastest is not r for r in out):
         out.append(fastest)
     return out

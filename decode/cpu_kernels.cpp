@@ -1867,7 +1867,7 @@ static void qv_pack(const float* s, const uint8_t* z, int64_t N, int64_t K, int6
 
 extern "C" {
 
-int polyspec_linear_abi(void) { return 16; }
+int polyspec_linear_abi(void) { return 17; }
 
 // Which row kernels this build has for int4 and bf16 weights: 1 = AVX512-BF16 dot products on bf16 inputs (2: with
 // vdpbf16ps emulated, POLYSPEC_EMULATE_DPBF16), 0 = the portable fp32 ones.
@@ -2024,11 +2024,16 @@ int polyspec_layer_i4(float* x, const void* const* ptrs, int64_t gs, float eps, 
     return layer(x, w, eps, T, H, nh, nkv, D, I, cos_, sin_, kcache, vcache, S, start, mask, threads);
 }
 
-// A causal block's attention mask [T, start + T] (model.block_mask): all of the cache, then causal within the block;
-// empty for one row (every key visible: layer() takes no mask then).
-static std::vector<uint8_t> causal_mask(int64_t T, int64_t start) {
+// A block's attention mask [T, start + T] (model.block_mask): all of the cache, then causal within the block (empty
+// for one row: every key visible, layer() takes no mask then); or, for a draft tree, tree [T, W] over the last W
+// positions with every earlier one visible.
+static std::vector<uint8_t> block_mask(int64_t T, int64_t start, const uint8_t* tree, int64_t W) {
     std::vector<uint8_t> mask;
-    if (T > 1) {
+    if (tree) {
+        const int64_t n = start + T;
+        mask.assign(T * n, 1);
+        for (int64_t t = 0; t < T; t++) memcpy(&mask[t * n + n - W], tree + t * W, W);
+    } else if (T > 1) {
         mask.assign(T * (start + T), 1);
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = start + t + 1; j < start + T; j++) mask[t * (start + T) + j] = 0;
@@ -2036,19 +2041,43 @@ static std::vector<uint8_t> causal_mask(int64_t T, int64_t start) {
     return mask;
 }
 
-// The layers of a causal block in one call (decode/model.py: a decode step, a verification, a prompt's chunk):
+// A block's RoPE rows from the table rope [2, S, D] (cos, sin): positions start .. start + T - 1 read in place, or a
+// tree's positions[T] gathered into cs [2, T, D]. Returns 0, or 4 (a position outside the table).
+static int block_rope(const float* rope, int64_t S, int64_t D, int64_t start, int64_t T, const int64_t* positions,
+                      std::vector<float>& cs, const float*& cos_, const float*& sin_) {
+    cos_ = rope + start * D;
+    sin_ = rope + (S + start) * D;
+    if (!positions) return 0;
+    cs.resize(2 * T * D);
+    for (int64_t t = 0; t < T; t++) {
+        if (positions[t] < 0 || positions[t] >= S) return 4;
+        memcpy(&cs[t * D], rope + positions[t] * D, D * sizeof(float));
+        memcpy(&cs[(T + t) * D], rope + (S + positions[t]) * D, D * sizeof(float));
+    }
+    cos_ = cs.data();
+    sin_ = cs.data() + T * D;
+    return 0;
+}
+
+// The layers of a block in one call (decode/model.py: a decode step, a verification, a prompt's chunk, a draft tree):
 // layer l runs as polyspec_layer_<kind> would with plans[l] and its caches kc[l], vc[l], in turn on x [T, H] fp32
 // (kind 0: bf16, 1: f32, 2: int4 of group size gs). RoPE from the table rope [2, S, D] (cos, sin) at positions
-// start .. start + T - 1; each row sees the cache and the block's rows up to its own. One call where a loop over the
-// layers in Python paid ~20 us a layer for its own data, which each layer's weight stream leaves cold. Returns 0, or
-// 16 * l + the refusal code of layer l.
+// start .. start + T - 1, or positions[T]; each row sees the cache and the block's rows up to its own, or, under a
+// tree's mask tree [T, W], the last W positions it marks and every earlier one. One call where a loop over the layers
+// in Python paid ~20 us a layer for its own data, which each layer's weight stream leaves cold. Returns 0, 2 (start,
+// W), 4 (a position outside the table), or 16 * l + the refusal code of layer l.
 int polyspec_layers(int kind, int64_t gs, float* x, const void* const* const* plans, int64_t L, float eps, int64_t T,
                     int64_t H, int64_t nh, int64_t nkv, int64_t D, int64_t I, const float* rope, void* const* kc,
-                    void* const* vc, int64_t S, int64_t start, int threads) {
-    if (kind < 0 || kind > 2 || start < 0 || start + T > S) return 2;
-    const std::vector<uint8_t> mask = causal_mask(T, start);
-    const float *cos_ = rope + start * D, *sin_ = rope + (S + start) * D;
-    const uint8_t* m = T > 1 ? mask.data() : nullptr;
+                    void* const* vc, int64_t S, int64_t start, const int64_t* positions, const uint8_t* tree,
+                    int64_t W, int threads) {
+    if (kind < 0 || kind > 2 || start < 0 || start + T > S || (tree && (W < T || W > start + T))) return 2;
+    for (int64_t t = 0; tree && t < T; t++)
+        if (!tree[t * W + W - T + t]) return 2;  // every row sees itself
+    const std::vector<uint8_t> mask = block_mask(T, start, tree, W);
+    std::vector<float> cs;
+    const float *cos_, *sin_;
+    if (block_rope(rope, S, D, start, T, positions, cs, cos_, sin_) != 0) return 4;
+    const uint8_t* m = mask.empty() ? nullptr : mask.data();
     for (int64_t l = 0; l < L; l++) {
         int rc = 0;
         if (kind == 0)
@@ -2083,25 +2112,28 @@ void polyspec_final_norm_bf16(const uint16_t* x, const float* w, float eps, int6
     final_norm_bf16(xf.data(), w, eps, T, H, y);
 }
 
-// A bf16 model's forward over a causal block in one call (decode/model.py, Transformer.forward: a decode step, a
-// verification): the embedding rows of ids widened, the layers as polyspec_layers (kind 0), the residual rounded to
-// bf16, the final norm (final_norm_bf16) into hidden [T, H], and the lm_head's logits of rows from .. T - 1, rounded
-// to bf16, into logits [T - from, V] (fp32), as kernel_linear computes them. Each step of the module path is one
-// kernel call or torch op over the same values, so the results are bitwise its (tests/test_layer_parity.py); one call
-// saves their Python, which a target forward's weight stream leaves cold. Returns 0, polyspec_layers' code, 3 (from),
-// or 5 (a token id outside the embedding's n_embed rows).
+// A bf16 model's forward over a block in one call (decode/model.py, Transformer.forward: a decode step, a
+// verification, a draft tree's under positions and tree as polyspec_layers takes them): the embedding rows of ids
+// widened, the layers as polyspec_layers (kind 0), the residual rounded to bf16, the final norm (final_norm_bf16) into
+// hidden [T, H], and the lm_head's logits of rows from .. T - 1, rounded to bf16, into logits [T - from, V] (fp32), as
+// kernel_linear computes them. Each step of the module path is one kernel call or torch op over the same values, so
+// the results are bitwise its (tests/test_layer_parity.py); one call saves their Python, which a target forward's
+// weight stream leaves cold. Returns 0, polyspec_layers' code, 3 (from), or 5 (a token id outside the embedding's
+// n_embed rows).
 int polyspec_forward_bf16(const int64_t* ids, const uint16_t* embed, int64_t n_embed, int64_t T, int64_t H,
                           const void* const* const* plans, int64_t L, float eps, int64_t nh, int64_t nkv, int64_t D,
                           int64_t I, const float* rope, void* const* kc, void* const* vc, int64_t S, int64_t start,
-                          const float* norm_w, float norm_eps, const uint16_t* lm_w, const uint32_t* lm_blk,
-                          int64_t V, int64_t from, uint16_t* hidden, float* logits, int threads) {
+                          const int64_t* positions, const uint8_t* tree, int64_t W, const float* norm_w,
+                          float norm_eps, const uint16_t* lm_w, const uint32_t* lm_blk, int64_t V, int64_t from,
+                          uint16_t* hidden, float* logits, int threads) {
     if (from < 0 || from >= T) return 3;
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= n_embed) return 5;
     std::vector<float> x(T * H);
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < H; i++) x[t * H + i] = bf16_to_f32(embed[ids[t] * H + i]);
-    const int rc = polyspec_layers(0, 0, x.data(), plans, L, eps, T, H, nh, nkv, D, I, rope, kc, vc, S, start, threads);
+    const int rc = polyspec_layers(0, 0, x.data(), plans, L, eps, T, H, nh, nkv, D, I, rope, kc, vc, S, start, positions,
+                                   tree, W, threads);
     if (rc != 0) return rc;
     round_to_bf16(x.data(), T * H);
     final_norm_bf16(x.data(), norm_w, norm_eps, T, H, hidden);
@@ -2146,18 +2178,9 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, int64_t n
     if (out_rows < 0 || out_rows > T) return 3;
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= n_embed) return 5;
-    std::vector<float> cs;  // a tree's rows' cos then sin [2, T, D]; a plain block reads the table's rows in place
-    const float *cos_ = rope + start * D, *sin_ = rope + (S + start) * D;
-    if (positions) {
-        cs.resize(2 * T * D);
-        for (int64_t t = 0; t < T; t++) {
-            if (positions[t] < 0 || positions[t] >= S) return 4;
-            memcpy(&cs[t * D], rope + positions[t] * D, D * sizeof(float));
-            memcpy(&cs[(T + t) * D], rope + (S + positions[t]) * D, D * sizeof(float));
-        }
-        cos_ = cs.data();
-        sin_ = cs.data() + T * D;
-    }
+    std::vector<float> cs;
+    const float *cos_, *sin_;
+    if (block_rope(rope, S, D, start, T, positions, cs, cos_, sin_) != 0) return 4;
     std::vector<float> x2(T * 2 * H), x(T * H);
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < H; i++) {
@@ -2166,7 +2189,7 @@ int polyspec_head_step_bf16(const int64_t* ids, const uint16_t* embed, int64_t n
         }
     run1(x2.data(), WBF16{fc_w, true, fc_blk}, fc_b, H, T, 2 * H, x.data(), threads);
     round_to_bf16(x.data(), T * H);
-    const std::vector<uint8_t> mask = tree_mask ? std::vector<uint8_t>() : causal_mask(T, start);
+    const std::vector<uint8_t> mask = tree_mask ? std::vector<uint8_t>() : block_mask(T, start, nullptr, 0);
     const int rc = layer(x.data(), bf16_layer_weights(layer_ptrs), eps, T, H, nh, nkv, D, I, cos_, sin_, kcache,
                          vcache, S, start, tree_mask ? tree_mask : T > 1 ? mask.data() : nullptr, threads);
     if (rc != 0) return rc;

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from polyspec.errors import PolyspecError
 
-_ABI = 16
+_ABI = 17
 MAX_ROWS = 16  # rows any forward takes the kernels for; a wider prompt goes to torch's GEMM (rows_limit)
 VERIFY_ROWS = 64  # rows a verification (rows_limit) takes them for: exactness first (at 33 rows 1.13x torch's time)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -251,7 +251,7 @@ def _declare_one_calls(lib: ctypes.CDLL) -> None:
     lib.polyspec_head_step_bf16.restype = ctypes.c_int
     lib.polyspec_layers.argtypes = ([ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                      ctypes.c_float] + [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3
-                                    + [ctypes.c_int64] * 2 + [ctypes.c_int])
+                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int])
     lib.polyspec_layers.restype = ctypes.c_int
     lib.polyspec_final_norm_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_int64] * 2 + [
         ctypes.c_void_p]
@@ -259,6 +259,7 @@ def _declare_one_calls(lib: ctypes.CDLL) -> None:
     lib.polyspec_forward_bf16.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p,
                                           ctypes.c_int64, ctypes.c_float] + [ctypes.c_int64] * 4
                                           + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                                          + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
                                           + [ctypes.c_void_p, ctypes.c_float] + [ctypes.c_void_p] * 2
                                           + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
     lib.polyspec_forward_bf16.restype = ctypes.c_int
@@ -492,9 +493,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            max_rows: int = MAX_ROWS, fp32_out: bool = False) -> torch.Tensor:
     """``F.linear`` with the CPU kernel where it applies (see :func:`supports`); an fp32 input with bf16 weights gives
     fp32 (the weights widened: on the torch path, a widened copy per call). ``fp32_out``: the result's ``.float()``
-    (from the kernel without the bf16 copy: :func:`kernel_linear`)."""
-    if _ready() and supports(x, weight, max_rows) and _load() is not None:
-        return kernel_linear(x, weight, bias, fp32_out=fp32_out)
+    (from the kernel without the bf16 copy: :func:`kernel_linear`). bf16 weights in 16-row blocks (:func:`blocks_of`:
+    a build without AVX512-BF16, where torch's GEMM widens them at ~40 GFLOP/s) take any number of rows, VERIFY_ROWS
+    at a time (each row's result is the same in any call: a prompt's fc in an EAGLE head, 0.81 against 2.9 ms at
+    125 rows)."""
+    if _ready() and _load() is not None:
+        if supports(x, weight, max_rows):
+            return kernel_linear(x, weight, bias, fp32_out=fp32_out)
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x
+        if rows.dim() == 2 and supports(rows[:VERIFY_ROWS], weight, VERIFY_ROWS) and blocks_of(weight) is not None:
+            y = torch.cat([kernel_linear(rows[i:i + VERIFY_ROWS], weight, bias, fp32_out=fp32_out)
+                           for i in range(0, rows.shape[0], VERIFY_ROWS)])
+            return y.reshape(*x.shape[:-1], y.shape[-1])
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
         bias = None if bias is None else bias.to(x.dtype)
@@ -842,17 +852,44 @@ def _block_current(block: LayerBlock, layers: list[torch.nn.Module]) -> bool:
         and [t._version for t in block.watched] == block.versions
 
 
-def run_block(block: LayerBlock, x: torch.Tensor, cache, start: int) -> torch.Tensor:
-    """:func:`run_layers` over a causal block at cache position ``start`` in one kernel call (the same layers'
-    arithmetic, so bitwise its result): x [1, T, H] -> the block's output, same dtype; writes the layers' K/V."""
+def _tree_args(t: int, positions: list[int] | None, tree_mask: torch.Tensor | None) -> tuple:
+    """polyspec_layers' (positions, tree, W) for a block of ``t`` rows: absolute RoPE positions (default start ..
+    start + t - 1) and a draft tree's bool mask [t, W] over the block's last W positions (default causal; the
+    kernel checks W and the diagonal). The mask comes back too: the caller keeps it alive through the call."""
+    pos = None if positions is None else (ctypes.c_int64 * t)(*positions)
+    if tree_mask is None:
+        return pos, None, 0, None
+    m = tree_mask.to(torch.bool).contiguous()
+    if m.dim() != 2 or m.shape[0] != t:
+        raise PolyspecError(f"a tree's mask must be [T, W] with T = {t} rows, got {list(m.shape)}")
+    return pos, m.data_ptr(), m.shape[1], m
+
+
+def run_block(block: LayerBlock, x: torch.Tensor, cache, start: int, positions: list[int] | None = None,
+              tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`run_layers` over a block at cache position ``start`` in one kernel call (the same layers' arithmetic,
+    so bitwise its result): x [1, T, H] -> the block's output, same dtype; writes the layers' K/V. Causal, or a
+    draft tree's rows at ``positions`` under ``tree_mask`` (:func:`_tree_args`)."""
     out = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous().clone()
     t, h = out.shape[1], out.shape[2]
+    pos, mp, w, _keep = _tree_args(t, positions, tree_mask)
     rc = _lib.polyspec_layers(block.code, block.group_size, out.data_ptr(), block.ptrs, len(block.plans), block.eps,
                               t, h, *block.sizes, block.rope.data_ptr(), block.kc, block.vc, cache.k[0].shape[2],
-                              start, torch.get_num_threads())
+                              start, pos, mp, w, torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"run_block: the kernel refused the shapes of layer {rc // 16} (code {rc % 16})")
+        raise _block_error("run_block", rc)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _block_error(where: str, rc: int) -> Exception:
+    """The error for a refusal of polyspec_layers (2: the start, or a tree's mask; 4: a position; 16 l + code: layer
+    l's shapes)."""
+    if rc == 2:
+        return PolyspecError(f"{where}: a tree's mask must be [T, W] with T <= W <= the cache's positions after the "
+                             "block, and let every token see itself (its diagonal must be all True)")
+    if rc == 4:
+        return PolyspecError(f"{where}: a position lies outside the cache (its RoPE table)")
+    return ValueError(f"{where}: the kernel refused the shapes of layer {rc // 16} (code {rc % 16})")
 
 
 def final_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor | None:
@@ -888,24 +925,28 @@ def _token_ids_error(ids: list[int], embed: torch.Tensor) -> PolyspecError:
 
 
 def run_forward(block: LayerBlock, ids: list[int], embed: torch.Tensor, norm: torch.nn.Module,
-                lm_weight: torch.Tensor, cache, start: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bf16 model's forward over a causal block in one kernel call (cpu_kernels.cpp's forward_bf16): T token ids
-    at cache position ``start`` -> (logits [T - first, V] fp32 of rows first .. T - 1, final-norm'd hidden [T, H]
-    bf16), bitwise what :func:`run_block`, :func:`final_norm` and :func:`kernel_linear` give one after another. The
-    caller checked the weights (bf16, CPU, contiguous; an lm_head without bias) and got ``block`` from
-    :func:`layer_block`."""
+                lm_weight: torch.Tensor, cache, start: int, first: int, positions: list[int] | None = None,
+                tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 model's forward over a block in one kernel call (cpu_kernels.cpp's forward_bf16): T token ids at cache
+    position ``start`` (causal, or a draft tree's rows at ``positions`` under ``tree_mask``: :func:`_tree_args`) ->
+    (logits [T - first, V] fp32 of rows first .. T - 1, final-norm'd hidden [T, H] bf16), bitwise what
+    :func:`run_block`, :func:`final_norm` and :func:`kernel_linear` give one after another. The caller checked the
+    weights (bf16, CPU, contiguous; an lm_head without bias) and got ``block`` from :func:`layer_block`."""
     t, (v, h) = len(ids), lm_weight.shape
     hidden = torch.empty((t, h), dtype=torch.bfloat16)
     logits = torch.empty((t - first, v), dtype=torch.float32)
+    pos, mp, w, _keep = _tree_args(t, positions, tree_mask)
     rc = _lib.polyspec_forward_bf16((ctypes.c_int64 * t)(*ids), embed.data_ptr(), embed.shape[0], t, h, block.ptrs,
                                     len(block.plans), block.eps, *block.sizes, block.rope.data_ptr(), block.kc,
-                                    block.vc, cache.k[0].shape[2], start, _norm_weight(norm).data_ptr(),
+                                    block.vc, cache.k[0].shape[2], start, pos, mp, w, _norm_weight(norm).data_ptr(),
                                     float(norm.eps), lm_weight.data_ptr(), blocks_ptr(lm_weight), v, first,
                                     hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
     if rc == 5:
         raise _token_ids_error(ids, embed)
+    if rc == 3:
+        raise ValueError(f"run_forward: logits from row {first} of a block of {t}")
     if rc != 0:
-        raise ValueError(f"run_forward: the kernel refused the shapes (code {rc})")
+        raise _block_error("run_forward", rc)
     return logits, hidden
 
 

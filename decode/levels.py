@@ -158,6 +158,10 @@ class ModelLevel:
     @_inference
     def forward_tree(self, tokens: list[int], positions: list[int], mask: torch.Tensor,
                      features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        step = getattr(self.model, "decode_step", None) if self._aux is None else None
+        out = step(tokens, positions=positions, tree_mask=mask) if step is not None else None
+        if out is not None:
+            return out
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         offsets = torch.tensor(positions, dtype=torch.long) - self.model.cache_len  # [T]
         return self._run(ids, tree_mask=mask, position_offsets=offsets)

@@ -649,8 +649,10 @@ class CachedDecoder(nn.Module):
         """The decoder layers, in cache order."""
         raise NotImplementedError
 
-    def _check_block(self, b: int, t: int, start: int, tree_mask: torch.Tensor | None) -> None:
-        """One clear error for a block of ``b`` x ``t`` tokens at cache position ``start`` that cannot run."""
+    def _check_block(self, b: int, t: int, start: int, tree_mask: torch.Tensor | None,
+                     diagonal: bool = True) -> None:
+        """One clear error for a block of ``b`` x ``t`` tokens at cache position ``start`` that cannot run
+        (``diagonal=False``: the one-call kernels check a tree mask's diagonal themselves)."""
         cache = self._cache
         if cache is not None:
             if start + t > cache.max_seq_len:
@@ -664,7 +666,7 @@ class CachedDecoder(nn.Module):
             if tree_mask.dim() != 2 or tree_mask.shape[0] != t or not t <= tree_mask.shape[1] <= start + t:
                 raise PolyspecError(f"tree_mask must be [T, K + T] with T = {t} and 0 <= K <= cache_len ({start}), "
                                     f"got {list(tree_mask.shape)}")
-            if not bool(tree_mask[:, tree_mask.shape[1] - t:].to(torch.bool).diagonal().all()):
+            if diagonal and not bool(tree_mask[:, tree_mask.shape[1] - t:].to(torch.bool).diagonal().all()):
                 raise PolyspecError("tree_mask must let every token see itself (its diagonal must be all True)")
 
     def _run_layers(self, x: torch.Tensor, layers: list[nn.Module], tree_mask: torch.Tensor | None,
@@ -680,15 +682,17 @@ class CachedDecoder(nn.Module):
         cache = self._cache
         start = cache.length if cache is not None else 0
         self._check_block(b, t, start, tree_mask)
-        plain = tree_mask is None and position_offsets is None and cache is not None and b == 1
-        blocked = plain and t > cpu_kernels.MAX_ROWS and cpu_kernels.blocked_layers(layers)
+        plain = tree_mask is None and position_offsets is None
+        blocked = plain and cache is not None and b == 1 and t > cpu_kernels.MAX_ROWS \
+            and cpu_kernels.blocked_layers(layers)
         rows = cpu_kernels.rows_limit(start, tree_mask is not None, blocked)
         if blocked and t > rows:
             return self._run_chunks(x, layers, rows)
         block = cpu_kernels.layer_block(layers, cache, x.dtype, t, self.inv_freq, rows) \
-            if plain and x.is_cpu else None
-        if block is not None:  # the common case on the CPU: every layer in one kernel call
-            x = cpu_kernels.run_block(block, x, cache, start)
+            if cache is not None and b == 1 and x.is_cpu else None
+        if block is not None:  # the common case on the CPU: every layer in one kernel call (a tree's too)
+            at = None if plain else self._positions(t, start, position_offsets, x.device).tolist()
+            x = cpu_kernels.run_block(block, x, cache, start, at, tree_mask)
             cache.length = start + t
             return x
         positions = self._positions(t, start, position_offsets, x.device)
@@ -809,8 +813,8 @@ class Transformer(CachedDecoder):
         else:
             runner = self.__dict__.get("_static_runner")  # polyspec.decode.cuda_graphs: static steps / CUDA graphs
             out = runner.forward(ids, None, tree_mask, position_offsets, last_only) if runner is not None else None
-        if out is None and tree_mask is None and position_offsets is None:
-            out = self._forward_in_one_call(ids, last_only, logits_from, rows)
+        if out is None:
+            out = self._forward_in_one_call(ids, last_only, logits_from, rows, tree_mask, position_offsets)
         if out is None:
             x = self._run_layers(self._embed(ids, None), list(self.layers), tree_mask, position_offsets)
             out = self._out(x, last_only, logits_from, rows)
@@ -820,22 +824,27 @@ class Transformer(CachedDecoder):
     def _layers(self) -> list[nn.Module]:
         return list(self.layers)
 
-    def _forward_in_one_call(self, ids: torch.Tensor, last_only: bool, logits_from: int,
-                             rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """forward's result for a causal block of one sequence at the cache's end from one kernel call
-        (:meth:`decode_step`), or None where it does not apply (then the layers, the norm and the lm_head run one
-        after another)."""
-        if ids.shape[0] != 1 or not ids.is_cpu or not self.embed_tokens.weight.is_cpu \
+    def _forward_in_one_call(self, ids: torch.Tensor, last_only: bool, logits_from: int, rows: int,
+                             tree_mask: torch.Tensor | None, position_offsets: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """forward's result for a block of one sequence at the cache's end (causal, or a draft tree's) from one
+        kernel call (:meth:`decode_step`), or None where it does not apply (then the layers, the norm and the
+        lm_head run one after another)."""
+        if ids.shape[0] != 1 or not ids.is_cpu or not self.embed_tokens.weight.is_cpu or self._cache is None \
                 or torch.compiler.is_compiling() or torch.jit.is_tracing():  # tolist() would sync a GPU, break a graph
             return None
-        out = self.decode_step(ids[0].tolist(), last_only, logits_from, rows)
+        positions = None if position_offsets is None else \
+            self._positions(ids.shape[1], self._cache.length, position_offsets, ids.device).tolist()
+        out = self.decode_step(ids[0].tolist(), last_only, logits_from, rows, positions, tree_mask)
         return None if out is None else (out[0][None], out[1][None])
 
     def decode_step(self, tokens: list[int], last_only: bool = False, logits_from: int = 0,
-                    rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """forward's result for a causal block of token ids at the cache's end ([n, V] logits, [T, H] hidden) from
-        one kernel call (cpu_kernels.run_forward: embedding, layers, final norm and lm_head of a bf16 model on the
-        CPU), without forward's tensor reshaping, or None where it does not apply (forward's other paths then run).
+                    rows: int | None = None, positions: list[int] | None = None,
+                    tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """forward's result for a block of token ids at the cache's end ([n, V] logits, [T, H] hidden) from one
+        kernel call (cpu_kernels.run_forward: embedding, layers, final norm and lm_head of a bf16 model on the CPU),
+        without forward's tensor reshaping, or None where it does not apply (forward's other paths then run). The
+        block is causal, or a draft tree's: its rows' absolute ``positions`` and ``tree_mask`` as forward takes it.
         Each torch op costs tens of microseconds here: the forward's weight stream leaves their code cold."""
         cache, t = self._cache, len(tokens)
         emb, lm, norm = self.embed_tokens.weight, self.lm_head, self.norm
@@ -844,13 +853,14 @@ class Transformer(CachedDecoder):
                 or not (emb.is_cpu and emb.is_contiguous() and lm.weight.is_contiguous()):
             return None
         start = cache.length
-        self._check_block(1, t, start, None)
-        rows = cpu_kernels.rows_limit(start, False) if rows is None else rows
+        self._check_block(1, t, start, tree_mask, diagonal=False)
+        rows = cpu_kernels.rows_limit(start, tree_mask is not None) if rows is None else rows
         block = cpu_kernels.layer_block(list(self.layers), cache, torch.bfloat16, t, self.inv_freq, rows)
         if block is None:
             return None
         first = t - 1 if last_only else min(logits_from, t - 1)
-        logits, hidden = cpu_kernels.run_forward(block, tokens, emb, norm, lm.weight, cache, start, first)
+        logits, hidden = cpu_kernels.run_forward(block, tokens, emb, norm, lm.weight, cache, start, first, positions,
+                                                 tree_mask)
         cache.length = start + t
         return logits, (hidden[-1:] if last_only else hidden)
 

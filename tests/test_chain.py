@@ -555,6 +555,28 @@ def test_a_tree_round_verifies_the_repeated_text_alone_and_drafts_no_tree_for_it
     assert draft_stats.lookup_tokens == 0 and draft_stats.forward_passes >= rounds
 
 
+@pytest.mark.parametrize("n_lin", [0, 1, 3])
+def test_a_tree_forwards_mask_lets_each_node_see_its_ancestors_and_the_context(n_lin):
+    """ancestor_mask, cell by cell against its definition: the context rows causal, each node row the context, the
+    node and its ancestors (columns through col), nothing else; the draft forward's case (no context rows, columns of
+    nodes already in the cache) and the verification's."""
+    from polyspec.decode.drafting.tree import ancestor_mask
+
+    parents = [-1, -1, 0, 0, 2, 1, 4]
+    nodes, col = [2, 4, 5, 6], {0: 7, 1: 6, 2: 5, 3: 4, 4: 3, 5: 2, 6: 1}
+    width = n_lin + 8
+    col = {n: n_lin + c for n, c in col.items()}
+    want = torch.zeros(n_lin + len(nodes), width, dtype=torch.bool)
+    want[:n_lin, :n_lin] = torch.ones(n_lin, n_lin, dtype=torch.bool).tril()
+    for r, node in enumerate(nodes, start=n_lin):
+        want[r, :n_lin] = True
+        while node != -1:
+            want[r, col[node]] = True
+            node = parents[node]
+    assert torch.equal(ancestor_mask(n_lin, width, nodes, parents, col), want)
+    assert ancestor_mask(0, 3, [], parents, col).shape == (0, 3)
+
+
 def test_tree_accepts_more_than_a_linear_draft_of_the_same_depth():
     """A draft whose top-1 is often wrong but whose top-3 holds the target's token: the tree keeps the right branch."""
     v = 16

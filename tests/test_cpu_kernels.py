@@ -289,6 +289,25 @@ def test_16_row_blocks_sum_in_input_order_at_every_width_and_slice():
         assert torch.equal(ck.kernel_linear(xf, ws[0]), _in_input_order(xf, ws[0], None))
 
 
+def test_a_linear_over_16_row_blocks_takes_any_number_of_rows_on_the_kernel(monkeypatch):
+    """linear() over bf16 weights in 16-row blocks takes inputs of more rows than a verification (an EAGLE head's fc
+    over a prompt) on the kernel, VERIFY_ROWS at a time: each output is its sum in input order, as in one row's call;
+    torch's F.linear is not reached. Without blocks the rows past max_rows stay on torch."""
+    g = _gen(83)
+    w, b = _blocked(torch.randn(40, 37, generator=g).bfloat16()), torch.randn(40, generator=g).bfloat16()
+    x = torch.randn(2, 75, 37, generator=g).bfloat16()
+    want = _in_input_order(x.reshape(150, 37).float(), w, b.float()).bfloat16().reshape(2, 75, 40)
+    plain = w.clone()  # no blocks
+    torch_calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: torch_calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        if ck.bf16_rows() != "dot":  # there bf16 inputs take vdpbf16ps rows
+            assert torch.equal(ck.linear(x, w, b), want) and not torch_calls
+        ck.linear(x, plain, b)
+    assert torch_calls == [1]
+
+
 def test_16_row_blocks_follow_in_place_changes_and_can_be_switched_off(tmp_path, monkeypatch):
     """pack_weights gives a bf16 model's Linear weights (the tied lm_head too) their blocks and its layer plans read
     them; a weight changed in place is repacked before its next use, so a packed model keeps computing what an

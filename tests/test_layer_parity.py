@@ -182,11 +182,11 @@ def test_reference_kernel_and_static_step_agree(arch, level, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("level", ["fp32", "bf16", "int4"])
 def test_a_causal_blocks_layers_in_one_call_equal_them_one_by_one(level, monkeypatch):
-    """A causal block's layers in one kernel call (cpu_kernels.run_block: RoPE from a table, the mask made in C; for a
-    bf16 model run_forward, with the embedding, the final norm and the lm_head) give bitwise the logits, hidden states
-    and cache of a kernel call per layer (run_layers) and the norm and lm_head after it, and every causal forward at
-    a cache takes them. Over bf16 weights in 16-row blocks, a weight changed in place between two forwards on one
-    cache is seen by both paths alike (the block is rebuilt, not stale)."""
+    """A block's layers in one kernel call (cpu_kernels.run_block: RoPE from a table, the mask made in C; for a bf16
+    model run_forward, with the embedding, the final norm and the lm_head) give bitwise the logits, hidden states and
+    cache of a kernel call per layer (run_layers) and the norm and lm_head after it, and every forward at a cache
+    takes them, a draft tree's (its positions and mask) too. Over bf16 weights in 16-row blocks, a weight changed in
+    place between two forwards on one cache is seen by both paths alike (the block is rebuilt, not stale)."""
     model = _model("smollm2", level)
     by_layer = copy.deepcopy(model)
     if level == "bf16":
@@ -197,7 +197,7 @@ def test_a_causal_blocks_layers_in_one_call_equal_them_one_by_one(level, monkeyp
         real = getattr(ck, name)
         monkeypatch.setattr(ck, name, lambda b, *a, real=real, **k: taken.append(len(b.plans)) or real(b, *a, **k))
     one_call = _script(model)
-    assert taken == [len(model.layers)] * sum(mask is None for _, mask, _ in BLOCKS)
+    assert taken == [len(model.layers)] * len(BLOCKS)
     with monkeypatch.context() as mp:
         mp.setattr(ck, "layer_block", lambda *a, **k: None)
         assert all(torch.equal(a, b) for a, b in zip(one_call, _script(by_layer), strict=True))
@@ -205,7 +205,53 @@ def test_a_causal_blocks_layers_in_one_call_equal_them_one_by_one(level, monkeyp
             return
         outs = [_changed_between_forwards(by_layer)]
     outs.append(_changed_between_forwards(model))
-    assert torch.equal(*outs) and len(taken) == 5 + 2
+    assert torch.equal(*outs) and len(taken) == len(BLOCKS) + 2
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ["fp32", "bf16", "int4"])
+def test_a_tree_that_sees_earlier_nodes_runs_in_one_call_bitwise(level, monkeypatch):
+    """A draft model's tree forward under a mask [T, K + T] that reaches K cached positions (earlier tree nodes, some
+    hidden from some rows; tree.py's drafting) runs in one kernel call and gives bitwise the per-layer path's logits,
+    hidden states and cache. A mask hiding a row from itself is refused before anything is written: in a bf16 model's
+    one-call forward by the kernel (decode_step skips the Python check's torch ops), elsewhere before the call."""
+    model = _model("smollm2", level)
+    by_layer = copy.deepcopy(model)
+    taken = []
+    for name in ("run_block", "run_forward"):
+        real = getattr(ck, name)
+        monkeypatch.setattr(ck, name, lambda b, *a, real=real, **k: taken.append(len(b.plans)) or real(b, *a, **k))
+    one_call = _tree_script(model)
+    assert taken == [len(model.layers)] * 3
+    with monkeypatch.context() as mp:
+        mp.setattr(ck, "layer_block", lambda *a, **k: None)
+        assert all(torch.equal(a, b) for a, b in zip(one_call, _tree_script(by_layer), strict=True))
+    model.setup_cache(32)
+    with torch.inference_mode():
+        model(torch.arange(4))
+        bad = torch.ones(2, 3, dtype=torch.bool)
+        bad[1, 2] = False
+        with pytest.raises(PolyspecError, match="itself"):
+            model(torch.arange(2), tree_mask=bad, position_offsets=torch.tensor([0, 1]))
+    assert model.cache_len == 4 and len(taken) == (5 if level == "bf16" else 4)
+
+
+def _tree_script(model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """A prompt, two tree nodes (a root and its child), three more whose mask [3, 5] sees those two in part:
+    (logits, hidden, K and V of every position held)."""
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, VOCAB, (14,), generator=g)
+    sees = torch.tensor([[1, 0, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)
+    model.setup_cache(32)
+    with torch.inference_mode():
+        outs = [model(ids[:9]),
+                model(ids[9:11], tree_mask=torch.tensor([[1, 0], [1, 1]], dtype=torch.bool),
+                      position_offsets=torch.tensor([0, 1])),
+                model(ids[11:], tree_mask=sees, position_offsets=torch.tensor([1, 2, 1]))]
+        cache = model._cache
+        k = torch.cat([k[:, :, :cache.length].float() for k in cache.k])
+        v = torch.cat([v[:, :, :cache.length].float() for v in cache.v])
+    return torch.cat([o[0].float() for o in outs]), torch.cat([o[1].float() for o in outs]), k, v
 
 
 def _changed_between_forwards(model: torch.nn.Module) -> torch.Tensor:

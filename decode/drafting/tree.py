@@ -60,17 +60,22 @@ class Tree:
         return out
 
 
-def ancestor_rows(mask: torch.Tensor, first_row: int, nodes: list[int], parents: list[int],
-                  col: dict[int, int]) -> None:
-    """Let mask[first_row + r] see nodes[r] and every ancestor of it (column col[a] for tree node a; -1 is the root),
-    in one indexed write (not one per cell: this runs every depth of every round)."""
-    rows, cols = [], []
-    for r, node in enumerate(nodes):
+def ancestor_mask(n_lin: int, width: int, nodes: list[int], parents: list[int], col: dict[int, int]) -> torch.Tensor:
+    """A tree forward's mask [n_lin + len(nodes), width]: the first n_lin rows (context not in the cache yet) causal
+    over the first n_lin columns; row n_lin + r sees those, nodes[r] and every ancestor of it (column col[a] for tree
+    node a; -1 is the root). Written as bytes and made a tensor once: this runs every depth of every round, and each
+    torch op costs tens of microseconds after a target forward has streamed its weights."""
+    rows = n_lin + len(nodes)
+    cells = bytearray(rows * width)
+    for r in range(n_lin):
+        cells[r * width:r * width + r + 1] = b"\x01" * (r + 1)
+    for r, node in enumerate(nodes, start=n_lin):
+        cells[r * width:r * width + n_lin] = b"\x01" * n_lin
         while node != -1:
-            rows.append(first_row + r)
-            cols.append(col[node])
+            cells[r * width + col[node]] = 1
             node = parents[node]
-    mask[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = True
+    return torch.frombuffer(cells, dtype=torch.bool).view(rows, width) if cells else torch.zeros(rows, width,
+                                                                                                 dtype=torch.bool)
 
 
 class TreeDrafter:
@@ -133,8 +138,7 @@ class _Drafting:
         """One draft forward over the frontier (each node sees its ancestors, all in the cache already)."""
         t = self.tree
         col = {n: c for c, n in enumerate(in_cache + frontier)}
-        mask = torch.zeros(len(frontier), len(in_cache) + len(frontier), dtype=torch.bool)
-        ancestor_rows(mask, 0, frontier, t.parents, col)
+        mask = ancestor_mask(0, len(in_cache) + len(frontier), frontier, t.parents, col)
         feats = None
         if self.level.needs_features:
             feats = torch.stack([self.root_feature if t.parents[n] == -1 else self.hidden_of[t.parents[n]]
@@ -182,10 +186,7 @@ def verify_tree(st: Any, i: int, ctx: list[int], tree: Tree, room: int) -> tuple
         level.truncate(start)
     lin = ctx[start:]
     n_lin, n_tree = len(lin), len(tree.tokens)
-    mask = torch.zeros(n_lin + n_tree, n_lin + n_tree, dtype=torch.bool)
-    mask[:n_lin, :n_lin] = torch.ones(n_lin, n_lin, dtype=torch.bool).tril()
-    mask[n_lin:, :n_lin] = True
-    ancestor_rows(mask, n_lin, list(range(n_tree)), tree.parents, {j: n_lin + j for j in range(n_tree)})
+    mask = ancestor_mask(n_lin, n_lin + n_tree, list(range(n_tree)), tree.parents, {j: n_lin + j for j in range(n_tree)})
     positions = list(range(start, len(ctx))) + [len(ctx) - 1 + d for d in tree.depths]
     logits, hidden = level.forward_tree(lin + tree.tokens, positions, mask)
     st.stats[i].forward_passes += 1

@@ -25,9 +25,9 @@ j is in a block is decided before token j is drawn), and cutting a block at an E
 is too, so the property survives them. The target's emitted tokens are therefore exact samples of the warped target.
 
 The generator passed around is the only randomness. Temperature 0 makes every warped row one-hot, so acceptance is
-argmax matching and the output is greedy decoding of the target, token for token; the linear rounds then carry each
-one-hot row as its hot index and verify by argmax matching (:func:`~polyspec.decode.sampling.greedy_verify`), without
-building [k, V] rows (the tree keeps its own T = 0 rules).
+argmax matching and the output is greedy decoding of the target, token for token; the rounds then carry no rows at
+all (a verifier at T = 0 reads only the tokens: ``q`` and ``p`` are None) and verify by argmax matching
+(:func:`~polyspec.decode.sampling.accept_prefix`), without building [k, V] rows or tensors of hot indices.
 
 Drafting (what the bottom proposes: linear, a tree, prompt lookup) lives in decode/drafting/, the per-level cache
 and feature bookkeeping in decode/state.py; this module is the verification recursion. For an EAGLE-3 draft (one
@@ -281,7 +281,7 @@ class _Run:
 
     def _produce(self, i: int, ctx: list[int], need: int) -> tuple[list[int], torch.Tensor | None]:
         """Level i continues ctx with >= min(need, room) tokens (fewer only after an EOS); returns them and level i's
-        distributions at their positions ([k, V]; at T = 0 their hot indices [k]: sampling.argmax_rows)."""
+        distributions at their positions ([k, V]; None at T = 0, where no verifier reads them)."""
         room = self.st.limit - len(ctx)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -289,12 +289,12 @@ class _Run:
             out, p = self._verify_round(i, ctx + tokens)
             tokens += out
             probs.append(p)
-        return tokens, (torch.cat(probs) if probs else None)
+        return tokens, (torch.cat(probs) if probs and probs[0] is not None else None)
 
-    def _verify_round(self, i: int, ctx: list[int]) -> tuple[list[int], torch.Tensor]:
+    def _verify_round(self, i: int, ctx: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """The level below (or the drafter) proposes; level i verifies in one forward. Returns the tokens level i
         emits (accepted prefix + correction or bonus, cut at the budget and after an EOS) and p_i at their
-        positions."""
+        positions (None at T = 0)."""
         room = self.st.limit - len(ctx)
         if i < self.bottom:
             proposal = self._produce(i + 1, ctx, self.mu[i])
@@ -311,13 +311,13 @@ class _Run:
         return self._verify_block(i, ctx, *proposal, room)
 
     def _verify_block(self, i: int, ctx: list[int], block: list[int], q: torch.Tensor | None,
-                      room: int) -> tuple[list[int], torch.Tensor]:
+                      room: int) -> tuple[list[int], torch.Tensor | None]:
         st = self.st
         logits = st.forward(i, ctx + block, first_row=len(ctx) - 1)  # [len(block) + 1, V]
         st.check_vocab(logits.shape[-1], i)
-        if st.greedy:
-            p = argmax_rows(logits)  # [m + 1]: the one-hot rows' hot indices, computed once
-            n_acc, nxt = accept_prefix(p.tolist(), block)
+        p = None
+        if st.greedy:  # the one-hot rows' hot indices, as ints: no tensor for a verifier that would not read it
+            n_acc, nxt = accept_prefix(argmax_rows(logits), block)
         else:
             s = st.sampling
             p = warp(logits, s.temperature, s.top_p, s.top_k)
@@ -326,7 +326,7 @@ class _Run:
         st.truncate(i, len(ctx) + n_acc)  # this level drops the rejected tokens ...
         st.roll_back_below(i, ctx + out)  # ... and every level below keeps what it shares with the new context
         st.stats[i].accept_lengths.append(len(out))
-        return out, p[:len(out)]
+        return out, None if p is None else p[:len(out)]
 
     def finish_stats(self) -> list[LevelStats]:
         stats = self.st.stats

@@ -2,8 +2,8 @@
 
 A drafter turns the run's state and the context into the round's proposal for the level directly above it:
 
-* a linear block ``(tokens, q)``: the tokens and the draft's distribution at each ([k, V]; at T = 0 their hot
-  indices [k]), verified by one forward and exact speculative sampling (decode/chain.py);
+* a linear block ``(tokens, q)``: the tokens and the draft's distribution at each ([k, V]; None at T = 0, where
+  verification is argmax matching), verified by one forward and exact speculative sampling (decode/chain.py);
 * or a :class:`~polyspec.decode.drafting.tree.Tree`, verified by :func:`~polyspec.decode.drafting.tree.verify_tree`.
 
 Drafters (each built from the chain's :class:`~polyspec.chain_spec.DraftSpec` by :func:`make_drafter`):

@@ -25,7 +25,7 @@ class LinearDrafter:
         self.k, self.lookup = k, lookup
 
     def propose(self, st: Any, ctx: list[int], room: int) -> tuple[list[int], torch.Tensor | None]:
-        """The round's block and the draft's distributions at its positions ([k, V]; at T = 0 hot indices [k])."""
+        """The round's block and the draft's distributions at its positions ([k, V]; None at T = 0)."""
         i = st.draft_level
         if room < 1 or (st.levels[i].needs_features and len(ctx) < 2):
             return [], None
@@ -37,9 +37,9 @@ class LinearDrafter:
         for _ in range(min(self.k, room)):
             logits = st.forward(i, full, first_row=len(full) - 1)  # [1, V]
             st.check_vocab(logits.shape[-1], i)
-            q, x = self._draw(st, logits[-1])
+            q, x = self._draw(st, logits)
             tokens.append(x)
-            probs.append(q)
+            probs += [] if q is None else [q]
             if x in st.eos:
                 break
             full.append(x)
@@ -47,29 +47,30 @@ class LinearDrafter:
             if looked:
                 break
         st.draft_stats.tokens_emitted += len(tokens) - looked
-        return tokens, torch.stack(probs)
+        return tokens, torch.stack(probs) if probs else None
 
     @staticmethod
-    def _draw(st: Any, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The draft's row for one position (at T = 0 its hot index: sampling.argmax_rows) and the token drawn."""
+    def _draw(st: Any, logits: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """The draft's row for the last position of logits [n, V] and the token drawn (at T = 0 no row: its argmax,
+        sampling.argmax_rows)."""
         if st.greedy:
-            q = argmax_rows(logits[None])[0]
-            return q, int(q)
-        q = warp(logits, st.sampling.temperature, st.sampling.top_p, st.sampling.top_k)  # [V]
+            return None, argmax_rows(logits)[-1]
+        q = warp(logits[-1], st.sampling.temperature, st.sampling.top_p, st.sampling.top_k)  # [V]
         return q, sample(q, st.gen)
 
-    def _tail(self, st: Any, full: list[int], tokens: list[int], probs: list[torch.Tensor], q: torch.Tensor,
-              room: int) -> int:
+    def _tail(self, st: Any, full: list[int], tokens: list[int], probs: list[torch.Tensor],
+              q: torch.Tensor | None, room: int) -> int:
         """Once the draft's tokens make the text end in a 2+ token suffix seen before, lookup's continuation finishes
-        the block (up to ``lookup`` tokens in all), with one-hot rows shaped like the draft's row q. Returns how many
-        tokens it appended."""
+        the block (up to ``lookup`` tokens in all), with one-hot rows shaped like the draft's row q (none at T = 0).
+        Returns how many tokens it appended."""
         if not self.lookup:
             return 0
         run = lookup_run(full, min(self.lookup, room) - len(tokens), min_n=2, per_match=RUN_PER_MATCH)
         run = st.cut(run, len(run))
         if not run:
             return 0
-        probs += list(lookup_rows(st, run, q.shape[-1] if q.dim() else 0, q.device, q.dtype))
+        if q is not None:
+            probs += list(lookup_rows(run, q.shape[-1], q.device, q.dtype))
         tokens += run
         st.draft_stats.lookup_tokens += len(run)
         return len(run)

@@ -2,8 +2,8 @@
 
 Where the context's last 2+ tokens occurred before, the tokens that followed their latest earlier occurrence (the
 longest matching suffix of up to ``MAX_SUFFIX`` tokens first) are proposed as a block, continued token by token and
-cut at ``RUN_PER_MATCH`` tokens per matched suffix token. The block's draft rows are one-hot (at T = 0 their hot
-indices), so warped at any temperature they stay one-hot and exact speculative sampling keeps each token with
+cut at ``RUN_PER_MATCH`` tokens per matched suffix token. The block's draft rows are one-hot (at T = 0 none are
+built), so warped at any temperature they stay one-hot and exact speculative sampling keeps each token with
 probability p(x): the chain stays exactly lossless at T = 0 and T > 0. Whether lookup proposes, and what, depends
 only on the context, so the block is a stopping time like any draft's.
 
@@ -88,25 +88,22 @@ def lookup_block(st: Any, ctx: list[int], n: int) -> list[int]:
     return st.cut(run, len(run))
 
 
-def lookup_rows(st: Any, run: list[int], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The draft rows of prompt-lookup tokens: at T = 0 their hot indices [n], else one-hot rows [n, vocab]."""
+def lookup_rows(run: list[int], vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The draft rows of prompt-lookup tokens at T > 0: one-hot rows [n, vocab]."""
     hot = torch.tensor(run, device=device)
-    if st.greedy:
-        return hot.to(dtype)
     return torch.zeros(len(run), vocab, dtype=dtype, device=device).scatter_(1, hot[:, None], 1.0)
 
 
-def proposed_block(st: Any, ctx: list[int], n: int) -> tuple[list[int], torch.Tensor] | None:
-    """:func:`lookup_block` with its draft rows, counted as lookup tokens of the run's drafter; None where lookup
-    has nothing (or the vocabulary is not known yet: a one-token prompt's first round)."""
+def proposed_block(st: Any, ctx: list[int], n: int) -> tuple[list[int], torch.Tensor | None] | None:
+    """:func:`lookup_block` with its draft rows (None at T = 0), counted as lookup tokens of the run's drafter; None
+    where lookup has nothing (or the vocabulary is not known yet: a one-token prompt's first round)."""
     if not n or st.vocab is None:
         return None
     run = lookup_block(st, ctx, n)
     if not run:
         return None
     st.draft_stats.lookup_tokens += len(run)
-    dtype = torch.long if st.greedy else torch.float32
-    return run, lookup_rows(st, run, st.vocab, torch.device("cpu"), dtype)
+    return run, None if st.greedy else lookup_rows(run, st.vocab, torch.device("cpu"), torch.float32)
 
 
 class LookupDrafter:

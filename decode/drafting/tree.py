@@ -175,10 +175,10 @@ class _Drafting:
         return t.kept(keep)
 
 
-def verify_tree(st: Any, i: int, ctx: list[int], tree: Tree, room: int) -> tuple[list[int], torch.Tensor]:
+def verify_tree(st: Any, i: int, ctx: list[int], tree: Tree, room: int) -> tuple[list[int], torch.Tensor | None]:
     """Level i (directly above the draft) runs ONE forward over its unprocessed context plus every tree node (each
     node sees the context and its ancestors) and walks the tree from the root (:func:`walk`); its cache keeps the
-    accepted path, compacted into place. Returns the tokens it emits and p_i at their positions."""
+    accepted path, compacted into place. Returns the tokens it emits and p_i at their positions (None at T = 0)."""
     level = st.levels[i]
     start = min(common_prefix(st.seen[i], ctx), len(ctx) - 1)
     st.truncate(i, start)
@@ -200,7 +200,7 @@ def verify_tree(st: Any, i: int, ctx: list[int], tree: Tree, room: int) -> tuple
     _keep_path(st, i, ctx, tree, path[:len(out)], hidden[[n_lin + a for a in path[:len(out)]]]
                if hidden is not None and st.feeds(i) else None)
     st.roll_back_below(i, ctx + out)
-    return out, p[:len(out)]
+    return out, None if p is None else p[:len(out)]
 
 
 def _keep_path(st: Any, i: int, ctx: list[int], tree: Tree, path: list[int], hidden: torch.Tensor | None) -> None:
@@ -216,20 +216,20 @@ def _keep_path(st: Any, i: int, ctx: list[int], tree: Tree, path: list[int], hid
         st.store_hidden(i, len(ctx), hidden)
 
 
-def walk(st: Any, tree: Tree, logits: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+def walk(st: Any, tree: Tree, logits: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor | None]:
     """Walk a verified tree down from the root (logits [1 + n_tree, V]: row 0 the root, row 1 + j node j): at each
     node its children are verified with :func:`~polyspec.decode.sampling.verify_candidates`, the walk goes down the
     accepted child and ends with the correction token or, at a leaf, a bonus token. Returns the tokens emitted, the
-    accepted path (tree nodes) and the verifier's distributions at the emitted positions ([len, V]; at T = 0 their
-    hot indices [len], as the linear rounds hand them up)."""
+    accepted path (tree nodes) and the verifier's distributions at the emitted positions ([len, V]; None at T = 0,
+    as the linear rounds)."""
     if st.greedy:  # one-hot rows make verify_candidates argmax matching: every row's argmax, read once, walks it
-        best = argmax_rows(logits).tolist()  # [1 + n_tree]
+        best = argmax_rows(logits)  # [1 + n_tree]
         out, path, node = [], [], -1
         while True:
             out.append(best[node + 1])
             kept = [c for c in tree.children.get(node, []) if tree.tokens[c] == out[-1]]
             if not kept or out[-1] in st.eos:
-                return out, path, torch.tensor(out)
+                return out, path, None
             node = kept[0]
             path.append(node)
     s = st.sampling

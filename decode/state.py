@@ -167,9 +167,14 @@ class RunState:
     def feature_at(self, i: int, pos: int, shared: list[int]) -> torch.Tensor | None:
         """f_pos from the nearest level above level i that holds it for this context (shared[j] = positions level j
         shares with the context), else None."""
+        j = self._feature_level(i, pos, shared)
+        return None if j is None else self.hidden[j][pos]
+
+    def _feature_level(self, i: int, pos: int, shared: list[int]) -> int | None:
+        """The nearest level above level i that holds f_pos for this context, else None."""
         for j in range(i - 1, -1, -1):
             if pos < shared[j] and self.has_hidden[j][pos]:
-                return self.hidden[j][pos]
+                return j
         return None
 
     def root_feature(self, i: int, ctx: list[int]) -> torch.Tensor:
@@ -182,13 +187,15 @@ class RunState:
     def _features(self, i: int, full: list[int], start: int,
                   caught_up: bool = False) -> tuple[torch.Tensor, list[bool]]:
         """Features [len(full) - start, H] for level i's inputs at positions start .. (row j = f_{start + j - 1}),
-        and per row whether it is a true feature from a level above (see the module docstring for the rules)."""
+        and per row whether it is a true feature from a level above (see the module docstring for the rules). Rows
+        that all come from one level are one view of its states (no op per row: each costs tens of microseconds
+        after a target forward)."""
         shared = [common_prefix(self.seen[j], full) for j in range(i)]
-        rows: list[torch.Tensor | None] = [self.feature_at(i, p - 1, shared) for p in range(start, len(full))]
-        exact = [r is not None for r in rows]
-        if rows[0] is None and start - 1 < len(self.seen[i]) and self.has_hidden[i][start - 1]:
-            rows[0] = self.hidden[i][start - 1]  # the draft's own prediction of f_{start-1}
-        missing = [start + j - 1 for j, r in enumerate(rows) if r is None]
+        src = [self._feature_level(i, p - 1, shared) for p in range(start, len(full))]
+        exact = [j is not None for j in src]
+        if src[0] is None and start - 1 < len(self.seen[i]) and self.has_hidden[i][start - 1]:
+            src[0] = i  # the draft's own prediction of f_{start-1}
+        missing = [start + r - 1 for r, j in enumerate(src) if j is None]
         if missing:
             # Catch-up: the level directly above runs over the context up to the last missing position.
             if caught_up:
@@ -197,6 +204,9 @@ class RunState:
             last = max(missing)
             self.forward(i - 1, full[:last + 1], first_row=last, catch_up=True)
             return self._features(i, full, start, caught_up=True)
+        if len(set(src)) == 1:
+            return self.hidden[src[0]][start - 1:len(full) - 1], exact
+        rows = [self.hidden[j][start - 1 + r] for r, j in enumerate(src)]
         dev = rows[0].device
         return torch.stack([r.to(dev) for r in rows]), exact
 

@@ -48,6 +48,7 @@ static double g_region[9][2][4];  // per phase, thread 0 and 1: waking, own_inpu
 extern "C" void polyspec_regions(double* out) { memcpy(out, g_region, sizeof(g_region)); memset(g_region, 0, sizeof(g_region)); }
 static void region_done_(double r0, const double (&st)[2][3]) {
     const double r1 = now_s_();
+    if (g_slot > 8) return;  // after a layer's last phase (the lm_head's region): no phase of layer() to count it under
     for (int t = 0; t < 2; t++) {
         const double s[4] = {st[t][0] - r0, st[t][1] - st[t][0], st[t][2] - st[t][1], r1 - st[t][2]};
         for (int i = 0; i < 4; i++) g_region[g_slot][t][i] += s[i];

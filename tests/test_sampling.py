@@ -196,24 +196,30 @@ def test_argmax_rows_is_torch_argmax_on_ties_nans_and_infinities():
         assert all(type(j) is int for j in got) and got == torch.argmax(x.float(), dim=-1).tolist(), x.shape
 
 
-def test_top_rows_are_torch_topk():
-    """top_rows (k argmax passes on the CPU up to k = 8, torch.topk past it) gives torch.topk's indices and values
-    where no values tie, largest first, k cut to the row's length; with ties, the same values."""
-    from polyspec.decode.sampling import top_rows
+def test_top_log_probs_are_torch_topk_of_log_softmax():
+    """top_log_probs (k argmax passes and one exp pass on the CPU up to k = 8, torch past it or where a row has fewer
+    than k finite logits) gives torch.topk's indices of each row and torch.log_softmax's values there (to float32
+    rounding), largest first, k cut to the row's length; rows of a draft vocabulary (mostly -inf) too; with ties,
+    the same values."""
+    from polyspec.decode.sampling import top_log_probs
 
     g = torch.Generator().manual_seed(5)
-    for f, v, k in ((1, 49152, 2), (3, 1000, 1), (2, 1000, 8), (2, 1000, 9), (2, 5, 7)):
-        q = torch.softmax(torch.randn(f, v, generator=g), dim=-1)
-        ids, vals = top_rows(q, k)
-        want = torch.topk(q, min(k, v))
-        assert ids == want.indices.tolist() and vals == want.values.double().tolist(), (f, v, k)
-    tied = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.1]])
-    ids, vals = top_rows(tied, 3)
-    assert vals == torch.topk(tied, 3).values.double().tolist() and sorted(ids[0][:2]) == [1, 2] and ids[0][2] == 3
     inf = float("inf")
-    masked = torch.tensor([[-inf, 2.0, -inf, -inf], [-inf, -inf, -inf, -inf]])  # fewer finite entries than k
-    ids, vals = top_rows(masked, 3)
-    assert all(len(set(row)) == 3 for row in ids) and vals == torch.topk(masked, 3).values.double().tolist()
+    vocab = torch.full((2, 49152), -inf)
+    vocab[:, torch.randperm(49152, generator=g)[:4096]] = torch.randn(2, 4096, generator=g) * 3
+    cases = [torch.randn(f, v, generator=g) * 4 for f, v in ((1, 49152), (3, 1000), (2, 1000), (2, 1000), (2, 5))]
+    for x, k in zip([*cases, vocab], (2, 1, 8, 9, 7, 3), strict=True):
+        ids, vals = top_log_probs(x, k)
+        want = torch.topk(torch.log_softmax(x.double(), dim=-1), min(k, x.shape[-1]))
+        assert ids == want.indices.tolist(), (x.shape, k)
+        assert torch.allclose(torch.tensor(vals, dtype=torch.float64), want.values, rtol=0, atol=2e-5), (x.shape, k)
+    tied = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.1]]).log()
+    ids, vals = top_log_probs(tied, 3)
+    assert sorted(ids[0][:2]) == [1, 2] and ids[0][2] == 3 and vals[0][0] == vals[0][1] > vals[0][2]
+    masked = torch.tensor([[-inf, 2.0, -inf, -inf], [1.0, 0.0, -inf, -inf]])  # fewer finite entries than k
+    ids, vals = top_log_probs(masked, 3)
+    assert all(len(set(row)) == 3 for row in ids) and ids[0][0] == 1 and ids[1][:2] == [0, 1]
+    assert vals[0][0] == 0.0 and vals[0][1] == vals[1][2] == -inf
 
 
 def test_greedy_rows_and_verification_equal_the_one_hot_maths():

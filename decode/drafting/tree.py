@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from polyspec.decode.drafting.lookup import proposed_block
-from polyspec.decode.sampling import argmax_rows, sample, sample_without_replacement, top_rows, verify_candidates, warp
+from polyspec.decode.sampling import (argmax_rows, sample, sample_without_replacement, top_log_probs,
+                                      verify_candidates, warp)
 from polyspec.decode.state import common_prefix
 
 
@@ -33,18 +34,20 @@ class Tree:
     depths: list[int] = field(default_factory=list)  # 1 for the root's children
     children: dict[int, list[int]] = field(default_factory=dict)  # node -> children in the order they were drawn
     proposals: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> the draft row its children came from
+    # (at T > 0: the walk's verify_candidates reads it; none at T = 0)
     scores: list[float] = field(default_factory=list)  # cumulative draft log-probability (while drafting)
 
-    def add(self, node: int, xs: list[int], qx: list[float], q: torch.Tensor, depth: int) -> list[int]:
-        """Children ``xs`` (drawn from q with probabilities qx) of ``node``; returns their ids."""
-        if xs:
+    def add(self, node: int, xs: list[int], logq: list[float], q: torch.Tensor | None, depth: int) -> list[int]:
+        """Children ``xs`` of ``node``, drawn from the draft row q (None at T = 0) with log-probabilities logq;
+        returns their ids."""
+        if xs and q is not None:
             self.proposals[node] = q
         base = self.scores[node] if node >= 0 else 0.0
         new = list(range(len(self.tokens), len(self.tokens) + len(xs)))
         self.tokens += xs
         self.parents += [node] * len(xs)
         self.depths += [depth] * len(xs)
-        self.scores += [base + math.log(max(p, 1e-300)) for p in qx]
+        self.scores += [base + lq for lq in logq]
         for c in new:
             self.children.setdefault(node, []).append(c)
         return new
@@ -107,13 +110,13 @@ class _Drafting:
         self.tree = Tree()
         self.budget = 10 ** 9 if st.greedy else shape.total_tokens  # T = 0: draw freely, re-rank after
         self.hidden_of: dict[int, torch.Tensor] = {}
+        self._root_feature: torch.Tensor | None = None
 
     def run(self) -> Tree:
         st, shape = self.st, self.shape
         logits = st.forward(self.i, self.ctx, first_row=len(self.ctx) - 1)  # [1, V]
         st.check_vocab(logits.shape[-1], self.i)
-        self.root_feature = st.root_feature(self.i, self.ctx) if self.level.needs_features else None
-        newest = self._expand([-1], logits[-1:], 1)
+        newest = self._expand([-1], logits, 1)  # logits [1, V]: the root's row
         in_cache: list[int] = []  # tree nodes appended to the draft's cache, in cache order
         base_len = self.level.cache_len
         for depth in range(2, min(shape.depth, self.room) + 1):
@@ -126,6 +129,13 @@ class _Drafting:
         if self.level.cache_len != base_len:
             self.level.truncate(base_len)  # drop the tree entries: the draft holds ctx only again
         return self._finished()
+
+    def root_feature(self) -> torch.Tensor:
+        """The feature the draft reads after the context (looked up at the first forward past depth 1 that needs it:
+        a depth-1 tree never does)."""
+        if self._root_feature is None:
+            self._root_feature = self.st.root_feature(self.i, self.ctx)
+        return self._root_feature
 
     def _frontier(self, newest: list[int]) -> list[int]:
         """The nodes expanded next: the newest depth's best by score, none after an EOS (at T > 0 only as many as the
@@ -141,7 +151,7 @@ class _Drafting:
         mask = ancestor_mask(0, len(in_cache) + len(frontier), frontier, t.parents, col)
         feats = None
         if self.level.needs_features:
-            feats = torch.stack([self.root_feature if t.parents[n] == -1 else self.hidden_of[t.parents[n]]
+            feats = torch.stack([self.root_feature() if t.parents[n] == -1 else self.hidden_of[t.parents[n]]
                                  for n in frontier])
         positions = [len(self.ctx) - 1 + t.depths[n] for n in frontier]
         out, hid = self.level.forward_tree([t.tokens[n] for n in frontier], positions, mask, feats)
@@ -153,17 +163,16 @@ class _Drafting:
     def _expand(self, nodes: list[int], rows: torch.Tensor, depth: int) -> list[int]:
         """Children for each of ``nodes`` from its draft row (rows [F, V]); returns the new nodes."""
         st, k, new = self.st, self.shape.top_k, []
-        if st.greedy:  # one softmax and one top-k for the whole forward
-            q = torch.softmax(rows.float(), dim=-1)  # [F, V]: at T = 0 the plain softmax ranks the candidates
-            tokens, probs = top_rows(q, k)  # [F][k] each
+        if st.greedy:  # the whole forward's rows read once: each row's k best and their log-probabilities
+            tokens, logq = top_log_probs(rows, k)  # [F][k] each
             for r, node in enumerate(nodes):
-                new += self.tree.add(node, tokens[r], probs[r], q[r], depth)
+                new += self.tree.add(node, tokens[r], logq[r], None, depth)
             return new
         for r, node in enumerate(nodes):
             q = warp(rows[r], st.sampling.temperature, st.sampling.top_p, st.sampling.top_k)  # [V]
             n = min(k, self.budget - len(self.tree.tokens))
             xs, qx = sample_without_replacement(q, n, st.noise(q.device)) if n > 0 else ([], [])
-            new += self.tree.add(node, xs, qx, q, depth)
+            new += self.tree.add(node, xs, [math.log(max(p, 1e-300)) for p in qx], q, depth)
         return new
 
     def _finished(self) -> Tree:

@@ -20,8 +20,14 @@ from typing import Any
 import torch
 
 from polyspec.decode.drafting.lookup import proposed_block
-from polyspec.decode.sampling import (argmax_rows, sample, sample_without_replacement, top_log_probs,
-                                      verify_candidates, warp)
+from polyspec.decode.sampling import (
+    argmax_rows,
+    sample,
+    sample_without_replacement,
+    top_log_probs,
+    verify_candidates,
+    warp,
+)
 from polyspec.decode.state import common_prefix
 
 

@@ -121,6 +121,17 @@ def weights_frozen():
         _frozen.scope = outer
 
 
+def frozen_scope() -> int:
+    """This thread's innermost :func:`weights_frozen` span (0: none): what a model keys the arguments of its kernel
+    calls on (built once per span)."""
+    return getattr(_frozen, "scope", 0)
+
+
+def scope_current(scope: int) -> bool:
+    """Whether arguments kept in span ``scope`` still apply: this thread is in that span and the fast path is on."""
+    return _enabled and scope == getattr(_frozen, "scope", 0)
+
+
 def _env_enabled() -> bool:
     return os.environ.get("POLYSPEC_CPU_KERNELS", "1").strip().lower() not in {"0", "false", "off", "no"}
 
@@ -607,6 +618,12 @@ def rows_limit(start: int, tree: bool, blocked: bool = False) -> int:
     return VERIFY_ROWS if start > 0 or tree or blocked else MAX_ROWS
 
 
+def step_rows(start: int) -> int:
+    """The most rows a causal block at cache position ``start`` takes in one call (rows_limit without a tree, within
+    the layer kernel's own limit)."""
+    return min(rows_limit(start, False), LAYER_SUPPORT.max_rows)
+
+
 def blocked_layers(layers: list[torch.nn.Module]) -> bool:
     """Whether every layer runs on the kernels with bf16 weights in 16-row blocks, on a build without AVX512-BF16.
     Those take a prompt too, in forwards of VERIFY_ROWS (model.CachedDecoder._run_layers): there torch's bf16 GEMM
@@ -919,30 +936,45 @@ def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
     return cached[1]
 
 
-def _token_ids_error(ids: list[int], embed: torch.Tensor) -> PolyspecError:
-    """The one error for token ids the one-call kernels refused (code 5: a row outside the embedding)."""
-    return PolyspecError(f"token ids must lie in 0..{embed.shape[0] - 1} (the embedding's rows), got {ids}")
+def _token_ids_error(ids: list[int], rows: int) -> PolyspecError:
+    """The one error for token ids the one-call kernels refused (code 5: a row outside the embedding's ``rows``)."""
+    return PolyspecError(f"token ids must lie in 0..{rows - 1} (the embedding's rows), got {ids}")
 
 
-def run_forward(block: LayerBlock, ids: list[int], embed: torch.Tensor, norm: torch.nn.Module,
-                lm_weight: torch.Tensor, cache, start: int, first: int, positions: list[int] | None = None,
+class ForwardArgs:
+    """:func:`run_forward`'s arguments that stay put while the weights and the cache do (a model keeps them through
+    a :func:`weights_frozen` span: one generation): the embedding, the layer block, the final norm and the lm_head,
+    as the kernel's argument groups. Building them reads ~15 tensor attributes, each tens of microseconds after a
+    forward's weight stream has left their code cold."""
+
+    __slots__ = ("plans", "embed", "model", "head", "vocab", "hidden_size", "_keep")
+
+    def __init__(self, block: LayerBlock, embed: torch.Tensor, norm: torch.nn.Module, lm_weight: torch.Tensor,
+                 cache) -> None:
+        (self.vocab, self.hidden_size), nw = lm_weight.shape, _norm_weight(norm)
+        self.plans = block.plans
+        self.embed = (embed.data_ptr(), embed.shape[0])
+        self.model = (self.hidden_size, block.ptrs, len(block.plans), block.eps, *block.sizes, block.rope.data_ptr(),
+                      block.kc, block.vc, cache.k[0].shape[2])
+        self.head = (nw.data_ptr(), float(norm.eps), lm_weight.data_ptr(), blocks_ptr(lm_weight), self.vocab)
+        self._keep = (block, embed, nw, lm_weight)  # the pointers above stay valid while these live
+
+
+def run_forward(args: ForwardArgs, ids: list[int], start: int, first: int, positions: list[int] | None = None,
                 tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A bf16 model's forward over a block in one kernel call (cpu_kernels.cpp's forward_bf16): T token ids at cache
     position ``start`` (causal, or a draft tree's rows at ``positions`` under ``tree_mask``: :func:`_tree_args`) ->
     (logits [T - first, V] fp32 of rows first .. T - 1, final-norm'd hidden [T, H] bf16), bitwise what
     :func:`run_block`, :func:`final_norm` and :func:`kernel_linear` give one after another. The caller checked the
-    weights (bf16, CPU, contiguous; an lm_head without bias) and got ``block`` from :func:`layer_block`."""
-    t, (v, h) = len(ids), lm_weight.shape
-    hidden = torch.empty((t, h), dtype=torch.bfloat16)
-    logits = torch.empty((t - first, v), dtype=torch.float32)
+    weights (bf16, CPU, contiguous; an lm_head without bias) and made ``args`` from :func:`layer_block`'s block."""
+    t = len(ids)
+    hidden = torch.empty((t, args.hidden_size), dtype=torch.bfloat16)
+    logits = torch.empty((t - first, args.vocab), dtype=torch.float32)
     pos, mp, w, _keep = _tree_args(t, positions, tree_mask)
-    rc = _lib.polyspec_forward_bf16((ctypes.c_int64 * t)(*ids), embed.data_ptr(), embed.shape[0], t, h, block.ptrs,
-                                    len(block.plans), block.eps, *block.sizes, block.rope.data_ptr(), block.kc,
-                                    block.vc, cache.k[0].shape[2], start, pos, mp, w, _norm_weight(norm).data_ptr(),
-                                    float(norm.eps), lm_weight.data_ptr(), blocks_ptr(lm_weight), v, first,
-                                    hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+    rc = _lib.polyspec_forward_bf16((ctypes.c_int64 * t)(*ids), *args.embed, t, *args.model, start, pos, mp, w,
+                                    *args.head, first, hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads())
     if rc == 5:
-        raise _token_ids_error(ids, embed)
+        raise _token_ids_error(ids, args.embed[1])
     if rc == 3:
         raise ValueError(f"run_forward: logits from row {first} of a block of {t}")
     if rc != 0:
@@ -1023,7 +1055,7 @@ def head_step(step: HeadStep, ids: list[int], features: torch.Tensor, cache, sta
         hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
         *(None if b is None else b.data_ptr() for b in (step.fc_blocks, step.lm_blocks)))
     if rc == 5:
-        raise _token_ids_error(ids, step.embed)
+        raise _token_ids_error(ids, step.embed.shape[0])
     if rc != 0:
         raise ValueError(f"head_step: the kernel refused the shapes (code {rc})")
     return hidden, logits

@@ -847,6 +847,11 @@ class Transformer(CachedDecoder):
         block is causal, or a draft tree's: its rows' absolute ``positions`` and ``tree_mask`` as forward takes it.
         Each torch op costs tens of microseconds here: the forward's weight stream leaves their code cold."""
         cache, t = self._cache, len(tokens)
+        kept = self.__dict__.get("_forward_args")  # (span, cache, ForwardArgs) of this generation's first call
+        if kept is not None and positions is None and rows is None and kept[1] is cache and t > 0 \
+                and cpu_kernels.scope_current(kept[0]) and not torch.is_grad_enabled() \
+                and t <= cpu_kernels.step_rows(cache.length) and cache.length + t <= cache.max_seq_len:
+            return self._call_kept(kept[2], tokens, last_only, logits_from)
         emb, lm, norm = self.embed_tokens.weight, self.lm_head, self.norm
         if cache is None or t == 0 or "_static_runner" in self.__dict__ or type(lm) is not Linear \
                 or lm.bias is not None or not (emb.dtype == lm.weight.dtype == norm.weight.dtype == torch.bfloat16) \
@@ -858,11 +863,23 @@ class Transformer(CachedDecoder):
         block = cpu_kernels.layer_block(list(self.layers), cache, torch.bfloat16, t, self.inv_freq, rows)
         if block is None:
             return None
+        args = cpu_kernels.ForwardArgs(block, emb, norm, lm.weight, cache)
+        if cpu_kernels.frozen_scope() and tree_mask is None:  # weights and cache stay put through the span
+            self.__dict__["_forward_args"] = (cpu_kernels.frozen_scope(), cache, args)
         first = t - 1 if last_only else min(logits_from, t - 1)
-        logits, hidden = cpu_kernels.run_forward(block, tokens, emb, norm, lm.weight, cache, start, first, positions,
-                                                 tree_mask)
+        logits, hidden = cpu_kernels.run_forward(args, tokens, start, first, positions, tree_mask)
         cache.length = start + t
-        return logits, (hidden[-1:] if last_only else hidden)
+        return logits, (hidden[-1:] if last_only and t > 1 else hidden)
+
+    def _call_kept(self, args, tokens: list[int], last_only: bool, logits_from: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode_step's causal block on the arguments kept for this weights_frozen span (the checks it made when
+        keeping them hold through the span; the cache's room and the block's rows are checked per call)."""
+        cache, t = self._cache, len(tokens)
+        start, first = cache.length, t - 1 if last_only else min(logits_from, t - 1)
+        logits, hidden = cpu_kernels.run_forward(args, tokens, start, first)
+        cache.length = start + t
+        return logits, (hidden[-1:] if last_only and t > 1 else hidden)
 
     def _embed(self, ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         """ids [B, T] -> layer input [B, T, H] in the compute dtype."""

@@ -267,6 +267,46 @@ def _changed_between_forwards(model: torch.nn.Module) -> torch.Tensor:
 
 
 @needs_kernels
+def test_within_a_frozen_span_the_one_call_arguments_are_built_once(monkeypatch):
+    """Inside a weights_frozen span a bf16 model's one-call forward builds its kernel arguments (ck.ForwardArgs: ~15
+    tensor attributes read, each cold after a forward) at its first forward and reuses them, with the bits of
+    building them per forward; a new cache builds them anew; a block past the cache's room still gets the checked
+    path's error, and with the kernels turned off the one-call path is left."""
+    model = _model("smollm2", "bf16")
+    assert ck.make_blocks([w.weight for w in model.modules() if type(w).__name__ == "Linear"], force=True) > 0
+    twin = copy.deepcopy(model)
+    built = []
+    real = ck.ForwardArgs
+    monkeypatch.setattr(ck, "ForwardArgs", lambda *a: built.append(1) or real(*a))
+    ids = (torch.arange(40) * 7 % VOCAB).tolist()
+    blocks = [(0, 8, False), (8, 1, True), (9, 3, False), (12, 2, True)]
+
+    def steps(m: Transformer) -> list[torch.Tensor]:
+        outs = []
+        for _ in range(2):  # the second time on a new cache
+            m.setup_cache(16)
+            for start, t, last in blocks:
+                outs += m.decode_step(ids[start:start + t], last)
+        return outs
+
+    with torch.inference_mode():
+        with ck.weights_frozen():
+            kept = steps(model)
+            assert len(built) == 2
+            with pytest.raises(PolyspecError, match="max_seq_len"):
+                model.decode_step(ids[14:17])
+            old = ck.set_enabled(False)
+            try:
+                assert model.decode_step(ids[14:15]) is None
+            finally:
+                ck.set_enabled(old)
+        built.clear()
+        fresh = steps(twin)
+        assert len(built) == 2 * len(blocks)
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh, strict=True))
+
+
+@needs_kernels
 def test_within_a_frozen_span_a_block_is_checked_once(monkeypatch):
     """Inside cpu_kernels.weights_frozen (a generation) a cached block is checked against its layers once, not per
     forward; outside one every forward checks it, so a weight changed in place after the span is seen (the block is

@@ -127,9 +127,25 @@ def frozen_scope() -> int:
     return getattr(_frozen, "scope", 0)
 
 
-def scope_current(scope: int) -> bool:
-    """Whether arguments kept in span ``scope`` still apply: this thread is in that span and the fast path is on."""
-    return _enabled and scope == getattr(_frozen, "scope", 0)
+class SpanKept:
+    """What a model keeps for one cache through one :func:`weights_frozen` span (one generation): the arguments of
+    its kernel calls, whose checks and pointer reads cost tens of microseconds each after a forward's weight stream.
+    A copy or a pickle of the model drops it (it holds raw pointers)."""
+
+    __slots__ = ("scope", "cache", "value")
+
+    def __init__(self, cache, value) -> None:
+        self.scope, self.cache, self.value = getattr(_frozen, "scope", 0), cache, value
+
+    def current(self, cache) -> bool:
+        """Still for this cache, in the same span, with the fast path on."""
+        return self.cache is cache and _enabled and self.scope == getattr(_frozen, "scope", 0)
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
 
 
 def _env_enabled() -> bool:
@@ -1028,6 +1044,17 @@ class HeadStep:
     vocab_ids: torch.Tensor | None = None
     vocab_size: int = 0
 
+    def __post_init__(self) -> None:  # the kernel's argument groups, read once (each read is cold in decoding)
+        p, blocks = self.plan, (self.fc_blocks, self.lm_blocks)
+        groups = ((self.embed.data_ptr(), self.embed.shape[0]),
+                  (self.fc_weight.data_ptr(), self.fc_bias.data_ptr(), ctypes.addressof(p.ptrs), p.eps, p.heads,
+                   p.kv_heads, p.head_dim, p.intermediate, self.rope.data_ptr()),
+                  (self.lm_weight.data_ptr(), self.lm_weight.shape[0],
+                   None if self.vocab_ids is None else self.vocab_ids.data_ptr(), self.vocab_size),
+                  tuple(None if b is None else b.data_ptr() for b in blocks),
+                  self.lm_weight.shape[0] if self.vocab_ids is None else self.vocab_size)
+        object.__setattr__(self, "groups", groups)
+
 
 def head_step(step: HeadStep, ids: list[int], features: torch.Tensor, cache, start: int,
               out_rows: int, positions: torch.Tensor | None = None,
@@ -1040,20 +1067,15 @@ def head_step(step: HeadStep, ids: list[int], features: torch.Tensor, cache, sta
     causal within the block. The caller checked :func:`available`, the shapes and dtypes (decode/head.py,
     ``EagleHead._kernel_step``)."""
     t, h = features.shape
-    plan, vocab = step.plan, step.vocab_ids
+    embed, layer, lm, blocks, width = step.groups
     hidden = torch.empty((t, h), dtype=torch.bfloat16)
-    logits = torch.empty((out_rows, step.lm_weight.shape[0] if vocab is None else step.vocab_size),
-                         dtype=torch.float32)
+    logits = torch.empty((out_rows, width), dtype=torch.float32)
     k, v = cache.k[0], cache.v[0]
     rc = _lib.polyspec_head_step_bf16(
-        (ctypes.c_int64 * t)(*ids), step.embed.data_ptr(), step.embed.shape[0], features.data_ptr(), t, h,
-        step.fc_weight.data_ptr(), step.fc_bias.data_ptr(), plan.ptrs, plan.eps, plan.heads, plan.kv_heads,
-        plan.head_dim, plan.intermediate,
-        step.rope.data_ptr(), None if positions is None else positions.data_ptr(), k.data_ptr(), v.data_ptr(),
-        k.shape[2], start, None if mask is None else mask.data_ptr(), step.lm_weight.data_ptr(),
-        step.lm_weight.shape[0], None if vocab is None else vocab.data_ptr(), step.vocab_size, out_rows,
-        hidden.data_ptr(), logits.data_ptr(), torch.get_num_threads(),
-        *(None if b is None else b.data_ptr() for b in (step.fc_blocks, step.lm_blocks)))
+        (ctypes.c_int64 * t)(*ids), *embed, features.data_ptr(), t, h, *layer,
+        None if positions is None else positions.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[2], start,
+        None if mask is None else mask.data_ptr(), *lm, out_rows, hidden.data_ptr(), logits.data_ptr(),
+        torch.get_num_threads(), *blocks)
     if rc == 5:
         raise _token_ids_error(ids, step.embed.shape[0])
     if rc != 0:

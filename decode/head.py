@@ -130,6 +130,7 @@ class EagleHead(CachedDecoder):
         None or 0: the full vocabulary."""
         self.__dict__.pop("_draft_weight", None)
         self.__dict__.pop("_kernel_step_cache", None)  # its lm rows and vocabulary ids
+        self.__dict__.pop("_kept_step_of", None)
         if not size:
             self.draft_ids = None
             return
@@ -160,6 +161,7 @@ class EagleHead(CachedDecoder):
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_draft_weight", None)
         self.__dict__.pop("_kernel_step_cache", None)
+        self.__dict__.pop("_kept_step_of", None)
         return super()._apply(fn, recurse)
 
     def _compute_dtype(self) -> torch.dtype:
@@ -253,7 +255,7 @@ class EagleHead(CachedDecoder):
         cache, t = self._cache, ids.shape[1]
         if cache is None or ids.shape[0] != 1 or not 0 < t <= cpu_kernels.MAX_ROWS or torch.is_grad_enabled():
             return None
-        step, start = self._head_step(cache), cache.length
+        step, start = self._kept_step(cache), cache.length
         if step is None or start + t > step.rope.shape[1]:
             return None
         positions = mask = None
@@ -282,12 +284,23 @@ class EagleHead(CachedDecoder):
                 or torch.is_grad_enabled() \
                 or features.dtype != torch.bfloat16 or not features.is_cpu or not features.is_contiguous():
             return None
-        step, start = self._head_step(cache), cache.length
+        step, start = self._kept_step(cache), cache.length
         if step is None or start + t > step.rope.shape[1] or features.shape != (t, step.fc_weight.shape[1] // 2):
             return None
         hidden, logits = cpu_kernels.head_step(step, tokens, features, cache, start, 1 if last_only else t)
         cache.length = start + t
         return logits, (hidden[-1:] if last_only else hidden)
+
+    def _kept_step(self, cache) -> cpu_kernels.HeadStep | None:
+        """:meth:`_head_step`, kept through a weights_frozen span (one generation): its key reads ~10 tensor
+        attributes, each tens of microseconds after a target forward has left their code cold."""
+        kept = self.__dict__.get("_kept_step_of")
+        if kept is not None and kept.current(cache):
+            return kept.value
+        step = self._head_step(cache)
+        if cpu_kernels.frozen_scope():
+            self.__dict__["_kept_step_of"] = cpu_kernels.SpanKept(cache, step)
+        return step
 
     def _head_step(self, cache) -> cpu_kernels.HeadStep | None:
         """The tensors cpu_kernels.head_step reads (cached while the weights, the draft vocabulary and the cache

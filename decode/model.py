@@ -643,6 +643,7 @@ class CachedDecoder(nn.Module):
         runner = self.__dict__.get("_static_runner")
         if runner is not None:  # moved or cast weights: static buffers and graphs are stale
             runner.invalidate()
+        self.__dict__.pop("_forward_args", None)  # the kernel's pointers into the old weights
         return super()._apply(fn, recurse)
 
     def _layers(self) -> list[nn.Module]:
@@ -847,11 +848,11 @@ class Transformer(CachedDecoder):
         block is causal, or a draft tree's: its rows' absolute ``positions`` and ``tree_mask`` as forward takes it.
         Each torch op costs tens of microseconds here: the forward's weight stream leaves their code cold."""
         cache, t = self._cache, len(tokens)
-        kept = self.__dict__.get("_forward_args")  # (span, cache, ForwardArgs) of this generation's first call
-        if kept is not None and positions is None and rows is None and kept[1] is cache and t > 0 \
-                and cpu_kernels.scope_current(kept[0]) and not torch.is_grad_enabled() \
-                and t <= cpu_kernels.step_rows(cache.length) and cache.length + t <= cache.max_seq_len:
-            return self._call_kept(kept[2], tokens, last_only, logits_from)
+        kept = self.__dict__.get("_forward_args")  # this generation's ForwardArgs (cpu_kernels.SpanKept)
+        if kept is not None and positions is None and rows is None and t > 0 and kept.current(cache) \
+                and not torch.is_grad_enabled() and t <= cpu_kernels.step_rows(cache.length) \
+                and cache.length + t <= cache.max_seq_len:
+            return self._call_kept(kept.value, tokens, last_only, logits_from)
         emb, lm, norm = self.embed_tokens.weight, self.lm_head, self.norm
         if cache is None or t == 0 or "_static_runner" in self.__dict__ or type(lm) is not Linear \
                 or lm.bias is not None or not (emb.dtype == lm.weight.dtype == norm.weight.dtype == torch.bfloat16) \
@@ -865,7 +866,7 @@ class Transformer(CachedDecoder):
             return None
         args = cpu_kernels.ForwardArgs(block, emb, norm, lm.weight, cache)
         if cpu_kernels.frozen_scope() and tree_mask is None:  # weights and cache stay put through the span
-            self.__dict__["_forward_args"] = (cpu_kernels.frozen_scope(), cache, args)
+            self.__dict__["_forward_args"] = cpu_kernels.SpanKept(cache, args)
         first = t - 1 if last_only else min(logits_from, t - 1)
         logits, hidden = cpu_kernels.run_forward(args, tokens, start, first, positions, tree_mask)
         cache.length = start + t

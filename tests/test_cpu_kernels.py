@@ -1173,6 +1173,39 @@ def test_the_head_step_in_one_call_equals_the_module_path(tmp_path, draft_vocab)
         assert len(taken) == 8  # the fp32 copy took the module path
 
 
+def test_within_a_frozen_span_the_head_step_is_looked_up_once(tmp_path, monkeypatch):
+    """Inside a weights_frozen span a bf16 head's decode_step looks its kernel step up (ck.HeadStep, keyed on ~10
+    tensor attributes) at its first step and keeps it, with the bits of looking it up per step; a new cache or a new
+    draft vocabulary looks it up anew, and a copy of the head keeps nothing."""
+    fast, module, target = _twin_bf16_heads(tmp_path, 35, 100)
+    looked = []
+    real = type(fast)._head_step
+    monkeypatch.setattr(type(fast), "_head_step", lambda self, c: looked.append(1) or real(self, c))
+    ids = torch.randint(0, 512, (24,), generator=_gen(36)).tolist()
+    feats = torch.randn(24, target.args.hidden_size, generator=_gen(37)).to(torch.bfloat16)
+    blocks = [(0, 5, False), (5, 1, True), (6, 2, True), (8, 1, True)]
+
+    def steps(h) -> list[torch.Tensor]:
+        outs = []
+        for _ in range(2):  # the second time on a new cache
+            h.setup_cache(32)
+            for start, t, last in blocks:
+                outs += h.decode_step(ids[start:start + t], feats[start:start + t], last)
+        return outs
+
+    with torch.inference_mode():
+        with ck.weights_frozen():
+            kept = steps(fast)
+            assert len(looked) == 2 and copy.deepcopy(fast).__dict__.get("_kept_step_of") is None
+            fast.set_draft_vocab(50)
+            fast.decode_step(ids[9:10], feats[9:10], True)
+            assert len(looked) == 3 and fast._kept_step_of.value.vocab_ids.shape[0] == 50
+        looked.clear()
+        fresh = steps(module)
+        assert len(looked) == 2 * len(blocks)
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh, strict=True))
+
+
 @pytest.mark.parametrize("draft_vocab", [0, 100], ids=["full-vocab", "draft-vocab"])
 def test_a_draft_level_step_takes_the_kernel_step_and_equals_the_module_path(tmp_path, draft_vocab):
     """A HeadLevel's forwards (a prompt's catch-up, draft steps, the blocks after accepted tokens, a rewind) go to the

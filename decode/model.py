@@ -850,7 +850,8 @@ class Transformer(CachedDecoder):
         cache, t = self._cache, len(tokens)
         kept = self.__dict__.get("_forward_args")  # this generation's ForwardArgs (cpu_kernels.SpanKept)
         if kept is not None and positions is None and rows is None and t > 0 and kept.current(cache) \
-                and not torch.is_grad_enabled() and t <= cpu_kernels.step_rows(cache.length) \
+                and not torch.is_grad_enabled() and "_static_runner" not in self.__dict__ \
+                and t <= cpu_kernels.step_rows(cache.length) \
                 and cache.length + t <= cache.max_seq_len:
             return self._call_kept(kept.value, tokens, last_only, logits_from)
         emb, lm, norm = self.embed_tokens.weight, self.lm_head, self.norm

@@ -135,11 +135,11 @@ class SpanKept:
     __slots__ = ("scope", "cache", "value")
 
     def __init__(self, cache, value) -> None:
-        self.scope, self.cache, self.value = getattr(_frozen, "scope", 0), cache, value
+        self.scope, self.cache, self.value = frozen_scope(), cache, value
 
     def current(self, cache) -> bool:
         """Still for this cache, in the same span, with the fast path on."""
-        return self.cache is cache and _enabled and self.scope == getattr(_frozen, "scope", 0)
+        return self.cache is cache and _enabled and self.scope == frozen_scope()
 
     def __deepcopy__(self, memo):
         return None

@@ -853,7 +853,7 @@ class Transformer(CachedDecoder):
                 and not torch.is_grad_enabled() and "_static_runner" not in self.__dict__ \
                 and t <= cpu_kernels.step_rows(cache.length) \
                 and cache.length + t <= cache.max_seq_len:
-            return self._call_kept(kept.value, tokens, last_only, logits_from)
+            return self._one_call(kept.value, tokens, last_only, logits_from)
         emb, lm, norm = self.embed_tokens.weight, self.lm_head, self.norm
         if cache is None or t == 0 or "_static_runner" in self.__dict__ or type(lm) is not Linear \
                 or lm.bias is not None or not (emb.dtype == lm.weight.dtype == norm.weight.dtype == torch.bfloat16) \
@@ -868,18 +868,16 @@ class Transformer(CachedDecoder):
         args = cpu_kernels.ForwardArgs(block, emb, norm, lm.weight, cache)
         if cpu_kernels.frozen_scope() and tree_mask is None:  # weights and cache stay put through the span
             self.__dict__["_forward_args"] = cpu_kernels.SpanKept(cache, args)
-        first = t - 1 if last_only else min(logits_from, t - 1)
-        logits, hidden = cpu_kernels.run_forward(args, tokens, start, first, positions, tree_mask)
-        cache.length = start + t
-        return logits, (hidden[-1:] if last_only and t > 1 else hidden)
+        return self._one_call(args, tokens, last_only, logits_from, positions, tree_mask)
 
-    def _call_kept(self, args, tokens: list[int], last_only: bool, logits_from: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """decode_step's causal block on the arguments kept for this weights_frozen span (the checks it made when
-        keeping them hold through the span; the cache's room and the block's rows are checked per call)."""
+    def _one_call(self, args, tokens: list[int], last_only: bool, logits_from: int,
+                  positions: list[int] | None = None, tree_mask: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode_step's block on checked arguments (those kept for this weights_frozen span hold through it: a
+        kept call checks only the cache's room and the block's rows)."""
         cache, t = self._cache, len(tokens)
         start, first = cache.length, t - 1 if last_only else min(logits_from, t - 1)
-        logits, hidden = cpu_kernels.run_forward(args, tokens, start, first)
+        logits, hidden = cpu_kernels.run_forward(args, tokens, start, first, positions, tree_mask)
         cache.length = start + t
         return logits, (hidden[-1:] if last_only and t > 1 else hidden)
 

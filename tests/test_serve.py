@@ -719,17 +719,23 @@ def test_mixed_load_every_answer_in_its_class_and_the_server_healthy_after(loade
         results = list(pool.map(lambda k: (k[0], post(h, k[1], k[2])[0]), kinds))
         assert all(_classify(s) in (("2xx", "429") if kind == "valid" else ("4xx",)) for kind, s in results), results
 
-        _wait_for("an idle engine", lambda: engine.depth() == (0, 0))
-        health = h.get("/health").json()
-        assert health["status"] == "ok" and (health["queue_depth"], health["running"]) == (0, 0)
-        assert health["rejected"]["queue_full"] == 3 + sum(s == 429 for _, s in results)
-        assert health["rejected"]["body_too_large"] == 2 and health["rejected"]["prompt_too_long"] == 2
-        m = _parse_metrics(h.get("/metrics").text)
-        assert m['polyspec_rejections_total{reason="queue_full"}'] == health["rejected"]["queue_full"]
-        assert m["polyspec_queue_limit"] == 2
-        assert not any(k.startswith("polyspec_requests_total") and 'status="5' in k for k in m)
-        after = h.post(url, json=valid)
-        assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        _assert_healthy_after(h, engine, 3 + sum(s == 429 for _, s in results), url, valid)
+
+
+def _assert_healthy_after(h, engine, queue_full: int, url: str, valid: dict) -> None:
+    """Once idle: health and metrics count the refusals (2 bodies too large, 2 prompts too long, ``queue_full``
+    over the queue), no 5xx was answered, and a valid request is served."""
+    _wait_for("an idle engine", lambda: engine.depth() == (0, 0))
+    health = h.get("/health").json()
+    assert health["status"] == "ok" and (health["queue_depth"], health["running"]) == (0, 0)
+    assert health["rejected"]["queue_full"] == queue_full
+    assert health["rejected"]["body_too_large"] == 2 and health["rejected"]["prompt_too_long"] == 2
+    m = _parse_metrics(h.get("/metrics").text)
+    assert m['polyspec_rejections_total{reason="queue_full"}'] == queue_full
+    assert m["polyspec_queue_limit"] == 2
+    assert not any(k.startswith("polyspec_requests_total") and 'status="5' in k for k in m)
+    after = h.post(url, json=valid)
+    assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_a_prompt_far_over_the_limit_is_refused_before_tokenising(loaded, monkeypatch):

@@ -248,13 +248,7 @@ def test_offline_cache_round_trip_and_budget_refusal(tmp_path, tiny_model):
 
 
 def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_path, tiny_model):
-    import lightning as L
-    from mlflow import MlflowClient
-
-    from polyspec.decode.head import load_head, read_head_config
-    from polyspec.decode.model import Transformer
     from polyspec.pipeline import run_train as train_stage
-    from polyspec.sources import model_id
     from polyspec.tracking import start_run
 
     tree = _tree(tmp_path, tiny_model, max_steps=24, epochs=20, checkpoint_every=50)
@@ -275,6 +269,16 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     # the decoder's own count on held-out prompts, linear drafts of decode.draft.k (4) and the tree
     assert 1.0 <= info["decoder_accept_linear"] <= 5.0 and 1.0 <= info["decoder_accept_tree"]
     assert all("heldout/accept_linear" in e for e in info["eval_history"])
+    target = _check_trained_head(out, recipe, tiny_model)
+    _check_mlflow_run(recipe, tracker.run_id, out)
+    _check_reruns(recipe, out, target)
+
+
+def _check_trained_head(out, recipe, tiny_model):
+    """The head loads against its target and carries its training targets' token counts; returns the target."""
+    from polyspec.decode.head import load_head, read_head_config
+    from polyspec.decode.model import Transformer
+    from polyspec.sources import load_tokenizer, model_id
 
     cfg = read_head_config(out)
     assert cfg["target"]["model_id"] == model_id("local", tiny_model) and cfg["target"]["hash"]
@@ -282,8 +286,6 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     head = load_head(out, target)
     assert head.args.hidden_size == target.args.hidden_size
     # the training targets' token counts travel with the head (what set_draft_vocab picks from)
-    from polyspec.sources import load_tokenizer
-
     prepared = _prepare(recipe, load_tokenizer(tiny_model), tokenizer_id=cfg["target"]["model_id"])
     assistant = sum(int(sum(m)) for m in prepared.train["loss_mask"])
     assert head.token_counts is not None and int(head.token_counts.sum()) == assistant > 0
@@ -291,41 +293,52 @@ def test_tiny_training_lowers_the_loss_logs_to_mlflow_and_skips_on_rerun(tmp_pat
     kept = torch.zeros_like(head.token_counts, dtype=torch.bool)
     kept[head.draft_ids] = True
     assert int(head.token_counts[kept].min()) >= int(head.token_counts[~kept].max())
+    return target
+
+
+def _check_mlflow_run(recipe, run_id: str, out) -> None:
+    """The run logged every metric, a falling loss (most of it the feature part) and the head as its artifact."""
+    from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=recipe.tracking.uri)
-    run = client.get_run(tracker.run_id)
+    run = client.get_run(run_id)
     for name in ("train/feature_loss", "train/token_loss", "train/loss", "lr", "tokens_per_second",
                  "heldout/top1_agreement", "heldout/acceptance_length_estimate", "heldout/accept_linear",
                  "heldout/accept_tree"):
         assert name in run.data.metrics, name
+
     def history(name: str) -> list[float]:
-        return [m.value for m in sorted(client.get_metric_history(tracker.run_id, name), key=lambda m: m.step)]
+        return [m.value for m in sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)]
 
     losses, feature = history("train/loss"), history("train/feature_loss")
     assert len(losses) == 24
-    # the loss goes down; most of it is the feature part (the token part's floor is the random teacher's entropy)
+    # the token part's floor is the random teacher's entropy
     assert sum(losses[-4:]) < 0.95 * sum(losses[:4])
     assert sum(feature[-4:]) < 0.85 * sum(feature[:4]), feature
-    artifacts = [a.path for a in client.list_artifacts(tracker.run_id, "head")]
+    artifacts = [a.path for a in client.list_artifacts(run_id, "head")]
     assert artifacts == [f"head/{out.name}"]
+
+
+def _check_reruns(recipe, out, target) -> None:
+    """A rerun with the same inputs reuses the head (and adds token counts and hashes an older head lacks); a
+    truncated head is found by its hashes and trained again."""
+    import lightning as L
+
+    from polyspec.decode.head import TOKEN_COUNTS_FILE, load_head, read_token_counts
+    from polyspec.fsutil import FILE_HASHES, hash_problems
+    from polyspec.pipeline import run_train as train_stage
 
     class MustNotTrain(L.Callback):
         def on_train_start(self, trainer, pl_module):
             raise AssertionError("a rerun with the same inputs must not train")
 
     assert train_stage(recipe, progress=False, callbacks=[MustNotTrain()]) == out
-    # a head from before heads carried token counts (or file hashes) gets them on a rerun, without training
-    from polyspec.decode.head import TOKEN_COUNTS_FILE, read_token_counts
-    from polyspec.fsutil import FILE_HASHES, hash_problems
-
     counts = read_token_counts(out, target.args.vocab_size)
     (out / TOKEN_COUNTS_FILE).unlink()
     (out / FILE_HASHES).unlink()
     assert train_stage(recipe, progress=False, callbacks=[MustNotTrain()]) == out
     assert torch.equal(read_token_counts(out, target.args.vocab_size), counts)
     assert hash_problems(out) == [], "the head's files are hashed on its first reuse"
-
-    # a truncated head is found by its hashes and trained again, not reused
     weights = out / "model.safetensors"
     whole = weights.read_bytes()
     weights.write_bytes(whole[: len(whole) // 3])

@@ -849,11 +849,11 @@ class Transformer(CachedDecoder):
         Each torch op costs tens of microseconds here: the forward's weight stream leaves their code cold."""
         cache, t = self._cache, len(tokens)
         kept = self.__dict__.get("_forward_args")  # this generation's ForwardArgs (cpu_kernels.SpanKept)
-        if kept is not None and positions is None and rows is None and t > 0 and kept.current(cache) \
+        if kept is not None and rows is None and t > 0 and kept.current(cache) \
                 and not torch.is_grad_enabled() and "_static_runner" not in self.__dict__ \
                 and t <= cpu_kernels.step_rows(cache.length) \
                 and cache.length + t <= cache.max_seq_len:
-            return self._one_call(kept.value, tokens, last_only, logits_from)
+            return self._one_call(kept.value, tokens, last_only, logits_from, positions, tree_mask)
         emb, lm, norm = self.embed_tokens.weight, self.lm_head, self.norm
         if cache is None or t == 0 or "_static_runner" in self.__dict__ or type(lm) is not Linear \
                 or lm.bias is not None or not (emb.dtype == lm.weight.dtype == norm.weight.dtype == torch.bfloat16) \
@@ -874,7 +874,8 @@ class Transformer(CachedDecoder):
                   positions: list[int] | None = None, tree_mask: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """decode_step's block on checked arguments (those kept for this weights_frozen span hold through it: a
-        kept call checks only the cache's room and the block's rows)."""
+        kept call checks only the cache's room and the block's rows; a draft tree's mask and positions the kernel
+        checks itself, refusing with the checked path's codes)."""
         cache, t = self._cache, len(tokens)
         start, first = cache.length, t - 1 if last_only else min(logits_from, t - 1)
         logits, hidden = cpu_kernels.run_forward(args, tokens, start, first, positions, tree_mask)

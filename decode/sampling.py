@@ -164,18 +164,55 @@ def top_log_probs(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[l
     return [[int(j) for j in row] for row in ids], vals
 
 
-def _top_passes(a: Any, k: int) -> tuple[list[list[int]], list[list[float]]] | None:
-    """top_log_probs on a numpy array a [F, V]; None where a row has fewer than k finite logits (a pass could pick
-    an index taken already) or no finite maximum."""
+def top_ids(logits: torch.Tensor, k: int) -> list[list[int]]:
+    """The indices of :func:`top_log_probs` alone (largest first, k cut to the row's length): a greedy depth-1 tree
+    that keeps every child reads no scores. On the CPU, for k <= 8, k argmax passes over the rows themselves (each
+    pick set to -inf and put back after), no copy and no exp pass: 0.16 against 0.39-0.49 ms after a 300 MB stream
+    (a throwaway harness), each numpy call paying for its code's cache misses there."""
+    x = logits.detach() if logits.requires_grad else logits
+    x = x if x.dtype == torch.float32 else x.float()
+    k = min(k, x.shape[-1])
+    a = _host_array(x) if k <= 8 else None
+    found = None
+    if a is not None:
+        picked: list[tuple[Any, Any]] = []  # (indices, values) of each pass, to put back
+        try:
+            found = _argmax_passes(a, k, picked)
+        finally:
+            for best, vals in reversed(picked):
+                a[range(a.shape[0]), best] = vals
+    if found is not None:
+        return [[int(col[r]) for col in found] for r in range(a.shape[0])]
+    return torch.topk(x, k).indices.tolist()
+
+
+def _argmax_passes(b: Any, k: int, picked: list[tuple[Any, Any]] | None = None) -> list[Any] | None:
+    """The k largest indices of each row of the numpy array b [F, V], by k argmax passes that set each pick to -inf
+    in b (its value appended to ``picked``); None where a row has fewer than k finite values (a pass could pick an
+    index taken already) or no finite maximum."""
     import numpy as np
 
-    b, rows, idx = a.copy(), range(a.shape[0]), []
+    rows, idx = range(b.shape[0]), []
     for _ in range(k):
         best = b.argmax(-1)
-        if not np.isfinite(b[rows, best]).all():
+        vals = b[rows, best]
+        if not np.isfinite(vals).all():
             return None
         idx.append(best)
+        if picked is not None:
+            picked.append((best, vals))
         b[rows, best] = -np.inf
+    return idx
+
+
+def _top_passes(a: Any, k: int) -> tuple[list[list[int]], list[list[float]]] | None:
+    """top_log_probs on a numpy array a [F, V]; None where :func:`_argmax_passes` finds too few finite logits."""
+    import numpy as np
+
+    b, rows = a.copy(), range(a.shape[0])
+    idx = _argmax_passes(b, k)
+    if idx is None:
+        return None
     top = a[rows, idx[0]]  # each row's maximum
     np.subtract(a, top[:, None], out=b)
     lse = np.log(np.exp(b, out=b).sum(-1))  # log sum exp(a - max): the float32 sums, as torch's log_softmax

@@ -1125,7 +1125,7 @@ def test_tree_reads_one_value_vector_per_node(monkeypatch, tiny_models, sp):
     r = dec.generate([5, 17, 230, 9, 77, 3], 32, sp, seed=0)
     monkeypatch.undo()
     rounds = len(r.level_stats[0].accept_lengths)
-    in_draft = [x for x in reads if x[0] in ("_expand", "sample_without_replacement", "top_log_probs")]
+    in_draft = [x for x in reads if x[0] in ("_expand", "sample_without_replacement", "top_log_probs", "top_ids")]
     assert nodes["expanded"] > 2 * rounds and len(in_draft) == nodes["calls"], (nodes, reads)
     assert (nodes["calls"] < nodes["expanded"]) == (sp.temperature == 0), nodes
     per_round = len(reads) - len(in_draft) - nodes["visited"]

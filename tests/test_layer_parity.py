@@ -269,8 +269,8 @@ def _changed_between_forwards(model: torch.nn.Module) -> torch.Tensor:
 @needs_kernels
 def test_within_a_frozen_span_the_one_call_arguments_are_built_once(monkeypatch):
     """Inside a weights_frozen span a bf16 model's one-call forward builds its kernel arguments (ck.ForwardArgs: ~15
-    tensor attributes read, each cold after a forward) at its first forward and reuses them, with the bits of
-    building them per forward; a new cache builds them anew; a block past the cache's room still gets the checked
+    tensor attributes read, each cold after a forward) at its first forward and reuses them, a draft tree's call too,
+    with the bits of building them per forward; a new cache builds them anew; a block past the cache's room still gets the checked
     path's error, and with the kernels turned off the one-call path is left."""
     model = _model("smollm2", "bf16")
     assert ck.make_blocks([w.weight for w in model.modules() if type(w).__name__ == "Linear"], force=True) > 0
@@ -287,6 +287,9 @@ def test_within_a_frozen_span_the_one_call_arguments_are_built_once(monkeypatch)
             m.setup_cache(16)
             for start, t, last in blocks:
                 outs += m.decode_step(ids[start:start + t], last)
+            siblings = torch.eye(2, dtype=torch.bool)  # a depth-1 draft tree: two children of position 13
+            outs += m.decode_step(ids[14:16], positions=[14, 14], tree_mask=siblings)
+            m.truncate(14)
         return outs
 
     with torch.inference_mode():
@@ -302,7 +305,7 @@ def test_within_a_frozen_span_the_one_call_arguments_are_built_once(monkeypatch)
                 ck.set_enabled(old)
         built.clear()
         fresh = steps(twin)
-        assert len(built) == 2 * len(blocks)
+        assert len(built) == 2 * (len(blocks) + 1)
     assert all(torch.equal(a, b) for a, b in zip(kept, fresh, strict=True))
 
 

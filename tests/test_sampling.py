@@ -222,6 +222,27 @@ def test_top_log_probs_are_torch_topk_of_log_softmax():
     assert vals[0][0] == 0.0 and vals[0][1] == vals[1][2] == -inf
 
 
+def test_top_ids_are_top_log_probs_indices_and_leave_the_rows_alone():
+    """top_ids (a greedy depth-1 tree's children: k argmax passes over the rows themselves, each pick put back) gives
+    top_log_probs' indices, largest first; the rows come back bit for bit; torch.topk where a row has fewer than k
+    finite logits or past k = 8."""
+    from polyspec.decode.sampling import top_ids, top_log_probs
+
+    g = torch.Generator().manual_seed(6)
+    inf = float("inf")
+    vocab = torch.full((2, 49152), -inf)
+    vocab[:, torch.randperm(49152, generator=g)[:4096]] = torch.randn(2, 4096, generator=g) * 3
+    cases = [torch.randn(f, v, generator=g) * 4 for f, v in ((1, 49152), (3, 1000), (2, 1000), (2, 5))]
+    for x, k in zip([*cases, vocab], (2, 8, 9, 7, 3), strict=True):
+        before = x.clone()
+        assert top_ids(x, k) == top_log_probs(x, k)[0], (x.shape, k)
+        assert torch.equal(x, before)
+    masked = torch.tensor([[-inf, 2.0, -inf, -inf], [1.0, 0.0, -inf, -inf]])
+    ids = top_ids(masked, 3)
+    assert ids[0][0] == 1 and ids[1][:2] == [0, 1] and all(len(set(row)) == 3 for row in ids)
+    assert torch.equal(masked, torch.tensor([[-inf, 2.0, -inf, -inf], [1.0, 0.0, -inf, -inf]]))
+
+
 def test_greedy_rows_and_verification_equal_the_one_hot_maths():
     """T = 0 without full-vocabulary rows: argmax_rows is warp's hot index (ties: the first), and greedy_verify
     returns what verify_block returns on the warped rows, for blocks accepted fully, partly and not at all."""

@@ -139,11 +139,18 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     SmolLM2's 49,152 logits on the Cascade Lake VM, paid every round, against 0.02 ms; the ints come straight from
     numpy (each torch op costs tens of microseconds after a forward has streamed the weights: no detach unless
     needed)."""
-    x = logits.detach() if logits.requires_grad else logits
-    a = _host_array(x if x.dtype == torch.float32 else x.float())
+    x = _float_rows(logits)
+    a = _host_array(x)
     if a is None:
-        return torch.argmax(x.float(), dim=-1).tolist()
+        return torch.argmax(x, dim=-1).tolist()
     return a.argmax(-1).tolist()
+
+
+def _float_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits as float32 without autograd, with no torch op where they already are (each costs tens of microseconds
+    after a forward has streamed the weights)."""
+    x = logits.detach() if logits.requires_grad else logits
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def top_log_probs(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -153,7 +160,7 @@ def top_log_probs(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[l
     argmax passes over a copy and one exp pass: a softmax and torch.topk (which a -inf in the row had forced) cost
     0.19 ms a greedy tree step after a target forward, each torch op tens of microseconds there. Elsewhere torch's
     log_softmax and topk, read in one transfer."""
-    x = logits.detach().float()
+    x = _float_rows(logits)
     k = min(k, x.shape[-1])
     a = _host_array(x) if k <= 8 else None
     found = None if a is None else _top_passes(a, k)
@@ -169,8 +176,7 @@ def top_ids(logits: torch.Tensor, k: int) -> list[list[int]]:
     that keeps every child reads no scores. On the CPU, for k <= 8, k argmax passes over the rows themselves (each
     pick set to -inf and put back after), no copy and no exp pass: 0.16 against 0.39-0.49 ms after a 300 MB stream
     (a throwaway harness), each numpy call paying for its code's cache misses there."""
-    x = logits.detach() if logits.requires_grad else logits
-    x = x if x.dtype == torch.float32 else x.float()
+    x = _float_rows(logits)
     k = min(k, x.shape[-1])
     a = _host_array(x) if k <= 8 else None
     found = None

@@ -270,8 +270,8 @@ def _changed_between_forwards(model: torch.nn.Module) -> torch.Tensor:
 def test_within_a_frozen_span_the_one_call_arguments_are_built_once(monkeypatch):
     """Inside a weights_frozen span a bf16 model's one-call forward builds its kernel arguments (ck.ForwardArgs: ~15
     tensor attributes read, each cold after a forward) at its first forward and reuses them, a draft tree's call too,
-    with the bits of building them per forward; a new cache builds them anew; a block past the cache's room still gets the checked
-    path's error, and with the kernels turned off the one-call path is left."""
+    with the bits of building them per forward; a new cache builds them anew; a block past the cache's room still
+    gets the checked path's error, and with the kernels turned off the one-call path is left."""
     model = _model("smollm2", "bf16")
     assert ck.make_blocks([w.weight for w in model.modules() if type(w).__name__ == "Linear"], force=True) > 0
     twin = copy.deepcopy(model)

@@ -41,9 +41,8 @@ class Tree:
     depths: list[int] = field(default_factory=list)  # 1 for the root's children
     children: dict[int, list[int]] = field(default_factory=dict)  # node -> children in the order they were drawn
     proposals: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> the draft row its children came from
-    # (at T > 0: the walk's verify_candidates reads it; none at T = 0)
-    scores: list[float] = field(default_factory=list)  # cumulative draft log-probability (while drafting; 0.0
-    # where a greedy tree reads none: _Drafting._scored)
+    # cumulative draft log-probability (while drafting); 0.0 where a greedy tree reads none (_Drafting._scored)
+    scores: list[float] = field(default_factory=list)
 
     def add(self, node: int, xs: list[int], logq: list[float], q: torch.Tensor | None, depth: int) -> list[int]:
         """Children ``xs`` of ``node``, drawn from the draft row q (None at T = 0) with log-probabilities logq;
